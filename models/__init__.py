@@ -1,0 +1,1 @@
+"""Actor runtime: loading, generation, replay, hidden-state readout, masking, data."""

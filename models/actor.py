@@ -1,0 +1,313 @@
+"""The frozen actor: batched greedy answering, replay, teacher-forced scoring, sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from PIL import Image
+
+from models.canon import canon
+from models.families import Family, decode_position_ids, position_ids
+from models.masking import MaskSpec, attention_mask_4d, masked_token_indices
+from models.parse import parse_response
+from models.readout import Readout, Response, locate, token_spans
+
+ReadoutMode = Literal["capture", "replay", "none"]
+CONFIDENCE_CUE = "<confidence>"
+SAPLMA_DEPTH = 0.625
+
+
+@dataclass
+class Batch:
+    """Prompt (left padded) + response (right padded) for one forward."""
+
+    input_ids: torch.Tensor        # [B, L]
+    attention_mask: torch.Tensor   # [B, L] 1 = real token
+    type_ids: torch.Tensor         # [B, L] modality ids (0 text, 1 image)
+    prompt_len: int                # Lp: responses start here
+    vision: dict                   # pixel_values, image_grid_thw (family-specific)
+
+
+class Actor:
+    """A frozen VLM with its processor and family adapter. Build with `load_actor`."""
+
+    def __init__(self, model, processor, family: Family, folder: str, fingerprint: str,
+                 system_prompt: str | None = None) -> None:
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.family = family
+        self.folder = folder
+        self.fingerprint = fingerprint
+        self.system_prompt = system_prompt
+        cfg = model.config
+        self.image_token_id = int(cfg.image_token_id)
+        text_cfg = cfg.get_text_config()
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.mid_layer = max(1, round(SAPLMA_DEPTH * self.num_layers))
+        self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
+        self.hidden_size = int(text_cfg.hidden_size)
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = next(iter(self.eos_ids))
+        self.special_ids = set(self.tokenizer.all_special_ids)
+        self.digit_ids = self._digit_ids()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ---------------------------------------------------------------- encoding
+    def _digit_ids(self) -> list[int | None]:
+        """Token id of each verbalized level 0..10, None where it is not one token."""
+        out: list[int | None] = []
+        for c in range(11):
+            ids = self.tokenizer.encode(str(c), add_special_tokens=False)
+            out.append(ids[0] if len(ids) == 1 else None)
+        return out
+
+    def prompt_text(self, question: str) -> str:
+        messages = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": question}]})
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+
+    def encode(self, images: Sequence[Image.Image], questions: Sequence[str],
+               responses: Sequence[Sequence[int]] | None = None) -> Batch:
+        """Tokenise prompts (left padded) and append response ids (right padded)."""
+        if len(images) != len(questions):
+            raise ValueError("one image per question")
+        texts = [self.prompt_text(q) for q in questions]
+        imgs = [[im.convert("RGB")] for im in images] if self.family.nested_images() else \
+            [im.convert("RGB") for im in images]
+        self.tokenizer.padding_side = "left"
+        enc = self.processor(text=texts, images=imgs, return_tensors="pt", padding=True)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        type_ids = enc.get(self.family.type_ids_key)
+        if type_ids is None:
+            type_ids = (ids == self.image_token_id).long()
+        vision = {k: v for k, v in enc.items()
+                  if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
+                               "token_type_ids")}
+        lp = ids.shape[1]
+        if responses is not None:
+            width = max((len(r) for r in responses), default=0)
+            rid = torch.full((len(responses), width), self.pad_id, dtype=ids.dtype)
+            rmask = torch.zeros((len(responses), width), dtype=mask.dtype)
+            for b, r in enumerate(responses):
+                rid[b, : len(r)] = torch.tensor(list(r), dtype=ids.dtype)
+                rmask[b, : len(r)] = 1
+            ids = torch.cat([ids, rid], 1)
+            mask = torch.cat([mask, rmask], 1)
+            type_ids = torch.cat([type_ids, torch.zeros_like(rid, dtype=type_ids.dtype)], 1)
+        dev = self.device
+        vision = {k: (v.to(dev, self.dtype) if torch.is_floating_point(v) else v.to(dev))
+                  for k, v in vision.items()}
+        return Batch(ids.to(dev), mask.to(dev), type_ids.to(dev), lp, vision)
+
+    # ---------------------------------------------------------------- forward passes
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM-head logits from final-layer states (only where they are needed)."""
+        w = self.model.get_output_embeddings()
+        logits = w(h.to(self.dtype)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def forward_states(self, batch: Batch, attn: torch.Tensor | dict | None = None,
+                       pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final-layer and mid-layer states over the whole batch sequence ([B, L, D] each).
+
+        `attn`, when given, is a 4-D additive mask (or Gemma3's per-layer-type dict) and
+        then `pos` must be the explicit position ids.
+        """
+        kwargs = dict(batch.vision)
+        kwargs[self.family.type_ids_key] = batch.type_ids
+        out = self.model(input_ids=batch.input_ids,
+                         attention_mask=batch.attention_mask if attn is None else attn,
+                         position_ids=pos, output_hidden_states=True, use_cache=False,
+                         logits_to_keep=1, **kwargs)
+        hs = out.hidden_states
+        return hs[-1].float(), hs[self.mid_layer].float()
+
+    # ---------------------------------------------------------------- readout assembly
+    def _response(self, ids: list[int], last: torch.Tensor, mid: torch.Tensor | None,
+                  input_ids: torch.Tensor, lp: int) -> Response:
+        """Assemble one item's Response from its states over [prompt ; response]."""
+        eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
+        finished = eos_at is not None
+        ids = ids[: eos_at + 1] if finished else ids
+        body = ids[:eos_at] if finished else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        parsed = parse_response(text)
+        resp = Response(text=text, parsed=parsed, canonical=canon(parsed.answer),
+                        token_ids=list(ids), finished=finished, readout=None)
+        if last is None:
+            return resp
+        spans = token_spans(self.tokenizer, body)
+        special = {k for k, t in enumerate(body) if t in self.special_ids}
+        answer_idx, t_close = locate(parsed, spans, special)
+        t_prompt = lp - 1
+        close_pos = lp + t_close if t_close >= 0 else t_prompt
+        ans_pos = [lp + k for k in answer_idx] or [close_pos]
+        img_pos = (input_ids[:lp] == self.image_token_id).nonzero().flatten()
+        n = len(ids)
+        logits = self._logits(last[lp - 1: lp - 1 + n])
+        logp = torch.log_softmax(logits, -1)
+        tgt = torch.tensor(ids, device=logp.device)
+        tok_lp = logp.gather(-1, tgt[:, None]).squeeze(-1) if n else logp.new_zeros(0)
+        ent = -(logp.exp() * logp).sum(-1) if n else logp.new_zeros(0)
+        digits = self._digit_probs(text, spans, last, lp)
+        ro = Readout(
+            h_pre=last[t_prompt].cpu(), h_close=last[close_pos].cpu(),
+            h_answer=last[ans_pos].cpu(), h_image=last[img_pos].cpu(),
+            h_mid=mid[close_pos].cpu() if mid is not None else last[close_pos].cpu(),
+            token_logprobs=tok_lp.cpu(), token_entropy=ent.cpu(),
+            answer_index=torch.tensor(answer_idx, dtype=torch.long),
+            digit_probs=digits,
+            positions={"t_prompt": t_prompt, "t_close": close_pos, "A": ans_pos,
+                       "V": img_pos.tolist(), "prompt_len": lp})
+        resp.readout = ro
+        return resp
+
+    def _digit_probs(self, text: str, spans, last: torch.Tensor, lp: int) -> torch.Tensor | None:
+        """P(C=c) at the position whose next token is the verbalized level (SPEC §3)."""
+        cue = text.find(CONFIDENCE_CUE)
+        if cue < 0 or all(d is None for d in self.digit_ids):
+            return None
+        end = cue + len(CONFIDENCE_CUE)
+        idx = [k for k, (a, b) in enumerate(spans) if a < end and b >= end and b > a]
+        if not idx:
+            return None
+        logits = self._logits(last[lp + idx[0]])
+        p = torch.softmax(logits, -1)
+        probs = torch.tensor([float(p[d]) if d is not None else 0.0 for d in self.digit_ids])
+        return probs / probs.sum().clamp_min(1e-12)
+
+    # ---------------------------------------------------------------- public API
+    @torch.no_grad()
+    def answer(self, images: Sequence[Image.Image], questions: Sequence[str],
+               max_new_tokens: int = 64, readout: ReadoutMode = "capture") -> list[Response]:
+        """Greedy answers for a batch, each with its readout.
+
+        `capture` reads states out of `generate` (plus one cached step when the last
+        generated token needs a state); `replay` runs one teacher-forced pass instead.
+        """
+        batch = self.encode(images, questions)
+        kwargs = dict(batch.vision)
+        kwargs[self.family.type_ids_key] = batch.type_ids
+        out = self.model.generate(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids), output_hidden_states=readout == "capture",
+            return_dict_in_generate=True, top_p=None, top_k=None, temperature=None, **kwargs)
+        lp = batch.prompt_len
+        gen = out.sequences[:, lp:]
+        resp_ids = [self._trim(row.tolist()) for row in gen]
+        if readout == "none":
+            return [self._response(r, None, None, batch.input_ids[b], lp)
+                    for b, r in enumerate(resp_ids)]
+        if readout == "replay":
+            full = self.encode(images, questions, resp_ids)
+            last, mid = self.forward_states(full)
+            return [self._response(r, last[b], mid[b], full.input_ids[b], lp)
+                    for b, r in enumerate(resp_ids)]
+        last, mid = self._captured(out, batch, gen, resp_ids)
+        return [self._response(r, last[b], mid[b], out.sequences[b], lp)
+                for b, r in enumerate(resp_ids)]
+
+    def _trim(self, ids: list[int]) -> list[int]:
+        eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
+        return ids[: eos_at + 1] if eos_at is not None else ids
+
+    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """States over [prompt ; generated] from generate's own hidden states.
+
+        Step 0 holds the prompt; step k holds the token fed at step k, i.e. generated
+        token k-1. The last generated token is never fed back, so when an item needs it
+        (truncated without EOS) one more cached decode step supplies its state.
+        """
+        hs = out.hidden_states
+        last = [hs[0][-1]] + [s[-1] for s in hs[1:]]
+        mid = [hs[0][self.mid_layer]] + [s[self.mid_layer] for s in hs[1:]]
+        n = gen.shape[1]
+        if any(len(r) == n and r[-1] not in self.eos_ids for r in resp_ids):
+            mask = torch.cat([batch.attention_mask,
+                              torch.ones_like(gen, dtype=batch.attention_mask.dtype)], 1)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            step = self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
+                              position_ids=decode_position_ids(self.model, self.family, mask),
+                              output_hidden_states=True, use_cache=True, logits_to_keep=1)
+            last.append(step.hidden_states[-1])
+            mid.append(step.hidden_states[self.mid_layer])
+        return torch.cat(last, 1).float(), torch.cat(mid, 1).float()
+
+    @torch.no_grad()
+    def score(self, images: Sequence[Image.Image], questions: Sequence[str],
+              responses: Sequence[str], mask: MaskSpec | None = None,
+              cue: bool = True) -> list[Response]:
+        """Teacher-forced readout of supplied responses (trajectories).
+
+        With `cue`, anything from `<confidence>` on is dropped and the cue is appended,
+        so the readout carries μ(C) for the supplied trajectory. With `mask`, the chosen
+        tokens keep their positions but no later token can attend to them.
+        """
+        texts = [r.split(CONFIDENCE_CUE)[0] + (CONFIDENCE_CUE if cue else "")
+                 for r in responses]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        batch = self.encode(images, questions, ids)
+        attn = pos = None
+        if mask is not None:
+            lp = batch.prompt_len
+            masked = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+            for b, (t, r) in enumerate(zip(texts, ids)):
+                spans = token_spans(self.tokenizer, r)
+                for k in masked_token_indices(t, spans, mask):
+                    masked[b, lp + k] = True
+            attn = attention_mask_4d(batch.attention_mask, masked, batch.type_ids,
+                                     self.family, self.dtype, self.model.config)
+            pos = position_ids(self.model, self.family, batch.input_ids,
+                               batch.attention_mask, batch.type_ids,
+                               batch.vision.get("image_grid_thw"))
+        last, mid = self.forward_states(batch, attn, pos)
+        return [self._response(r, last[b], mid[b], batch.input_ids[b], batch.prompt_len)
+                for b, r in enumerate(ids)]
+
+    @torch.no_grad()
+    def sample(self, images: Sequence[Image.Image], questions: Sequence[str], k: int,
+               temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 64,
+               seed: int | None = None) -> list[list[Response]]:
+        """K sampled completions per item (SC@K, semantic uncertainty); no readout."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        # Repeat items rather than num_return_sequences: the latter trips on Qwen3-VL
+        # configs without deepstack layers in this transformers release.
+        rep_imgs = [im for im in images for _ in range(k)]
+        rep_qs = [q for q in questions for _ in range(k)]
+        batch = self.encode(rep_imgs, rep_qs)
+        kwargs = dict(batch.vision)
+        kwargs[self.family.type_ids_key] = batch.type_ids
+        out = self.model.generate(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=True,
+            temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), **kwargs)
+        gen = out[:, batch.prompt_len:]
+        rows = [self._response(self._trim(r.tolist()), None, None, None, batch.prompt_len)
+                for r in gen]
+        return [rows[i * k: (i + 1) * k] for i in range(len(questions))]

@@ -1,0 +1,62 @@
+"""Load an actor from a local folder (never a hub)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from models.actor import Actor
+from models.compat import load_processor
+from models.families import family_of
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EMBEDDED_ACTOR = Path(__file__).parent / "embedded" / "actor"
+
+
+def fingerprint(folder: str | Path) -> str:
+    """A cheap identity of an actor's weights: config + safetensors headers + edge bytes.
+
+    Hashing every byte of a multi-GB checkpoint on each start would cost seconds; the
+    header (names, shapes, offsets) plus the first and last MiB of each shard change
+    whenever the weights do in practice.
+    """
+    folder = Path(folder)
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(n))
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, f.stat().st_size - (1 << 20)))
+            h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def load_actor(folder: str | Path | None = None, device: str = "cpu",
+               dtype: str = "float32", attn_implementation: str | None = None) -> Actor:
+    """`AutoModelForImageTextToText` + processor from a local folder, eval mode, frozen."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = Path(folder) if folder else EMBEDDED_ACTOR
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no actor at {folder} (expected config.json and weights)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but CUDA is not available")
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    family = family_of(model_type)
+    kwargs = {"local_files_only": True, "dtype": DTYPES[dtype]}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForImageTextToText.from_pretrained(folder, **kwargs).to(device).eval()
+    model.requires_grad_(False)
+    processor = load_processor(str(folder), model_type)
+    card = folder / "actor_card.json"
+    system = json.loads(card.read_text()).get("system_prompt") if card.exists() else None
+    return Actor(model, processor, family, str(folder), fingerprint(folder), system)

@@ -1,0 +1,45 @@
+"""Response parsing: `<think>…</think><answer>…</answer><confidence>N</confidence>` or plain."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_CONF = re.compile(r"<confidence>\s*(\d{1,2})\s*</confidence>")
+_THINK = re.compile(r"<think>(.*?)</think>", re.S)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    answer: str                      # "" when empty, duplicated or unparseable
+    think: str | None
+    confidence: int | None           # 0..10, None when absent or invalid
+    answer_span: tuple[int, int]     # characters of the answer content in the response
+    close_span: tuple[int, int]      # characters of the token(s) that close the answer
+    tagged: bool                     # the response uses the answer tag
+    well_formed: bool                # think, answer and confidence all parse
+
+    @property
+    def verbalized(self) -> float:
+        """Verbalized confidence in [0, 1]; invalid or missing is kept at 0.5 (SPEC)."""
+        return 0.5 if self.confidence is None else self.confidence / 10
+
+
+def parse_response(text: str) -> Parsed:
+    conf_m = _CONF.search(text)
+    conf = int(conf_m.group(1)) if conf_m and int(conf_m.group(1)) <= 10 else None
+    think_m = _THINK.search(text)
+    think = think_m.group(1).strip() if think_m else None
+    n_open = text.count("<answer>")
+    if n_open == 0:
+        body = text.split("<confidence>")[0]
+        start = len(body) - len(body.lstrip())
+        end = len(body.rstrip())
+        return Parsed(body.strip(), think, conf, (start, end), (start, end), False, False)
+    s = text.index("<answer>") + len("<answer>")
+    close = text.find("</answer>", s)
+    e = close if close >= 0 else len(text.split("<confidence>")[0])
+    answer = text[s:e].strip() if n_open == 1 and close >= 0 else ""
+    close_span = (close, close + len("</answer>")) if close >= 0 else (s, e)
+    well = bool(answer) and think is not None and conf is not None
+    return Parsed(answer, think, conf, (s, e), close_span, True, well)

@@ -1,0 +1,115 @@
+"""The readout: hidden states at named positions, plus token statistics.
+
+One heavy pass (generation with capture, or a teacher-forced replay) fills a `Readout`;
+every confidence method is a cheap function of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from models.parse import Parsed
+
+
+@dataclass
+class Readout:
+    h_pre: torch.Tensor            # [D] state at t_prompt (PSR)
+    h_close: torch.Tensor          # [D] state at t_close (P-State)
+    h_answer: torch.Tensor         # [|A|, D] states over the answer span
+    h_image: torch.Tensor          # [M, D] states at the image-token positions
+    h_mid: torch.Tensor            # [D] state at t_close from the layer at 0.625 depth (SAPLMA)
+    token_logprobs: torch.Tensor   # [n] log p of each response token (EOS included)
+    token_entropy: torch.Tensor    # [n] predictive entropy at each response step
+    answer_index: torch.Tensor     # [|A|] indices of answer tokens among response tokens
+    digit_probs: torch.Tensor | None  # [11] P(C=c), renormalised over digits; None if no cue
+    positions: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def h_ans(self) -> torch.Tensor:
+        return self.h_answer.mean(0)
+
+    @property
+    def verbalized_mu(self) -> float | None:
+        """μ(C) = Σ_c (c/10)·P(C=c) (SPEC §3)."""
+        if self.digit_probs is None:
+            return None
+        return float(mu_from_digit_probs(self.digit_probs))
+
+    @property
+    def answer_logprobs(self) -> torch.Tensor:
+        return self.token_logprobs[self.answer_index]
+
+    def shapes(self) -> dict[str, list[int]]:
+        out = {}
+        for name in ("h_pre", "h_close", "h_answer", "h_image", "h_mid", "token_logprobs",
+                     "token_entropy", "answer_index", "digit_probs"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value.shape)
+        return out
+
+
+def mu_from_digit_probs(probs: torch.Tensor) -> torch.Tensor:
+    """Expected verbalized confidence from P(C=0..10) (renormalised here too)."""
+    p = probs / probs.sum(-1, keepdim=True)
+    return (p * torch.arange(11, dtype=p.dtype, device=p.device) / 10).sum(-1)
+
+
+@dataclass
+class Response:
+    text: str                    # response text, template/EOS tokens removed
+    parsed: Parsed
+    canonical: str
+    token_ids: list[int]         # generated ids, EOS included when produced
+    finished: bool               # stopped on EOS (not truncated)
+    readout: Readout | None
+
+    @property
+    def answer(self) -> str:
+        return self.parsed.answer
+
+
+def token_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+    """Character span of each token in `tokenizer.decode(ids)` (prefix decoding).
+
+    Generated ids need not equal a re-tokenisation of their text, so offsets come from
+    the ids themselves.
+    """
+    spans, prev = [], 0
+    for k in range(len(ids)):
+        cur = len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False))
+        spans.append((prev, cur))
+        prev = cur
+    return spans
+
+
+def overlapping(spans: list[tuple[int, int]], start: int, end: int,
+                skip: set[int] | None = None) -> list[int]:
+    """Indices of tokens whose character span overlaps [start, end)."""
+    skip = skip or set()
+    return [k for k, (a, b) in enumerate(spans) if a < end and b > start and b > a
+            and k not in skip]
+
+
+def locate(parsed: Parsed, spans: list[tuple[int, int]], special: set[int]
+           ) -> tuple[list[int], int]:
+    """Answer token indices A and the closing index t_close (SPEC §1), response-relative.
+
+    Returns t_close = -1 when the response has no usable token (state at t_prompt is used).
+    """
+    answer = overlapping(spans, *parsed.answer_span, skip=special)
+    if parsed.tagged and parsed.close_span[0] < parsed.close_span[1] and \
+            parsed.close_span != parsed.answer_span:
+        close = overlapping(spans, *parsed.close_span)
+        t_close = close[-1] if close else (answer[-1] if answer else -1)
+    else:
+        t_close = answer[-1] if answer else -1
+    if t_close < 0:
+        usable = [k for k in range(len(spans)) if k not in special]
+        t_close = usable[-1] if usable else -1
+    if not answer and t_close >= 0:
+        answer = [t_close]
+    return answer, t_close

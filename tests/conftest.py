@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random actors of every family, built offline on the fly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from models.tiny import FAMILIES, build_tiny_actor
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def actor_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("actors")
+    return {f: str(build_tiny_actor(f, root / f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def actors(actor_dirs):
+    from models.loading import load_actor
+
+    return {f: load_actor(d) for f, d in actor_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen3(actors):
+    return actors["qwen3_vl"]
+
+
+def random_image(seed: int, h: int = 32, w: int = 40) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def images():
+    return [random_image(i, 24 + 8 * (i % 3), 32 + 8 * (i % 2)) for i in range(8)]
+
+
+QUESTIONS = ["what color is the shape?", "is there a red circle?", "what shape is it?",
+             "is the lesion on the left?", "what modality is this?", "is there a blue shape?",
+             "how many shapes?", "what is the red shape?"]
