@@ -86,5 +86,73 @@ def evaluate_actor(
     console.print_json(json.dumps(metrics))
 
 
+HeadsOpt = Annotated[Path | None, typer.Option(
+    "--heads", help="Heads folder. Default: the heads shipped for the embedded actor.")]
+
+
+@app.command("fit-heads")
+def fit_heads(
+    out: Annotated[Path, typer.Option("--out", help="where to write the heads folder")],
+    actor: ActorOpt = None,
+    data: Annotated[str, typer.Option("--data", help="data spec to fit on")] = "easyvqa:heldout",
+    limit: Annotated[int | None, typer.Option("--limit")] = None,
+    target_risk: Annotated[float, typer.Option("--risk", help="target selective risk r")] = 0.05,
+    delta: Annotated[float, typer.Option("--delta", help="1 - confidence of the bound")] = 0.1,
+    cache: Annotated[Path | None, typer.Option("--cache", help="readout cache folder")] = None,
+    device: DeviceOpt = "cpu",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Fit PSR, P-State, P-Visual, temperatures, baselines and the defer threshold."""
+    from heads.fit import fit_heads as run
+    from heads.fit import summary_table
+    from models.data import load, sample
+    from models.evaluate import git_commit
+    from models.loading import load_actor
+
+    act = load_actor(actor, device=device)
+    items = sample(load(data), limit)
+    heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
+                      seed=seed)
+    cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
+    card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
+            "git_commit": git_commit(), **info}
+    heads.save(out, card)
+    console.print(summary_table(info["defer_split_metrics"]))
+    pol = heads.policy
+    console.print(f"defer below tau={pol.tau:.4f}: coverage {pol.coverage:.3f}, risk "
+                  f"{pol.empirical_risk:.3f} (bound {pol.risk_upper_bound:.3f} <= r="
+                  f"{pol.target_risk} w.p. {1 - pol.delta:.2f}); feasible={pol.feasible}")
+
+
+@app.command()
+def evaluate(
+    out: Annotated[Path, typer.Option("--out", help="report folder")] = Path("out/eval"),
+    actor: ActorOpt = None,
+    heads: HeadsOpt = None,
+    data: Annotated[list[str] | None, typer.Option("--data", help="data spec (repeatable)")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="items per data spec")] = None,
+    methods: Annotated[str | None, typer.Option("--methods", help="comma-separated")] = None,
+    bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
+    cache: Annotated[Path | None, typer.Option("--cache")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """The table of every confidence method next to DualRead, with CIs, costs and plots."""
+    from heads.dualread import Heads
+    from heads.evaluate import METHODS
+    from heads.evaluate import evaluate as run
+    from models.loading import load_actor
+
+    act = load_actor(actor, device=device)
+    hd = Heads.load(heads, act.fingerprint)
+    specs = data or ["easyvqa:test"]
+    chosen = tuple(m.strip() for m in methods.split(",")) if methods else METHODS
+    cmd = "dualread evaluate " + " ".join(f"--data {s}" for s in specs) + \
+        (f" --limit {limit}" if limit else "") + f" --out {out}"
+    report = run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd)
+    console.print((out / "report.md").read_text())
+    console.print(f"wrote {out}/report.json, report.md and plots")
+    del report
+
+
 def main() -> None:  # pragma: no cover
     app()

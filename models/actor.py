@@ -290,6 +290,14 @@ class Actor:
                 for b, r in enumerate(ids)]
 
     @torch.no_grad()
+    def next_token_probs(self, images: Sequence[Image.Image], questions: Sequence[str]
+                         ) -> torch.Tensor:
+        """Next-token distribution right after each prompt ([B, V]); one pass (P(True))."""
+        batch = self.encode(images, questions)
+        last, _ = self.forward_states(batch)
+        return torch.softmax(self._logits(last[:, batch.prompt_len - 1]), -1).cpu()
+
+    @torch.no_grad()
     def sample(self, images: Sequence[Image.Image], questions: Sequence[str], k: int,
                temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 64,
                seed: int | None = None) -> list[list[Response]]:

@@ -1,6 +1,7 @@
 """VQA data behind one interface, addressed by a spec string.
 
-    easyvqa:train | easyvqa:test     (PyPI easy-vqa, ships its images)
+    easyvqa:train | easyvqa:test     (PyPI easy-vqa, ships its images; also easyvqa:actor
+                                      and easyvqa:heldout, the image-disjoint parts of train)
     jsonl:PATH                       (id, image, question, answer[, image_id, box, domain,
                                       answer_type]; image relative to the file)
     slake:DIR[:split]                (SLAKE: {split}.json + imgs/, English questions)
@@ -75,11 +76,25 @@ def shape_box(path: str, tol: int = 40) -> tuple[int, int, int, int]:
     return (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1)
 
 
+HEADS_SLICE_MOD = 5
+
+
+def image_number(item: Item) -> int:
+    return int(item.image_id.rsplit("img", 1)[1])
+
+
 def load_easyvqa(split: str) -> list[Item]:
+    """`train`, `test`, or the two image-disjoint parts of train: `actor` (image number
+    % 5 != 0, what the embedded actor trains on) and `heldout` (% 5 == 0, for the heads)."""
     import easy_vqa
 
+    if split in ("actor", "heldout"):
+        items = load_easyvqa("train")
+        keep = (lambda n: n % HEADS_SLICE_MOD != 0) if split == "actor" else \
+            (lambda n: n % HEADS_SLICE_MOD == 0)
+        return [it for it in items if keep(image_number(it))]
     if split not in ("train", "test"):
-        raise ValueError("easyvqa split must be train or test")
+        raise ValueError("easyvqa split must be train, test, actor or heldout")
     qs, ans, img_ids = getattr(easy_vqa, f"get_{split}_questions")()
     paths = getattr(easy_vqa, f"get_{split}_image_paths")()
     boxes: dict[int, tuple[int, int, int, int]] = {}

@@ -23,12 +23,11 @@ import torch
 from rich.console import Console
 
 from models.canon import canon
-from models.data import COLOURS, SHAPES, Item, load
+from models.data import COLOURS, HEADS_SLICE_MOD, SHAPES, Item, image_number, load
 from models.parse import parse_response
 from models.trajectory import image_facts, parse_question, trajectory
 
 console = Console(stderr=True)
-HEADS_SLICE_MOD = 5
 
 
 @dataclass
@@ -58,10 +57,8 @@ SMOKE = Recipe(hidden=32, layers=1, vision_hidden=16, vision_depth=1, batch=8, s
 
 def split_train(items: list[Item]) -> tuple[list[Item], list[Item]]:
     """Actor items and the image-disjoint heads slice (image number % 5 == 0)."""
-    def num(it: Item) -> int:
-        return int(it.image_id.rsplit("img", 1)[1])
-    actor = [it for it in items if num(it) % HEADS_SLICE_MOD != 0]
-    heads = [it for it in items if num(it) % HEADS_SLICE_MOD == 0]
+    actor = [it for it in items if image_number(it) % HEADS_SLICE_MOD != 0]
+    heads = [it for it in items if image_number(it) % HEADS_SLICE_MOD == 0]
     return actor, heads
 
 

@@ -1,0 +1,46 @@
+"""Features read off a `Readout` (SPEC §1): cheap, and the same offline and online."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.readout import Readout
+
+KAPPA = 0.1
+
+
+def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Answer-conditioned pooling of image states.
+
+    α_j = softmax_j(cos(h_ans, v_j) / κ), h_evid = Σ α_j v_j. Returns (h_global, h_evid, α).
+    """
+    h_global = v.mean(0)
+    alpha = torch.softmax(F.cosine_similarity(h_ans[None], v, dim=-1) / kappa, dim=0)
+    return h_global, alpha @ v, alpha
+
+
+def phi(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA) -> torch.Tensor:
+    """φ = [h_global ; h_evid ; h_ans ⊙ h_evid ; |h_ans − h_evid|]  (4D)."""
+    h_global, h_evid, _ = evidence_pool(h_ans, v, kappa)
+    return torch.cat([h_global, h_evid, h_ans * h_evid, (h_ans - h_evid).abs()])
+
+
+def extract(ro: Readout, kappa: float = KAPPA) -> dict[str, torch.Tensor]:
+    """Everything any scorer needs from one readout, as flat float tensors."""
+    ans_lp = ro.answer_logprobs
+    ans_ent = ro.token_entropy[ro.answer_index] if len(ro.answer_index) else ro.token_entropy
+    mu = ro.verbalized_mu
+    return {
+        "h_pre": ro.h_pre.float(),
+        "h_close": ro.h_close.float(),
+        "phi": phi(ro.h_ans.float(), ro.h_image.float(), kappa),
+        "h_mid": ro.h_mid.float(),
+        # sequence statistics over the answer span (SPEC §7)
+        "msp": ans_lp.mean().exp().reshape(1) if len(ans_lp) else torch.zeros(1),
+        "mean_logprob": ro.token_logprobs.mean().reshape(1) if len(ro.token_logprobs)
+        else torch.zeros(1),
+        "entropy": ans_ent.mean().reshape(1) if len(ans_ent) else torch.zeros(1),
+        "mu": torch.tensor([0.5 if mu is None else mu]),
+    }

@@ -1,0 +1,96 @@
+"""Reliability metrics (SPEC §6). Correct = positive; confidences in [0, 1]."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from sklearn.metrics import brier_score_loss, roc_auc_score
+
+
+def auroc(c: np.ndarray, z: np.ndarray) -> float:
+    """AUROC with ties counted ½ (sklearn's trapezoid); NaN with one class only."""
+    z = np.asarray(z, int)
+    if z.min(initial=1) == z.max(initial=0):
+        return float("nan")
+    return float(roc_auc_score(z, c))
+
+
+def ece(c: np.ndarray, z: np.ndarray, bins: int = 15) -> float:
+    """Expected calibration error, equal-width bins, empty bins skipped."""
+    c, z = np.asarray(c, float), np.asarray(z, float)
+    idx = np.minimum((c * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in np.unique(idx):
+        m = idx == b
+        total += m.sum() * abs(z[m].mean() - c[m].mean())
+    return float(total / max(1, len(c)))
+
+
+def brier(c: np.ndarray, z: np.ndarray) -> float:
+    return float(brier_score_loss(np.asarray(z, int), np.asarray(c, float), pos_label=1))
+
+
+def aurc(c: np.ndarray, z: np.ndarray) -> float:
+    """Area under the risk-coverage curve, confidence high to low.
+
+    Items with equal confidence form one block; within it the expected risk under a random
+    order is used (errors spread evenly over the block's positions).
+    """
+    c, err = np.asarray(c, float), 1 - np.asarray(z, float)
+    n = len(c)
+    if n == 0:
+        return float("nan")
+    order = np.argsort(-c, kind="stable")
+    c, err = c[order], err[order]
+    expected = np.empty(n)
+    start, before = 0, 0.0
+    while start < n:
+        stop = start
+        while stop < n and c[stop] == c[start]:
+            stop += 1
+        m, e = stop - start, err[start:stop].sum()
+        expected[start:stop] = before + e * np.arange(1, m + 1) / m
+        before += e
+        start = stop
+    return float(np.mean(expected / np.arange(1, n + 1)))
+
+
+def hce(c: np.ndarray, z: np.ndarray, at: float = 0.9) -> float:
+    """Share of all items with confidence ≥ `at` that are wrong."""
+    c, z = np.asarray(c, float), np.asarray(z, int)
+    return float(((c >= at) & (z == 0)).sum() / max(1, len(c)))
+
+
+def risk_coverage(c: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(-np.asarray(c, float), kind="stable")
+    err = 1 - np.asarray(z, float)[order]
+    k = np.arange(1, len(err) + 1)
+    return k / len(err), np.cumsum(err) / k
+
+
+METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "auroc": auroc, "ece": lambda c, z: ece(c, z, 15), "ece10": lambda c, z: ece(c, z, 10),
+    "brier": brier, "aurc": aurc, "hce90": hce,
+}
+
+
+def cluster_bootstrap(c: np.ndarray, z: np.ndarray, clusters: list[str],
+                      fn: Callable[[np.ndarray, np.ndarray], float], n: int = 1000,
+                      seed: int = 42) -> tuple[float, float]:
+    """95% percentile CI resampling whole clusters (source images), not items."""
+    c, z = np.asarray(c, float), np.asarray(z, int)
+    keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
+    members = [np.nonzero(inv == k)[0] for k in range(len(keys))]
+    rng = np.random.default_rng(seed)
+    stats = []
+    for _ in range(n):
+        pick = rng.integers(len(keys), size=len(keys))
+        idx = np.concatenate([members[k] for k in pick])
+        v = fn(c[idx], z[idx])
+        if not np.isnan(v):
+            stats.append(v)
+    if not stats:
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)

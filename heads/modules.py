@@ -1,0 +1,111 @@
+"""Small readers on frozen features and how they are fitted (SPEC §1, §7).
+
+Inputs are standardised with statistics of the fitting split (kept as buffers), so a
+"linear head" stays linear in the raw state while the optimiser sees a sane scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Standardise(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    def fit(self, x: torch.Tensor) -> Standardise:
+        self.mean.copy_(x.mean(0))
+        self.std.copy_(x.std(0).clamp_min(1e-4))
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class Reader(nn.Module):
+    """Standardise then an MLP (hidden sizes given) or a linear map; returns logits [N]."""
+
+    def __init__(self, dim: int, hidden: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.norm = Standardise(dim)
+        layers: list[nn.Module] = []
+        width = dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(0.1)]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+        self.dim, self.hidden = dim, hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.norm(x)).squeeze(-1)
+
+
+PSR_HIDDEN = (256, 128)
+SAPLMA_HIDDEN = (256, 128, 64)
+BICR_HIDDEN = (256, 128)
+
+
+def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tensor,
+            z_val: torch.Tensor, lr: float = 1e-3, weight_decay: float = 1e-4,
+            max_epochs: int = 200, patience: int = 10, batch: int = 256, seed: int = 0
+            ) -> dict:
+    """Class-weighted BCE with early stopping on a held-out split (best epoch kept)."""
+    torch.manual_seed(seed)
+    reader.norm.fit(x)
+    pos = z.float().mean().clamp(1e-3, 1 - 1e-3)
+    pos_weight = (1 - pos) / pos
+    opt = torch.optim.AdamW(reader.parameters(), lr=lr, weight_decay=weight_decay)
+    best, best_state, bad, epoch = float("inf"), None, 0, 0
+    for epoch in range(max_epochs):
+        reader.train()
+        perm = torch.randperm(len(x))
+        for s in range(0, len(x), batch):
+            i = perm[s: s + batch]
+            loss = F.binary_cross_entropy_with_logits(reader(x[i]), z[i].float(),
+                                                      pos_weight=pos_weight)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        reader.eval()
+        with torch.no_grad():
+            val = F.binary_cross_entropy_with_logits(reader(x_val), z_val.float(),
+                                                     pos_weight=pos_weight).item()
+        if val < best - 1e-5:
+            best, bad = val, 0
+            best_state = {k: v.clone() for k, v in reader.state_dict().items()}
+        else:
+            bad += 1
+            if bad >= patience:
+                break
+    if best_state is not None:
+        reader.load_state_dict(best_state)
+    reader.eval()
+    return {"epochs": epoch + 1, "val_bce": round(best, 5)}
+
+
+def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
+               offset: torch.Tensor | None = None, steps: int = 1000, lr: float = 1e-3,
+               l2: float = 1e-3) -> dict:
+    """BCE + L2, full batch, fixed steps (SPEC: 1000 steps, lr 1e-3).
+
+    With `offset` the reader fits the residual: ℓ = offset + reader(x) (P-Visual on top of
+    a frozen P-State).
+    """
+    reader.norm.fit(x)
+    opt = torch.optim.Adam(reader.parameters(), lr=lr)
+    base = torch.zeros(len(x)) if offset is None else offset.detach()
+    reader.train()
+    for _ in range(steps):
+        logits = base + reader(x)
+        w = reader.net[-1].weight
+        loss = F.binary_cross_entropy_with_logits(logits, z.float()) + l2 * (w ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    reader.eval()
+    return {"steps": steps, "train_bce": round(loss.item(), 5)}
