@@ -60,8 +60,8 @@ class Heads:
     def score(self, f: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Confidence of every readout-only method for a batch of features."""
         lg = self.logits(f)
-        p_pre = torch.sigmoid(lg["pre"] / self.t_pre)
-        p_post = torch.sigmoid(lg["post"] / self.t_post)
+        p_pre = torch.sigmoid(lg["pre"].double() / self.t_pre)
+        p_post = torch.sigmoid(lg["post"].double() / self.t_post)
         msp = f["msp"].flatten().double().clamp(1e-6, 1 - 1e-6)
         out = {
             "psr": p_pre,
