@@ -1,0 +1,74 @@
+"""fit-heads and evaluate end to end on a tiny actor and a constructed dataset."""
+
+import json
+
+import numpy as np
+import pytest
+
+from heads.dualread import Heads
+from heads.evaluate import METHODS, evaluate
+from heads.fit import fit_heads, image_split
+from models.data import load
+from tests.conftest import random_image
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def dataset(actors, tmp_path_factory):
+    """Two questions per image: the reference is the actor's own answer for one and a
+    wrong one for the other, so every split holds both classes."""
+    actor = actors["gemma3"]
+    root = tmp_path_factory.mktemp("ds")
+    qs = ["what color is the shape?", "is there a red circle?"]
+    rows = []
+    for i in range(60):
+        img = random_image(100 + i, 32, 32)
+        img.save(root / f"{i}.png")
+        res = actor.answer([img, img], qs, MAX_NEW, readout="none")
+        for j, (q, r) in enumerate(zip(qs, res)):
+            ans = r.answer if (i + j) % 2 == 0 else "definitely wrong"
+            rows.append({"id": f"{i}-{j}", "image": f"{i}.png", "question": q, "answer": ans})
+    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return f"jsonl:{root / 'd.jsonl'}"
+
+
+def test_image_split_is_disjoint_and_stable():
+    ids = [f"img{i}" for i in range(2000)]
+    splits = [image_split(i) for i in ids]
+    assert splits == [image_split(i) for i in ids]
+    share = {s: splits.count(s) / len(ids) for s in set(splits)}
+    assert abs(share["reader"] - 0.6) < 0.05 and abs(share["defer"] - 0.2) < 0.05
+
+
+def test_fit_save_load_and_evaluate(actors, dataset, tmp_path):
+    actor = actors["gemma3"]
+    items = load(dataset)
+    heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=MAX_NEW,
+                            target_risk=0.3)
+    assert info["accuracy"] == pytest.approx(0.5, abs=0.05)
+    assert sum(info["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 120
+    assert heads.t_pre > 0 and heads.t_post > 0 and heads.policy is not None
+    assert {"sc2", "sc4", "sc8", "semantic"} <= set(heads.platt)
+    heads.save(tmp_path / "heads", {"command": "test", **info})
+    card = json.loads((tmp_path / "heads" / "heads_card.json").read_text())
+    for key in ("actor_fingerprint", "feature_dim", "kappa", "temperatures", "defer", "splits"):
+        assert key in card
+    assert card["feature_dim"] == actor.hidden_size
+    # The cache makes a second run reuse the readouts.
+    assert any((tmp_path / "cache").glob("base-*.safetensors"))
+    loaded = Heads.load(tmp_path / "heads", actor.fingerprint)
+    report = evaluate(actor, loaded, [dataset], tmp_path / "eval", METHODS, bootstrap=20,
+                      max_new_tokens=MAX_NEW)
+    d = report["datasets"][dataset]
+    assert d["n"] == 120 and set(d["methods"]) == set(METHODS)
+    for m, row in d["methods"].items():
+        assert {"auroc", "ece", "ece10", "brier", "aurc", "n"} <= set(row), m
+        assert 0 <= row["ece"] <= 1 and 0 <= row["brier"] <= 1
+        lo, hi = row["brier_ci"]
+        assert lo <= hi
+    saved = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert saved["datasets"][dataset]["accuracy"] == pytest.approx(d["accuracy"])
+    assert (tmp_path / "eval" / "report.md").read_text().count("| dualread |") == 1
+    assert len(list((tmp_path / "eval").glob("*.png"))) == 3
+    assert np.isfinite(d["methods"]["dualread"]["brier"])
