@@ -154,5 +154,54 @@ def evaluate(
     del report
 
 
+@app.command()
+def serve(
+    actor: ActorOpt = None,
+    heads: HeadsOpt = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    host: Annotated[str | None, typer.Option("--host")] = None,
+    port: Annotated[int | None, typer.Option("--port")] = None,
+    max_batch_size: Annotated[int | None, typer.Option("--max-batch-size")] = None,
+    batch_wait_ms: Annotated[float | None, typer.Option("--batch-wait-ms")] = None,
+    queue_limit: Annotated[int | None, typer.Option("--queue-limit")] = None,
+    request_timeout_s: Annotated[float | None, typer.Option("--request-timeout-s")] = None,
+    max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes")] = None,
+    max_image_pixels: Annotated[int | None, typer.Option("--max-image-pixels")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="require 'Authorization: Bearer KEY' (or DUALREAD_API_KEY)")] = None,
+) -> None:
+    """Run the HTTP service. Every flag also reads DUALREAD_<FLAG> from the environment."""
+    import uvicorn
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    given = {k: v for k, v in dict(
+        actor=str(actor) if actor else None, heads=str(heads) if heads else None,
+        device=device, dtype=dtype, host=host, port=port, max_batch_size=max_batch_size,
+        batch_wait_ms=batch_wait_ms, queue_limit=queue_limit,
+        request_timeout_s=request_timeout_s, max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels, max_new_tokens=max_new_tokens,
+        api_key=api_key).items() if v is not None}
+    settings = Settings(**given)
+    api = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # readiness goes 503 and new work is refused; in-flight requests finish
+            api.state.core.drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    Server(config).run()
+
+
 def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
     app()

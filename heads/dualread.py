@@ -79,6 +79,15 @@ class Heads:
                                           self.platt.get("predictive_entropy", (1.0, 0.0)))
         return res
 
+    def confidence(self, readout) -> dict[str, float]:
+        """The online view for one readout: DualRead, its branches and μ(C)."""
+        from heads.features import extract
+
+        f = {k: v[None] for k, v in extract(readout, self.kappa).items()}
+        s = self.score(f)
+        return {"dualread": float(s["dualread"][0]), "psr": float(s["psr"][0]),
+                "per": float(s["per"][0]), "verbalized": float(s["verbalized"][0])}
+
     @torch.no_grad()
     def score_bicr(self, h_real: torch.Tensor, h_black: torch.Tensor) -> np.ndarray:
         x = torch.cat([h_real, h_real - h_black], -1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -58,6 +59,7 @@ class Actor:
             self.pad_id = next(iter(self.eos_ids))
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.digit_ids = self._digit_ids()
+        self.last_timings: dict[str, float] = {}
 
     @property
     def device(self) -> torch.device:
@@ -208,6 +210,7 @@ class Actor:
         `capture` reads states out of `generate` (plus one cached step when the last
         generated token needs a state); `replay` runs one teacher-forced pass instead.
         """
+        t0 = time.perf_counter()
         batch = self.encode(images, questions)
         kwargs = dict(batch.vision)
         kwargs[self.family.type_ids_key] = batch.type_ids
@@ -219,17 +222,21 @@ class Actor:
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
         resp_ids = [self._trim(row.tolist()) for row in gen]
+        t1 = time.perf_counter()
         if readout == "none":
-            return [self._response(r, None, None, batch.input_ids[b], lp)
-                    for b, r in enumerate(resp_ids)]
-        if readout == "replay":
+            res = [self._response(r, None, None, batch.input_ids[b], lp)
+                   for b, r in enumerate(resp_ids)]
+        elif readout == "replay":
             full = self.encode(images, questions, resp_ids)
             last, mid = self.forward_states(full)
-            return [self._response(r, last[b], mid[b], full.input_ids[b], lp)
-                    for b, r in enumerate(resp_ids)]
-        last, mid = self._captured(out, batch, gen, resp_ids)
-        return [self._response(r, last[b], mid[b], out.sequences[b], lp)
-                for b, r in enumerate(resp_ids)]
+            res = [self._response(r, last[b], mid[b], full.input_ids[b], lp)
+                   for b, r in enumerate(resp_ids)]
+        else:
+            last, mid = self._captured(out, batch, gen, resp_ids)
+            res = [self._response(r, last[b], mid[b], out.sequences[b], lp)
+                   for b, r in enumerate(resp_ids)]
+        self.last_timings = {"generate": t1 - t0, "readout": time.perf_counter() - t1}
+        return res
 
     def _trim(self, ids: list[int]) -> list[int]:
         eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
@@ -286,8 +293,12 @@ class Actor:
                                batch.attention_mask, batch.type_ids,
                                batch.vision.get("image_grid_thw"))
         last, mid = self.forward_states(batch, attn, pos)
-        return [self._response(r, last[b], mid[b], batch.input_ids[b], batch.prompt_len)
-                for b, r in enumerate(ids)]
+        out = [self._response(r, last[b], mid[b], batch.input_ids[b], batch.prompt_len)
+               for b, r in enumerate(ids)]
+        if mask is not None:
+            for b, r in enumerate(out):
+                r.readout.positions["masked"] = masked[b].nonzero().flatten().tolist()
+        return out
 
     @torch.no_grad()
     def next_token_probs(self, images: Sequence[Image.Image], questions: Sequence[str]

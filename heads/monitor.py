@@ -1,0 +1,51 @@
+"""Rolling calibration monitor fed by clinician feedback (no images, no questions)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from heads.metrics import auroc, ece
+
+
+class FeedbackMonitor:
+    """Remembers (confidence, defer) per request id for a while; scores feedback on them."""
+
+    def __init__(self, window: int = 500, remember: int = 10000) -> None:
+        self.pending: OrderedDict[str, tuple[float, bool]] = OrderedDict()
+        self.window: deque[tuple[float, bool, bool]] = deque(maxlen=window)
+        self.remember = remember
+        self.lock = threading.Lock()
+
+    def record(self, request_id: str, confidence: float, deferred: bool) -> None:
+        with self.lock:
+            self.pending[request_id] = (confidence, deferred)
+            while len(self.pending) > self.remember:
+                self.pending.popitem(last=False)
+
+    def feedback(self, request_id: str, correct: bool) -> bool:
+        with self.lock:
+            seen = self.pending.pop(request_id, None)
+            if seen is None:
+                return False
+            self.window.append((seen[0], seen[1], bool(correct)))
+            return True
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            rows = list(self.window)
+        if not rows:
+            return {}
+        c = np.array([r[0] for r in rows])
+        d = np.array([r[1] for r in rows])
+        z = np.array([r[2] for r in rows], int)
+        kept = ~d
+        return {
+            "auroc": auroc(c, z),
+            "ece": ece(c, z, 15),
+            "selective_risk": float(1 - z[kept].mean()) if kept.any() else float("nan"),
+            "defer_rate": float(d.mean()),
+            "n": float(len(rows)),
+        }
