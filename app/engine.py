@@ -20,10 +20,6 @@ class QueueFull(Exception):
     pass
 
 
-class Draining(Exception):
-    pass
-
-
 @dataclass
 class Job:
     kind: str
@@ -49,7 +45,6 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.held: deque[Job] = deque()
         self.inflight = 0
-        self.draining = False
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
@@ -64,8 +59,6 @@ class Batcher:
         return self.queue.qsize() + len(self.held)
 
     def submit(self, kind: str, payload: Any) -> Job:
-        if self.draining:
-            raise Draining()
         job = Job(kind, payload, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(job)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from app.engine import Batcher, Draining, QueueFull
+from app.engine import Batcher, QueueFull
 from app.metrics import Metrics
 from app.schemas import (
     AnswerRequest,
@@ -92,8 +92,6 @@ class State:
 
     def drain(self) -> None:
         self.draining = True
-        if self.batcher:
-            self.batcher.draining = True
 
 
 def create_app(settings: Settings | None = None, service: Service | None = None) -> FastAPI:
@@ -139,6 +137,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     async def access(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = rid
+        # A request that arrived before SIGTERM is in flight and will be served.
+        request.state.late = core.draining
         request.state.batch_size = None
         t = time.perf_counter()
         try:
@@ -198,15 +198,15 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         return q
 
     async def run(request: Request, kind: str, payload: Any) -> Any:
-        if not core.ready:
-            raise HTTPException(503, "not ready" if not core.draining else "shutting down")
+        if request.state.late:
+            raise HTTPException(503, "shutting down")
+        if core.service is None or core.batcher is None:
+            raise HTTPException(503, "not ready")
         try:
             job = core.batcher.submit(kind, payload)
         except QueueFull:
             raise HTTPException(429, "queue full, retry shortly",
                                 headers={"Retry-After": "1"}) from None
-        except Draining:
-            raise HTTPException(503, "shutting down") from None
         core.metrics.queue_depth.set(core.batcher.depth)
         try:
             result = await asyncio.wait_for(asyncio.shield(job.future),

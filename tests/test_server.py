@@ -1,0 +1,154 @@
+"""A real uvicorn process on a free port: contract, overload, SIGTERM drain, fuzzing."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import random_image
+from tests.helpers import b64, png_bytes, random_heads
+
+Q = "what color is the shape?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, actor_dir: str, heads_dir: str, **flags) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "app.cli", "serve", "--actor", actor_dir, "--heads",
+                heads_dir, "--port", str(self.port)]
+        for k, v in flags.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read())
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def heads_dir(actors, tmp_path_factory):
+    return random_heads(tmp_path_factory.mktemp("srv-heads"), actors["qwen3_vl"])
+
+
+@pytest.fixture(scope="module")
+def server(actor_dirs, heads_dir):
+    s = Server(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=8, queue_limit=4,
+               max_batch_size=4, batch_wait_ms=20)
+    yield s
+    s.stop()
+
+
+def body(seed: int = 0) -> dict:
+    return {"image": b64(png_bytes(random_image(seed))), "question": Q}
+
+
+def test_answer_over_http(server):
+    r = httpx.post(server.url + "/answer", json=body(), timeout=30)
+    assert r.status_code == 200, r.text
+    assert 0 <= r.json()["confidence"]["dualread"] <= 1
+
+
+def test_overload_gives_429_and_loses_nothing(server):
+    """More concurrent requests than queue + batch: some 429s, the rest answered right."""
+    reference = {s: httpx.post(server.url + "/answer", json=body(s), timeout=30).json()
+                 for s in range(4)}
+    with cf.ThreadPoolExecutor(48) as pool:
+        futs = [pool.submit(httpx.post, server.url + "/answer", json=body(i % 4), timeout=60)
+                for i in range(48)]
+        results = [(i % 4, f.result()) for i, f in enumerate(futs)]
+    codes = [r.status_code for _, r in results]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) > 0 and codes.count(200) > 0
+    assert all(r.headers.get("retry-after") for _, r in results if r.status_code == 429)
+    for seed, r in results:
+        if r.status_code == 200:   # batched answers equal the ones computed alone
+            assert r.json()["response"] == reference[seed]["response"]
+            assert abs(r.json()["confidence"]["dualread"]
+                       - reference[seed]["confidence"]["dualread"]) < 1e-4
+
+
+def test_openapi_fuzz_finds_no_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+    failures = []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+
+        @settings(max_examples=15, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def run(case):
+            r = case.call(base_url=server.url, timeout=60)
+            if r.status_code >= 500 and r.status_code != 503:
+                failures.append((operation.label, r.status_code, r.text[:200]))
+
+        run()
+    assert not failures, failures
+
+
+def _sample(text: str, prefix: str) -> float:
+    return next((float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith(prefix)), 0.0)
+
+
+def test_sigterm_drains_in_flight(actor_dirs, heads_dir):
+    s = Server(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=32, max_batch_size=1,
+               queue_limit=16)
+    try:
+        with cf.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(httpx.post, s.url + "/answer", json=body(i), timeout=60)
+                    for i in range(6)]
+            # wait until every request has reached the server: done + queued + running
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                text = httpx.get(s.url + "/metrics", timeout=5).text
+                depth = _sample(text, "dualread_queue_depth ")
+                done = _sample(text, 'dualread_requests_total{route="/answer",status="200"}')
+                if done + depth + 1 >= 6:
+                    break
+                time.sleep(0.01)
+            s.proc.send_signal(signal.SIGTERM)
+            codes = [f.result().status_code for f in futs]
+        assert codes == [200] * 6, codes
+        # uvicorn re-raises the signal once shutdown is complete: graceful, then -SIGTERM
+        assert s.proc.wait(30) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health/live", timeout=2)
+    finally:
+        s.stop()
