@@ -21,8 +21,10 @@ from models.data import load, sample
 
 # method -> (extra forward passes beyond the natural generation, which collected part)
 COSTS = {
-    "verbalized": ("0", None), "max_sequence_probability": ("0", None), "mean_token_logprob": ("0", None),
-    "predictive_entropy": ("0", None), "p_true": ("1", "ptrue"),
+    "verbalized": ("0", None), "max_sequence_probability": ("0", None),
+    "mean_token_logprob": ("0", None),
+    "predictive_entropy": ("0", None),
+    "p_true": ("1", "ptrue"),
     "saplma": ("0 (states captured while generating)", None),
     "sc_2": ("2 generations", "samples"), "sc_4": ("4 generations", "samples"),
     "sc_8": ("8 generations", "samples"), "semantic_uncertainty": ("8 generations", "samples"),

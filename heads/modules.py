@@ -60,8 +60,9 @@ def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tenso
     pos = z.float().mean().clamp(1e-3, 1 - 1e-3)
     pos_weight = (1 - pos) / pos
     opt = torch.optim.AdamW(reader.parameters(), lr=lr, weight_decay=weight_decay)
-    best, best_state, bad, epoch = float("inf"), None, 0, 0
-    for epoch in range(max_epochs):
+    best, best_state, bad, epochs = float("inf"), None, 0, 0
+    for _ in range(max_epochs):
+        epochs += 1
         reader.train()
         perm = torch.randperm(len(x))
         for s in range(0, len(x), batch):
@@ -85,7 +86,7 @@ def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tenso
     if best_state is not None:
         reader.load_state_dict(best_state)
     reader.eval()
-    return {"epochs": epoch + 1, "val_bce": round(best, 5)}
+    return {"epochs": epochs, "val_bce": round(best, 5)}
 
 
 def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,

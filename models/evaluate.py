@@ -53,7 +53,8 @@ def summarise(rows: list[dict]) -> dict:
     by = defaultdict(list)
     for r in rows:
         by[r["type"]].append(r["correct"])
-    out = {"n": len(rows), "accuracy": round(sum(r["correct"] for r in rows) / max(1, len(rows)), 4)}
+    n = max(1, len(rows))
+    out = {"n": len(rows), "accuracy": round(sum(r["correct"] for r in rows) / n, 4)}
     out["by_type"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(by.items())}
     out["well_formed"] = round(sum(r["well_formed"] for r in rows) / max(1, len(rows)), 4)
     return out

@@ -20,13 +20,14 @@ def _dicom(data: bytes) -> Image.Image:
     try:
         import pydicom
     except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImageError("DICOM support needs pydicom (pip install 'dualread[dicom]')") from e
+        raise ImageError("DICOM support needs pydicom") from e
     try:
         ds = pydicom.dcmread(io.BytesIO(data))
         a = ds.pixel_array.astype(np.float64)
     except Exception as e:
         raise ImageError(f"unreadable DICOM: {e}") from e
-    a = a * float(getattr(ds, "RescaleSlope", 1) or 1) + float(getattr(ds, "RescaleIntercept", 0) or 0)
+    slope = float(getattr(ds, "RescaleSlope", 1) or 1)
+    a = a * slope + float(getattr(ds, "RescaleIntercept", 0) or 0)
     centre, width = getattr(ds, "WindowCenter", None), getattr(ds, "WindowWidth", None)
     if centre is not None and width is not None:
         c = float(centre[0] if isinstance(centre, pydicom.multival.MultiValue) else centre)

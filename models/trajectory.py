@@ -74,10 +74,12 @@ def image_facts(items: list[Item]) -> dict[str, tuple[str, str]]:
         words = re.findall(r"[a-z]+", it.question.lower())
         if q.kind == "color":
             colour[it.image_id] = it.answer
-            shape.update({it.image_id: w for w in words if w in SHAPES})
+            for w in (w for w in words if w in SHAPES):
+                shape[it.image_id] = w
         elif q.kind == "shape":
             shape[it.image_id] = it.answer
-            colour.update({it.image_id: w for w in words if w in COLOURS})
+            for w in (w for w in words if w in COLOURS):
+                colour[it.image_id] = w
         elif it.answer == ("no" if q.negated else "yes"):   # the attribute is present
             (colour if q.attribute in COLOURS else shape)[it.image_id] = q.attribute
     return {i: (colour[i], shape[i]) for i in colour if i in shape}

@@ -36,7 +36,8 @@ def test_empty_answers_are_wrong():
 
 
 def test_parse_tagged_response():
-    text = "<think>I see a red circle. so red.</think><answer>red</answer><confidence>8</confidence>"
+    text = ("<think>I see a red circle. so red.</think><answer>red</answer>"
+            "<confidence>8</confidence>")
     p = parse_response(text)
     assert (p.answer, p.confidence, p.well_formed, p.tagged) == ("red", 8, True, True)
     assert text[p.answer_span[0]: p.answer_span[1]] == "red"
