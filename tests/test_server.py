@@ -154,3 +154,19 @@ def test_sigterm_drains_in_flight(actor_dirs, heads_dir):
             httpx.get(s.url + "/health/live", timeout=2)
     finally:
         s.stop()
+
+
+def test_typed_client(server, tmp_path):
+    from clients.http import DualReadClient
+
+    img = tmp_path / "x.png"
+    random_image(3).save(img)
+    with DualReadClient(server.url) as c:
+        assert c.ready()
+        a = c.answer(img, Q)
+        assert 0 <= a.confidence.dualread <= 1
+        cf = c.counterfactual(img, Q)
+        assert cf.real.response == a.response
+        assert c.feedback(a.request_id, True).accepted
+        with pytest.raises(httpx.HTTPStatusError, match="422"):
+            c.answer(b"garbage", Q)
