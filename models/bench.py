@@ -53,7 +53,7 @@ def main() -> None:
         chunk = items[:b]
         imgs, qs = [it.image() for it in chunk], [it.question for it in chunk]
 
-        def run(mode: str) -> None:
+        def run(mode: str, imgs=imgs, qs=qs) -> None:
             res = actor.answer(imgs, qs, 64, readout=mode)
             if mode != "none":
                 for r in res:
