@@ -1,0 +1,93 @@
+"""CCG-AUC probe (SPEC §2), run against any deployment through `/probe/counterfactual`.
+
+For each eligible item a real donor image with the same normalised question and a
+different canonical answer is assigned (seeded, before anything is scored); the service
+runs the same question on both. On the decisive set E (right on the real image, wrong on
+the donor) CCG-AUC = mean φ(c_real − c_hn), φ(d) = 1[d > 0] + ½·1[d = 0].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.data import HardNegativeIndex, Item
+
+UNDERPOWERED_IMAGES = 30
+
+
+@dataclass
+class Pair:
+    item_id: str
+    image_id: str
+    z_real: bool
+    z_hn: bool
+    c_real: float
+    c_hn: float
+    strict: bool
+
+
+def phi(d: np.ndarray) -> np.ndarray:
+    return (d > 0).astype(float) + 0.5 * (d == 0)
+
+
+def ccg_auc(pairs: list[Pair], strict: bool = False) -> float:
+    e = [p for p in pairs if p.z_real and not p.z_hn and (p.strict or not strict)]
+    if not e:
+        return float("nan")
+    return float(phi(np.array([p.c_real - p.c_hn for p in e])).mean())
+
+
+def bootstrap_ci(pairs: list[Pair], strict: bool = False, n: int = 1000, seed: int = 42
+                 ) -> tuple[float, float]:
+    """Paired source-image-cluster bootstrap: resample images, keep all their questions."""
+    by_img: dict[str, list[Pair]] = {}
+    for p in pairs:
+        by_img.setdefault(p.image_id, []).append(p)
+    keys = sorted(by_img)
+    rng = np.random.default_rng(seed)
+    stats = []
+    for _ in range(n):
+        draw = [q for k in rng.integers(len(keys), size=len(keys)) for q in by_img[keys[k]]]
+        v = ccg_auc(draw, strict)
+        if not np.isnan(v):
+            stats.append(v)
+    if not stats:
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def summarise(pairs: list[Pair], bootstrap: int = 1000) -> dict:
+    e = [p for p in pairs if p.z_real and not p.z_hn]
+    e_strict = [p for p in e if p.strict]
+    images = len({p.image_id for p in e})
+    acc_real = float(np.mean([p.z_real for p in pairs])) if pairs else float("nan")
+    acc_hn = float(np.mean([p.z_hn for p in pairs])) if pairs else float("nan")
+    return {
+        "P": len(pairs), "E": len(e), "E_strict": len(e_strict), "E_images": images,
+        "ccg_auc": ccg_auc(pairs), "ccg_auc_ci": bootstrap_ci(pairs, n=bootstrap),
+        "ccg_auc_strict": ccg_auc(pairs, strict=True),
+        "ccg_auc_strict_ci": bootstrap_ci(pairs, strict=True, n=bootstrap),
+        "underpowered": images < UNDERPOWERED_IMAGES,
+        "vrs": acc_real - acc_hn, "vbr": len(e) / len(pairs) if pairs else float("nan"),
+    }
+
+
+def run(client, items: list[Item], seed: int = 0, method: str = "dualread") -> list[Pair]:
+    """Call the service for every item that has a donor (the eligible set P)."""
+    index = HardNegativeIndex(items, seed)
+    donors = {it.id: index.assign(it) for it in items}   # assigned before any scoring
+    pairs = []
+    for it in items:
+        d = donors[it.id]
+        if d is None:
+            continue
+        r = client.counterfactual(it.image_path, it.question, d.image_path,
+                                  reference=it.answer, counterfactual_reference=d.answer)
+        pairs.append(Pair(it.id, it.image_id, bool(r.real.correct),
+                          bool(r.counterfactual.correct),
+                          getattr(r.real.confidence, method),
+                          getattr(r.counterfactual.confidence, method), bool(r.strict)))
+    return pairs
