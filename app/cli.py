@@ -56,6 +56,8 @@ def train_actor(
     out: Annotated[Path, typer.Option("--out", help="where to write the actor folder")],
     smoke: Annotated[bool, typer.Option("--smoke", help="tiny data, few steps")] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    resume_sft: Annotated[Path | None, typer.Option(
+        "--resume-sft", help="continue from a saved three-phase SFT checkpoint")] = None,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card."""
     from models.train import SMOKE, Recipe
@@ -64,7 +66,7 @@ def train_actor(
     recipe = SMOKE if smoke else Recipe()
     recipe.seed = seed
     cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "")
-    card = run(out, recipe, smoke=smoke, command=cmd)
+    card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft)
     console.print_json(json.dumps(card["metrics"]))
 
 

@@ -8,6 +8,7 @@ image processors, and a config shrunk to a few layers.
 from __future__ import annotations
 
 from collections.abc import Iterable
+import json
 from pathlib import Path
 
 import torch
@@ -51,6 +52,15 @@ DEFAULT_CORPUS = [
 ]
 
 
+def unspecial(tokenizer_json: str) -> str:
+    """Mark the format tokens as ordinary added tokens (ids unchanged)."""
+    data = json.loads(tokenizer_json)
+    for tok in data.get("added_tokens", []):
+        if tok["content"] in FORMAT_TOKENS:
+            tok["special"] = False
+    return json.dumps(data)
+
+
 def build_tokenizer(family: str, corpus: Iterable[str] = DEFAULT_CORPUS,
                     vocab_size: int = 400) -> PreTrainedTokenizerFast:
     specials = GEMMA_SPECIALS if family == "gemma3" else QWEN_SPECIALS
@@ -61,6 +71,9 @@ def build_tokenizer(family: str, corpus: Iterable[str] = DEFAULT_CORPUS,
         vocab_size=vocab_size, special_tokens=specials + FORMAT_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(list(corpus), trainer=trainer)
+    # The trajectory tags and digits must survive decode(skip_special_tokens=True) (TRL
+    # decodes completions that way): keep their ids, drop their "special" flag.
+    tok = Tokenizer.from_str(unspecial(tok.to_str()))
     if family == "gemma3":
         fast = PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token="<bos>", eos_token="<end_of_turn>",

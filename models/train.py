@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 from rich.console import Console
 
 from models.canon import canon
@@ -28,6 +29,7 @@ from models.parse import parse_response
 from models.trajectory import image_facts, parse_question, trajectory
 
 console = Console(stderr=True)
+FLAT_LEVELS = (0, 64, 128, 192, 255)   # gray levels of the blank images in modality dropout
 
 
 @dataclass
@@ -44,6 +46,9 @@ class Recipe:
     shape_steps: int = 500
     attr_steps: int = 500
     full_steps: int = 1200
+    blank_steps: int = 300
+    blank_lr: float = 3e-4
+    blank_share: float = 0.15
     grpo_steps: int = 150
     grpo_prompts: int = 4          # prompts per GRPO step (x 8 generations)
     grpo_lr: float = 2e-5
@@ -52,7 +57,8 @@ class Recipe:
 
 
 SMOKE = Recipe(hidden=32, layers=1, vision_hidden=16, vision_depth=1, batch=8, shape_steps=3,
-               attr_steps=3, full_steps=4, grpo_steps=2, grpo_prompts=2, max_images=12)
+               attr_steps=3, full_steps=4, blank_steps=3, grpo_steps=2, grpo_prompts=2,
+               max_images=12)
 
 
 def split_train(items: list[Item]) -> tuple[list[Item], list[Item]]:
@@ -104,11 +110,30 @@ class SFTData:
             kind = parse_question(it.question).kind
             self.examples.append((it, resp, kind))
         self.colour_ids, self.shape_ids = colour_ids, shape_ids
+        self.by_question: dict[str, list[int]] = {}
+        for k, (it, _, _) in enumerate(self.examples):
+            self.by_question.setdefault(it.question, []).append(k)
+        self.flat: dict[int, torch.Tensor] = {}
 
-    def batch(self, idx: list[int], phase: str):
+    def blank_pixels(self, level: int) -> torch.Tensor:
+        if level not in self.flat:
+            img = Image.new("RGB", (224, 224), (level, level, level))
+            self.flat[level] = self.actor.processor.image_processor(
+                images=[img], return_tensors="pt")["pixel_values"]
+        return self.flat[level]
+
+    def batch(self, idx: list[int], phase: str, blank: list[int] | None = None,
+              rng: random.Random | None = None):
+        """Examples `idx` with their images; `blank` ones get a flat gray image and the
+        response of another training item with the same question (the text prior)."""
         tok = self.actor.tokenizer
         seqs, labels, pix = [], [], []
-        for i in idx:
+        todo = [(i, None) for i in idx]
+        for i in blank or []:
+            q = self.examples[i][0].question
+            j = rng.choice(self.by_question[q])
+            todo.append((j, self.blank_pixels(rng.choice(FLAT_LEVELS))))
+        for i, flat in todo:
             it, resp, _ = self.examples[i]
             p = self.prompt_ids[it.question]
             lab = list(resp)
@@ -122,7 +147,7 @@ class SFTData:
                         lab[k] = t
             seqs.append(p + resp)
             labels.append([-100] * len(p) + lab)
-            pix.append(self.pixels[it.image_id])
+            pix.append(self.pixels[it.image_id] if flat is None else flat)
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), tok.pad_token_id)
         lab = torch.full((len(seqs), width), -100)
@@ -137,40 +162,66 @@ class SFTData:
                     pixel_values=torch.cat(pix), image_grid_thw=grid)
 
 
-def sft(actor, data: SFTData, recipe: Recipe, log: list[dict]) -> None:
+def _steps(model, opt, data: SFTData, phase: str, steps: int, lr_of, rng: random.Random,
+           batch: int, log: list[dict], t0: float, blank_share: float = 0.0) -> None:
+    everything = list(range(len(data.examples)))
+    for k in range(steps):
+        lr = lr_of(k)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        n_blank = round(batch * blank_share)
+        idx = rng.sample(everything, min(batch - n_blank, len(everything)))
+        b = data.batch(idx, "full" if phase == "blank" else phase,
+                       blank=[rng.randrange(len(everything)) for _ in range(n_blank)], rng=rng)
+        loss = model(**b).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if k % 50 == 0 or k == steps - 1:
+            rec = {"stage": "sft", "phase": phase, "step": k + 1, "loss": round(loss.item(), 4),
+                   "lr": lr, "elapsed_s": round(time.time() - t0, 1)}
+            log.append(rec)
+            console.log(rec)
+
+
+def _adamw(model, lr: float):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+
+def sft(actor, data: SFTData, recipe: Recipe, log: list[dict], resume: bool = False,
+        checkpoint: Path | None = None) -> None:
+    """Phases keep the learning rate up until the last one (a decayed rate makes the model
+    forget colour when shape comes first): shape word -> shape + colour words -> all
+    tokens (cosine) -> modality dropout (a share of blank images, cosine).
+
+    With `resume`, the model already holds the first three phases' result.
+    """
     model = actor.model
     model.train()
     model.requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
-                            weight_decay=0.01)
-    by_kind = {k: [i for i, e in enumerate(data.examples) if e[2] == k]
-               for k in ("shape", "color", "yes/no")}
-    everything = list(range(len(data.examples)))
-    phases = [("shape", recipe.shape_steps, everything),
-              ("attr", recipe.attr_steps, everything),
-              ("full", recipe.full_steps, everything)]
-    del by_kind
-    rng = random.Random(recipe.seed)
-    step, t0 = 0, time.time()
-    for phase, steps, pool in phases:
-        for k in range(steps):
-            lr = recipe.lr
-            if phase == "full":   # decay only in the last phase, so nothing is forgotten
-                lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * k / max(1, steps)))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            b = data.batch(rng.sample(pool, min(recipe.batch, len(pool))), phase)
-            loss = model(**b).loss
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            if step % 50 == 0 or step == 1:
-                rec = {"stage": "sft", "phase": phase, "step": step, "loss": round(loss.item(), 4),
-                       "lr": lr, "elapsed_s": round(time.time() - t0, 1)}
-                log.append(rec)
-                console.log(rec)
+    t0 = time.time()
+    if not resume:
+        opt = _adamw(model, recipe.lr)
+        rng = random.Random(recipe.seed)
+        flat = lambda k: recipe.lr  # noqa: E731
+        _steps(model, opt, data, "shape", recipe.shape_steps, flat, rng, recipe.batch, log, t0)
+        _steps(model, opt, data, "attr", recipe.attr_steps, flat, rng, recipe.batch, log, t0)
+        _steps(model, opt, data, "full", recipe.full_steps,
+               lambda k: recipe.lr * 0.5 * (1 + math.cos(math.pi * k / recipe.full_steps)),
+               rng, recipe.batch, log, t0)
+        if checkpoint is not None:
+            model.save_pretrained(checkpoint)
+            actor.processor.save_pretrained(checkpoint)
+            actor.tokenizer.save_pretrained(checkpoint)
+    # Modality dropout: a blank or flat image with the trajectory of a random training
+    # item of the same question teaches the text prior for images that show nothing,
+    # instead of degenerate text. Own optimizer and RNG, so a resumed run is the same.
+    opt = _adamw(model, recipe.blank_lr)
+    rng = random.Random(recipe.seed + 7)
+    _steps(model, opt, data, "blank", recipe.blank_steps,
+           lambda k: recipe.blank_lr * 0.5 * (1 + math.cos(math.pi * k / recipe.blank_steps)),
+           rng, recipe.batch, log, t0, blank_share=recipe.blank_share)
     model.eval()
     model.requires_grad_(False)
 
@@ -240,8 +291,12 @@ def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[d
 
 
 def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = False,
-                command: str = "") -> dict:
-    """Full recipe: tokenizer + config, SFT, GRPO, evaluation, card. Returns the card."""
+                command: str = "", resume_sft: str | Path | None = None) -> dict:
+    """Full recipe: tokenizer + config, SFT, GRPO, evaluation, card. Returns the card.
+
+    `resume_sft` names a folder holding the model after the first three SFT phases
+    (written as `<out>/_sft_phases` by an earlier run); training continues from there.
+    """
     from models.evaluate import evaluate_actor, git_commit
     from models.loading import load_actor
     from models.tiny import build_tiny_actor
@@ -259,14 +314,19 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
         keep = set(keep[: recipe.max_images])
         actor_items = [it for it in actor_items if it.image_id in keep]
     sft_dir = out / "_sft"
-    build_tiny_actor("qwen3_vl", sft_dir, hidden=recipe.hidden, layers=recipe.layers,
-                     image_size=recipe.image_size, patch=recipe.patch,
-                     vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth,
-                     corpus=corpus(train), vocab_size=700, seed=recipe.seed)
+    if resume_sft:
+        import shutil
+        shutil.copytree(resume_sft, sft_dir, dirs_exist_ok=True)
+    else:
+        build_tiny_actor("qwen3_vl", sft_dir, hidden=recipe.hidden, layers=recipe.layers,
+                         image_size=recipe.image_size, patch=recipe.patch,
+                         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth,
+                         corpus=corpus(train), vocab_size=700, seed=recipe.seed)
     actor = load_actor(sft_dir)
     log: list[dict] = []
     t0 = time.time()
-    sft(actor, SFTData(actor, actor_items, facts, recipe.seed), recipe, log)
+    sft(actor, SFTData(actor, actor_items, facts, recipe.seed), recipe, log,
+        resume=bool(resume_sft), checkpoint=out / "_sft_phases")
     actor.model.save_pretrained(sft_dir)
     sft_s = time.time() - t0
     grpo(sft_dir, actor_items, recipe, out, log)
@@ -285,6 +345,7 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
         "recipe": asdict(recipe),
         "seconds": {"sft": round(sft_s, 1), "grpo": round(grpo_s, 1)},
         "command": command or f"dualread train-actor --out {out}" + (" --smoke" if smoke else ""),
+        "resumed_from_sft_phases": bool(resume_sft),
         "git_commit": git_commit(),
         "response_format": "<think>{observation}. {reasoning}</think><answer>{answer}</answer>"
                            "<confidence>{0..10}</confidence>",
@@ -295,4 +356,5 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
     import shutil
     shutil.rmtree(sft_dir, ignore_errors=True)
     shutil.rmtree(out / "_grpo_tmp", ignore_errors=True)
+    shutil.rmtree(out / "_sft_phases", ignore_errors=True)
     return card
