@@ -7,8 +7,8 @@ image processors, and a config shrunk to a few layers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
