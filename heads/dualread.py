@@ -37,6 +37,8 @@ class Heads:
     t_bicr: float = 1.0
     t_msp: float = 1.0
     platt: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # -log(pos_weight) of each class-weighted MLP (PSR, SAPLMA, BICR)
+    offsets: dict[str, float] = field(default_factory=dict)
     policy: DeferPolicy | None = None
     kappa: float = KAPPA
     actor_fingerprint: str = ""
@@ -51,7 +53,7 @@ class Heads:
     # ------------------------------------------------------------- scoring
     @torch.no_grad()
     def logits(self, f: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        l_pre = self.psr(f["h_pre"])
+        l_pre = self.psr(f["h_pre"]) + self.offsets.get("psr", 0.0)
         l_state = self.state(f["h_close"])
         l_post = l_state + self.visual(f["phi"])
         return {"pre": l_pre, "state": l_state, "post": l_post}
@@ -70,7 +72,7 @@ class Heads:
             "dualread": fuse(p_pre, p_post),
             "verbalized": f["mu"].flatten(),
             "max_sequence_probability": torch.sigmoid(torch.log(msp / (1 - msp)) / self.t_msp),
-            "saplma": torch.sigmoid(self.saplma(f["h_mid"]) / self.t_saplma),
+            "saplma": torch.sigmoid(self.saplma_logits(f["h_mid"]) / self.t_saplma),
         }
         res = {k: v.double().numpy() for k, v in out.items()}
         res["mean_token_logprob"] = platt(f["mean_logprob"].flatten().numpy(),
@@ -89,9 +91,17 @@ class Heads:
                 "per": float(s["per"][0]), "verbalized": float(s["verbalized"][0])}
 
     @torch.no_grad()
-    def score_bicr(self, h_real: torch.Tensor, h_black: torch.Tensor) -> np.ndarray:
+    def saplma_logits(self, h_mid: torch.Tensor) -> torch.Tensor:
+        return self.saplma(h_mid) + self.offsets.get("saplma", 0.0)
+
+    @torch.no_grad()
+    def bicr_logits(self, h_real: torch.Tensor, h_black: torch.Tensor) -> torch.Tensor:
         x = torch.cat([h_real, h_real - h_black], -1)
-        return torch.sigmoid(self.bicr(x) / self.t_bicr).double().numpy()
+        return self.bicr(x) + self.offsets.get("bicr", 0.0)
+
+    @torch.no_grad()
+    def score_bicr(self, h_real: torch.Tensor, h_black: torch.Tensor) -> np.ndarray:
+        return torch.sigmoid(self.bicr_logits(h_real, h_black) / self.t_bicr).double().numpy()
 
     def defer(self, p: float) -> bool:
         return True if self.policy is None else self.policy.defer(p)
@@ -109,7 +119,7 @@ class Heads:
                 "kappa": self.kappa, "temperatures": {
                     "T_pre": self.t_pre, "T_post": self.t_post, "T_state": self.t_state,
                     "T_saplma": self.t_saplma, "T_bicr": self.t_bicr, "T_msp": self.t_msp},
-                "platt": self.platt,
+                "platt": self.platt, "prior_offsets": self.offsets,
                 "defer": self.policy.to_dict() if self.policy else None}
         self.card = card
         (folder / "heads_card.json").write_text(json.dumps(card, indent=2))
@@ -136,6 +146,7 @@ class Heads:
         heads.t_pre, heads.t_post, heads.t_state = t["T_pre"], t["T_post"], t["T_state"]
         heads.t_saplma, heads.t_bicr, heads.t_msp = t["T_saplma"], t["T_bicr"], t["T_msp"]
         heads.platt = {k: tuple(v) for k, v in card.get("platt", {}).items()}
+        heads.offsets = dict(card.get("prior_offsets", {}))
         heads.policy = DeferPolicy(**card["defer"]) if card.get("defer") else None
         heads.kappa = card.get("kappa", KAPPA)
         heads.actor_fingerprint = card["actor_fingerprint"]

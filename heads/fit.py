@@ -63,19 +63,23 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
     with torch.no_grad():
         l_state = heads.state(feats["h_close"][rd])
     log["p_visual"] = fit_linear(heads.visual, feats["phi"][rd], z[rd], offset=l_state)
+    heads.offsets["psr"] = log["psr"]["prior_offset"]
     log["saplma"] = fit_mlp(heads.saplma, feats["h_mid"][rd_tr], z[rd_tr],
                             feats["h_mid"][rd_val], z[rd_val], seed=seed)
     bicr_x = torch.cat([feats["h_close"], feats["h_close"] - feats["h_close_black"]], -1)
     log["bicr"] = fit_mlp(heads.bicr, bicr_x[rd_tr], z[rd_tr], bicr_x[rd_val], z[rd_val],
                           seed=seed)
+    heads.offsets["saplma"] = log["saplma"]["prior_offset"]
+    heads.offsets["bicr"] = log["bicr"]["prior_offset"]
     # Temperatures on the image-disjoint temperature split, everything else fixed.
     with torch.no_grad():
         lg = heads.logits({k: v[tp] for k, v in feats.items()})
         heads.t_pre = fit_temperature(lg["pre"], z[tp])
         heads.t_post = fit_temperature(lg["post"], z[tp])
         heads.t_state = fit_temperature(lg["state"], z[tp])
-        heads.t_saplma = fit_temperature(heads.saplma(feats["h_mid"][tp]), z[tp])
-        heads.t_bicr = fit_temperature(heads.bicr(bicr_x[tp]), z[tp])
+        heads.t_saplma = fit_temperature(heads.saplma_logits(feats["h_mid"][tp]), z[tp])
+        heads.t_bicr = fit_temperature(
+            heads.bicr_logits(feats["h_close"][tp], feats["h_close_black"][tp]), z[tp])
         heads.t_msp = fit_temperature(logit(feats["msp"][tp].flatten()).float(), z[tp])
     heads.platt["mean_token_logprob"] = fit_platt(feats["mean_logprob"][tp].flatten().numpy(),
                                                   z[tp].numpy())

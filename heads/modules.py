@@ -86,7 +86,10 @@ def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tenso
     if best_state is not None:
         reader.load_state_dict(best_state)
     reader.eval()
-    return {"epochs": epochs, "val_bce": round(best, 5)}
+    # Class weighting shifts the optimal logit by log(pos_weight); this undoes it exactly,
+    # so temperature scaling starts from logits of the real class balance.
+    return {"epochs": epochs, "val_bce": round(best, 5),
+            "prior_offset": float(-torch.log(pos_weight))}
 
 
 def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
