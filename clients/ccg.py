@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heads.metrics import resample_clusters
 from models.data import HardNegativeIndex, Item
 
 UNDERPOWERED_IMAGES = 30
@@ -42,21 +43,8 @@ def ccg_auc(pairs: list[Pair], strict: bool = False) -> float:
 def bootstrap_ci(pairs: list[Pair], strict: bool = False, n: int = 1000, seed: int = 42
                  ) -> tuple[float, float]:
     """Paired source-image-cluster bootstrap: resample images, keep all their questions."""
-    by_img: dict[str, list[Pair]] = {}
-    for p in pairs:
-        by_img.setdefault(p.image_id, []).append(p)
-    keys = sorted(by_img)
-    rng = np.random.default_rng(seed)
-    stats = []
-    for _ in range(n):
-        draw = [q for k in rng.integers(len(keys), size=len(keys)) for q in by_img[keys[k]]]
-        v = ccg_auc(draw, strict)
-        if not np.isnan(v):
-            stats.append(v)
-    if not stats:
-        return float("nan"), float("nan")
-    lo, hi = np.percentile(stats, [2.5, 97.5])
-    return float(lo), float(hi)
+    return resample_clusters([p.image_id for p in pairs],
+                             lambda idx: ccg_auc([pairs[i] for i in idx], strict), n, seed)
 
 
 def summarise(pairs: list[Pair], bootstrap: int = 1000) -> dict:

@@ -1,0 +1,43 @@
+"""The shipped actor and heads load by default, belong together, and behave."""
+
+import json
+
+import pytest
+
+from heads.dualread import EMBEDDED_HEADS, Heads
+from models.canon import is_correct
+from models.data import load, sample
+from models.loading import EMBEDDED_ACTOR, load_actor
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_actor()
+
+
+def test_embedded_actor_answers_and_looks(embedded):
+    items = sample(load("easyvqa:test"), 48, seed=5)
+    res = embedded.answer([it.image() for it in items], [it.question for it in items],
+                          readout="none")
+    acc = sum(is_correct(r.answer, it.answer) for r, it in zip(res, items)) / len(items)
+    assert acc >= 0.75
+    assert sum(r.parsed.well_formed for r in res) >= 47
+
+
+def test_embedded_heads_match_the_actor(embedded):
+    heads = Heads.load(None, embedded.fingerprint)
+    card = json.loads((EMBEDDED_HEADS / "heads_card.json").read_text())
+    assert card["actor_fingerprint"] == embedded.fingerprint
+    assert card["defer"]["feasible"] and 0 < card["defer"]["coverage"] <= 1
+    it = load("easyvqa:test")[0]
+    r = embedded.answer([it.image()], [it.question])[0]
+    conf = heads.confidence(r.readout)
+    assert set(conf) == {"dualread", "psr", "per", "verbalized"}
+    assert all(0 <= v <= 1 for v in conf.values())
+
+
+def test_actor_card_fields():
+    card = json.loads((EMBEDDED_ACTOR / "actor_card.json").read_text())
+    for key in ("data", "splits", "recipe", "command", "git_commit", "metrics"):
+        assert key in card
+    assert card["metrics"]["real"]["n"] == 9673
