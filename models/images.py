@@ -6,7 +6,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000
 
@@ -66,6 +66,8 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise ImageError(f"image rejected as a decompression bomb: {e}") from e
+        except UnidentifiedImageError:
+            raise ImageError("cannot decode image: not a PNG, JPEG or DICOM file") from None
         except Exception as e:
             raise ImageError(f"cannot decode image: {e}") from e
     if img.mode == "I;16" or img.mode in ("I", "F"):
