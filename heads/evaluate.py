@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from heads.calibration import platt
-from heads.collect import Collector
+from heads.collect import K_SAMPLES, Collector
 from heads.dualread import Heads
 from heads.metrics import METRICS, cluster_bootstrap, risk_coverage
 from models.data import load, sample
@@ -88,6 +88,8 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
                                                           n=bootstrap)
             part = COSTS[m][1]
             extra_s = col.seconds[part] / n if part else 0.0
+            if m.startswith("sc_"):   # SC@K reads the first K of one K_SAMPLES-sample pass
+                extra_s *= int(m[3:]) / K_SAMPLES
             row["cost_passes"] = COSTS[m][0]
             row["seconds_per_item_extra"] = round(extra_s + scoring_s, 5)
             rows[m] = row
