@@ -100,7 +100,7 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
     others = [s for s in specs if s != heads.card.get("data")]
-    if others:
+    if len(others) > 1:
         report["macro_average"] = {
             m: {k: float(np.mean([report["datasets"][s]["methods"][m][k] for s in others]))
                 for k in SHOWN} for m in scores}
