@@ -43,16 +43,12 @@ def aurc(c: np.ndarray, z: np.ndarray) -> float:
         return float("nan")
     order = np.argsort(-c, kind="stable")
     c, err = c[order], err[order]
-    expected = np.empty(n)
-    start, before = 0, 0.0
-    while start < n:
-        stop = start
-        while stop < n and c[stop] == c[start]:
-            stop += 1
-        m, e = stop - start, err[start:stop].sum()
-        expected[start:stop] = before + e * np.arange(1, m + 1) / m
-        before += e
-        start = stop
+    starts = np.r_[0, np.nonzero(np.diff(c))[0] + 1]
+    sizes = np.diff(np.r_[starts, n])
+    block_err = np.add.reduceat(err, starts)
+    before = np.r_[0.0, np.cumsum(block_err)[:-1]]
+    pos = np.arange(n) - np.repeat(starts, sizes) + 1          # 1-based place in block
+    expected = np.repeat(before, sizes) + np.repeat(block_err / sizes, sizes) * pos
     return float(np.mean(expected / np.arange(1, n + 1)))
 
 

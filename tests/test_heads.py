@@ -138,3 +138,13 @@ def test_dualread_is_the_fusion_of_branches():
     s = h.score(_feats())
     np.testing.assert_allclose(s["dualread"], fuse(torch.tensor(s["psr"]),
                                                    torch.tensor(s["per"])).numpy(), rtol=1e-9)
+
+
+def test_aurc_equals_random_tie_order_on_average():
+    rng = np.random.default_rng(0)
+    c, z = rng.integers(0, 5, 40) / 4, rng.integers(0, 2, 40)
+    runs = []
+    for _ in range(4000):
+        order = np.lexsort((rng.random(40), -c))
+        runs.append(np.mean(np.cumsum(1 - z[order]) / np.arange(1, 41)))
+    assert aurc(c, z) == pytest.approx(np.mean(runs), abs=3e-3)
