@@ -58,6 +58,8 @@ def train_actor(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume_sft: Annotated[Path | None, typer.Option(
         "--resume-sft", help="continue from a saved three-phase SFT checkpoint")] = None,
+    eval_limit: Annotated[int | None, typer.Option(
+        "--eval-limit", help="evaluate on a deterministic sample of the test set")] = None,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card."""
     from models.train import SMOKE, Recipe
@@ -66,7 +68,8 @@ def train_actor(
     recipe = SMOKE if smoke else Recipe()
     recipe.seed = seed
     cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "")
-    card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft)
+    card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft,
+               eval_limit=eval_limit)
     console.print_json(json.dumps(card["metrics"]))
 
 

@@ -24,7 +24,7 @@ from PIL import Image
 from rich.console import Console
 
 from models.canon import canon
-from models.data import COLOURS, HEADS_SLICE_MOD, SHAPES, Item, image_number, load
+from models.data import COLOURS, HEADS_SLICE_MOD, SHAPES, Item, image_number, load, sample
 from models.parse import parse_response
 from models.trajectory import image_facts, parse_question, trajectory
 
@@ -291,7 +291,8 @@ def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[d
 
 
 def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = False,
-                command: str = "", resume_sft: str | Path | None = None) -> dict:
+                command: str = "", resume_sft: str | Path | None = None,
+                eval_limit: int | None = None) -> dict:
     """Full recipe: tokenizer + config, SFT, GRPO, evaluation, card. Returns the card.
 
     `resume_sft` names a folder holding the model after the first three SFT phases
@@ -332,7 +333,10 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
     grpo(sft_dir, actor_items, recipe, out, log)
     grpo_s = time.time() - t0 - sft_s
     test = load("easyvqa:test")
-    metrics = evaluate_actor(load_actor(out), test if not smoke else test[:32])
+    if smoke:
+        eval_limit = 32
+    test = sample(test, eval_limit)
+    metrics = evaluate_actor(load_actor(out), test)
     card = {
         "name": "dualread-embedded-qwen3vl-tiny",
         "architecture": "Qwen3VLForConditionalGeneration",
@@ -340,7 +344,8 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
         "splits": {
             "sft_and_grpo": "easyvqa:train, images with id % 5 != 0",
             "heads_holdout": "easyvqa:train, images with id % 5 == 0 (never seen by the actor)",
-            "evaluation": "easyvqa:test" + (" (first 32 items, smoke)" if smoke else ""),
+            "evaluation": "easyvqa:test" + (f" (deterministic sample of {eval_limit})"
+                                             if eval_limit else ""),
             "n_actor_items": len(actor_items), "n_heads_items": len(heads_items)},
         "recipe": asdict(recipe),
         "seconds": {"sft": round(sft_s, 1), "grpo": round(grpo_s, 1)},
