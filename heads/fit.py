@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 
@@ -119,5 +118,3 @@ def summary_table(held: dict) -> str:
         rows.append(f"| {name} | {m['auroc']:.3f} | {m['ece']:.3f} | {m['brier']:.3f} |")
     return "\n".join(rows)
 
-
-__all__ = ["fit_heads", "image_split", "summary_table", "np"]

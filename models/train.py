@@ -69,11 +69,14 @@ def split_train(items: list[Item]) -> tuple[list[Item], list[Item]]:
 
 
 def corpus(items: list[Item]) -> list[str]:
+    """The tokenizer's training text: every question, then red-circle trajectories built
+    over the growing list itself until there are 20,000 texts. Odd, but it is exactly
+    what the shipped tokenizer was trained on, and it covers the whole vocabulary."""
     texts = sorted({it.question for it in items})
-    for c in COLOURS:
-        for s in SHAPES:
-            for q in texts:
-                texts.append(trajectory(c, s, q, confidence=7)) if len(texts) < 20000 else None
+    k = 0
+    while len(texts) < 20000:
+        texts.append(trajectory(COLOURS[0], SHAPES[0], texts[k], confidence=7))
+        k += 1
     return texts
 
 
