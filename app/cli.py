@@ -199,6 +199,9 @@ def serve(
             api.state.core.drain()
             super().handle_exit(sig, frame)
 
+    Console(stderr=True).print(
+        f"dualread: serving on http://{settings.host}:{settings.port} (OpenAPI at /docs); "
+        "/health/ready turns 200 once the model is loaded")
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     Server(config).run()
