@@ -62,11 +62,12 @@ def train_actor(
         "--eval-limit", help="evaluate on a deterministic sample of the test set")] = None,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card."""
+    from dataclasses import replace
+
     from models.train import SMOKE, Recipe
     from models.train import train_actor as run
 
-    recipe = SMOKE if smoke else Recipe()
-    recipe.seed = seed
+    recipe = replace(SMOKE if smoke else Recipe(), seed=seed)   # never mutate the preset
     cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "")
     card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft,
                eval_limit=eval_limit)
@@ -153,10 +154,9 @@ def evaluate(
     chosen = tuple(m.strip() for m in methods.split(",")) if methods else METHODS
     cmd = "dualread evaluate " + " ".join(f"--data {s}" for s in specs) + \
         (f" --limit {limit}" if limit else "") + f" --out {out}"
-    report = run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd)
+    run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd)
     console.print((out / "report.md").read_text())
     console.print(f"wrote {out}/report.json, report.md and plots")
-    del report
 
 
 @app.command()
