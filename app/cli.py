@@ -60,13 +60,56 @@ def train_actor(
         "--resume-sft", help="continue from a saved three-phase SFT checkpoint")] = None,
     eval_limit: Annotated[int | None, typer.Option(
         "--eval-limit", help="evaluate on a deterministic sample of the test set")] = None,
+    continue_from: Annotated[Path | None, typer.Option(
+        "--continue-from", exists=True, file_okay=False,
+        help="continue GRPO on this actor folder (calibration stage) instead of training")
+    ] = None,
+    calibration_steps: Annotated[int, typer.Option(
+        "--calibration-steps", help="GRPO steps of the continuation")] = 600,
+    brier_weight: Annotated[float, typer.Option(
+        "--brier-weight", help="weight W of the Brier term (correctness weighs 1)")] = 1.0,
+    group: Annotated[int, typer.Option("--group", help="generations per prompt")] = 8,
+    prompts: Annotated[int, typer.Option("--prompts", help="prompts per GRPO step")] = 4,
+    grpo_lr: Annotated[float, typer.Option("--grpo-lr")] = 2e-5,
+    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    scale_rewards: Annotated[str, typer.Option(
+        "--scale-rewards", help="group, batch or none (TRL advantage scaling)")] = "group",
+    threads: Annotated[int, typer.Option("--threads", help="torch threads (continuation)")] = 1,
+    hard_share: Annotated[float, typer.Option(
+        "--hard-share", help="share of GRPO prompts the parent answers wrong")] = 0.0,
+    scan: Annotated[int, typer.Option(
+        "--scan", help="training items answered to find those misses")] = 6000,
 ) -> None:
-    """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card."""
+    """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card.
+
+    With --continue-from, run only more GRPO on that actor with the RLCR-style reward
+    (correct + format + W·Brier), checkpointed and resumable, and write the result and a
+    card with μ(C) metrics to --out.
+    """
     from dataclasses import replace
 
     from models.train import SMOKE, Recipe
     from models.train import train_actor as run
 
+    if continue_from is not None:
+        from models.calibrate import calibrate_actor
+
+        recipe = replace(SMOKE if smoke else Recipe(), seed=seed, grpo_steps=calibration_steps,
+                         brier_weight=brier_weight, grpo_group=group, grpo_prompts=prompts,
+                         grpo_lr=grpo_lr, grpo_temperature=temperature,
+                         grpo_scale_rewards=scale_rewards, grpo_save_steps=50)
+        cmd = (f"dualread train-actor --continue-from {continue_from} --out {out} "
+               f"--calibration-steps {calibration_steps} --brier-weight {brier_weight} "
+               f"--group {group} --prompts {prompts} --grpo-lr {grpo_lr} "
+               f"--temperature {temperature} --scale-rewards {scale_rewards}"
+               + (f" --hard-share {hard_share} --scan {scan}" if hard_share else "")
+               + (f" --seed {seed}" if seed else "") + (" --smoke" if smoke else "")
+               + (f" --eval-limit {eval_limit}" if eval_limit else ""))
+        card = calibrate_actor(continue_from, out, recipe, command=cmd,
+                               eval_limit=eval_limit or 1000, smoke=smoke, threads=threads,
+                               hard_share=hard_share, scan=scan)
+        console.print_json(json.dumps(card["metrics"]))
+        return
     recipe = replace(SMOKE if smoke else Recipe(), seed=seed)   # never mutate the preset
     cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "")
     card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft,
@@ -104,7 +147,8 @@ def fit_heads(
     limit: Annotated[int | None, typer.Option("--limit")] = None,
     target_risk: Annotated[float, typer.Option("--risk", help="target selective risk r")] = 0.05,
     delta: Annotated[float, typer.Option("--delta", help="1 - confidence of the bound")] = 0.1,
-    cache: Annotated[Path | None, typer.Option("--cache", help="readout cache folder")] = None,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", "--cache-dir", help="readout cache folder")] = None,
     device: DeviceOpt = "cpu",
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
@@ -139,19 +183,20 @@ def evaluate(
     limit: Annotated[int | None, typer.Option("--limit", help="items per data spec")] = None,
     methods: Annotated[str | None, typer.Option("--methods", help="comma-separated")] = None,
     bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
-    cache: Annotated[Path | None, typer.Option("--cache")] = None,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", "--cache-dir", help="readout cache folder")] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """The table of every confidence method next to DualRead, with CIs, costs and plots."""
     from heads.dualread import Heads
-    from heads.evaluate import METHODS
     from heads.evaluate import evaluate as run
     from models.loading import load_actor
 
     act = load_actor(actor, device=device)
     hd = Heads.load(heads, act.fingerprint)
     specs = data or ["easyvqa:test"]
-    chosen = tuple(m.strip() for m in methods.split(",")) if methods else METHODS
+    # None: every registered method (heads.registry)
+    chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
     cmd = "dualread evaluate " + " ".join(f"--data {s}" for s in specs) + \
         (f" --limit {limit}" if limit else "") + f" --out {out}"
     run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd)
@@ -159,23 +204,41 @@ def evaluate(
     console.print(f"wrote {out}/report.json, report.md and plots")
 
 
+def _serve_opt(name: str, flag: str | None = None) -> typer.models.OptionInfo:
+    """A `serve` flag whose help shows the Settings default (None here lets the
+    DUALREAD_<NAME> environment variable apply)."""
+    from app.settings import Settings
+
+    field = Settings.model_fields[name]
+    flag = flag or "--" + name.replace("_", "-")
+    return typer.Option(flag, help=f"{field.description} (default: {field.default})")
+
+
 @app.command()
 def serve(
     actor: ActorOpt = None,
     heads: HeadsOpt = None,
-    device: Annotated[str | None, typer.Option("--device")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
-    host: Annotated[str | None, typer.Option("--host")] = None,
-    port: Annotated[int | None, typer.Option("--port")] = None,
-    max_batch_size: Annotated[int | None, typer.Option("--max-batch-size")] = None,
-    batch_wait_ms: Annotated[float | None, typer.Option("--batch-wait-ms")] = None,
-    queue_limit: Annotated[int | None, typer.Option("--queue-limit")] = None,
-    request_timeout_s: Annotated[float | None, typer.Option("--request-timeout-s")] = None,
-    max_image_bytes: Annotated[int | None, typer.Option("--max-image-bytes")] = None,
-    max_image_pixels: Annotated[int | None, typer.Option("--max-image-pixels")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+    device: Annotated[str | None, _serve_opt("device")] = None,
+    dtype: Annotated[str | None, _serve_opt("dtype")] = None,
+    host: Annotated[str | None, _serve_opt("host")] = None,
+    port: Annotated[int | None, _serve_opt("port")] = None,
+    max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
+    batch_wait_ms: Annotated[float | None, _serve_opt("batch_wait_ms")] = None,
+    queue_limit: Annotated[int | None, _serve_opt("queue_limit")] = None,
+    request_timeout_s: Annotated[float | None, _serve_opt("request_timeout_s")] = None,
+    max_body_bytes: Annotated[int | None, _serve_opt("max_body_bytes")] = None,
+    max_image_bytes: Annotated[int | None, _serve_opt("max_image_bytes")] = None,
+    max_image_pixels: Annotated[int | None, _serve_opt("max_image_pixels")] = None,
+    max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
+    max_question_tokens: Annotated[int | None, _serve_opt("max_question_tokens")] = None,
+    max_response_tokens: Annotated[int | None, _serve_opt("max_response_tokens")] = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", help="require 'Authorization: Bearer KEY' (or DUALREAD_API_KEY)")] = None,
+        "--api-key", help="require 'Authorization: Bearer KEY' (or DUALREAD_API_KEY) "
+                          "(default: none, no auth)")] = None,
+    metrics_require_key: Annotated[bool | None, _serve_opt(
+        "metrics_require_key", "--metrics-require-key/--metrics-open")] = None,
+    docs_require_key: Annotated[bool | None, _serve_opt(
+        "docs_require_key", "--docs-require-key/--docs-open")] = None,
 ) -> None:
     """Run the HTTP service. Every flag also reads DUALREAD_<FLAG> from the environment."""
     import uvicorn
@@ -187,9 +250,12 @@ def serve(
         actor=str(actor) if actor else None, heads=str(heads) if heads else None,
         device=device, dtype=dtype, host=host, port=port, max_batch_size=max_batch_size,
         batch_wait_ms=batch_wait_ms, queue_limit=queue_limit,
-        request_timeout_s=request_timeout_s, max_image_bytes=max_image_bytes,
-        max_image_pixels=max_image_pixels, max_new_tokens=max_new_tokens,
-        api_key=api_key).items() if v is not None}
+        request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
+        max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,
+        max_new_tokens=max_new_tokens, max_question_tokens=max_question_tokens,
+        max_response_tokens=max_response_tokens, api_key=api_key,
+        metrics_require_key=metrics_require_key,
+        docs_require_key=docs_require_key).items() if v is not None}
     settings = Settings(**given)
     api = create_app(settings)
 
@@ -205,6 +271,113 @@ def serve(
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     Server(config).run()
+
+
+@app.command()
+def probe(
+    name: Annotated[str, typer.Argument(help="ccg, tgs, emvr, reliance or all")],
+    url: Annotated[str, typer.Option("--url", help="the deployment")] = "http://127.0.0.1:8000",
+    data: Annotated[str, typer.Option("--data", help="data spec")] = "easyvqa:test",
+    out: Annotated[Path, typer.Option("--out", help="report folder (and resumable results)")
+                   ] = Path("out/probe"),
+    limit: Annotated[int | None, typer.Option("--limit", help="a seeded sample of N items")
+                     ] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="requests in flight")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="donors, shuffles, variants, sample")] = 0,
+    bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DUALREAD_API_KEY")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Grounding probes over HTTP against any deployment; resumable (re-run to continue)."""
+    from clients.probes import PROBES
+    from clients.probes.runner import run
+
+    names = list(PROBES) if name == "all" else [name]
+    if any(n not in PROBES for n in names):
+        raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
+    report = run(names, url, data, out, limit, concurrency, api_key, seed, bootstrap,
+                 progress=progress)
+    console.print((out / "report.md").read_text().split("![")[0], markup=False)
+    run_info = json.loads((out / "run.json").read_text())
+    console.print(f"wrote {out}/report.json, report.md and figures; {run_info['items_run']} "
+                  f"items run, {run_info['items_resumed']} resumed, {run_info['wall_s']} s")
+    if report.get("failures"):
+        console.print(f"[red]{len(report['failures'])} items failed[/red] (re-run to retry): "
+                      + "; ".join(report["failures"][:3]))
+        raise typer.Exit(1)
+
+
+@app.command("fit-order-head")
+def fit_order_head(
+    out: Annotated[Path, typer.Option("--out", help="report folder")] = Path("out/order-head"),
+    actor: ActorOpt = None,
+    data: Annotated[str, typer.Option("--data", help="items with boxes")] = "easyvqa:heldout",
+    limit: Annotated[int | None, typer.Option("--limit")] = 500,
+    folds: Annotated[int, typer.Option("--folds", help="folds grouped by question")] = 5,
+    order_weight: Annotated[float, typer.Option("--order-weight")] = 1.0,
+    margin: Annotated[float, typer.Option("--margin")] = 0.0,
+    steps: Annotated[int, typer.Option("--steps")] = 1000,
+    bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """EMVR's order head (BCE + adjacent hinge) vs BCE only: mask-trained, tested on blur."""
+    from clients.probes.order import collect, compare, fit_head, markdown
+    from clients.probes.runner import clean
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    act = load_actor(actor, device=device)
+    items = sample(load(data), limit)
+    mask, blur = collect(act, items, (0.0, 0.25, 0.5, 0.75, 1.0))
+    res = compare(mask, blur, folds, order_weight, margin, steps, bootstrap)
+    cmd = f"dualread fit-order-head --data {data}" + (f" --limit {limit}" if limit else "") + \
+        f" --out {out}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(clean({**res, "data": data, "limit": limit,
+                                                       "command": cmd}), indent=1) + "\n")
+    (out / "report.md").write_text(markdown(res, cmd))
+    # the deployable head: BCE + order on every mask trajectory
+    head = fit_head(mask.x, mask.z, order_weight, margin, steps=steps)
+    (out / "order_head.json").write_text(json.dumps(
+        {"features": "h_close, mean answer log-prob, mean answer entropy", "w": head.w.tolist(),
+         "b": head.b, "mean": head.mean.tolist(), "std": head.std.tolist(), "command": cmd,
+         "actor": act.fingerprint}) + "\n")
+    console.print((out / "report.md").read_text(), markup=False)
+
+
+@app.command()
+def bench(
+    out: Annotated[Path, typer.Option("--out", help="where bench.json and bench.md go")
+                   ] = Path("out/bench"),
+    quick: Annotated[bool, typer.Option("--quick", help="fewer items and requests")] = False,
+    gpu: Annotated[bool, typer.Option(
+        "--gpu", help="CUDA, bf16, a random Qwen3-VL-2B-sized actor, 448x448 images")] = False,
+    actor: ActorOpt = None,
+    heads: HeadsOpt = None,
+    items: Annotated[int | None, typer.Option("--items", help="items (default 64)")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", help="torch threads, in process and in the server (default 1 on CPU)")
+                       ] = None,
+    http: Annotated[bool, typer.Option("--http/--no-http", help="the HTTP part")] = True,
+    batch_wait_ms: Annotated[float | None, typer.Option(
+        "--batch-wait-ms", help="passed to the server (default: its own)")] = None,
+) -> None:
+    """Cost of plain generate vs DualRead (capture, replay) vs SC@8, heads alone, HTTP."""
+    from models.bench import plan_for, run_bench
+
+    if gpu and (actor or heads):
+        raise typer.BadParameter("--gpu builds its own random actor and heads")
+    plan = plan_for(quick, gpu, items=items, max_new_tokens=max_new_tokens, threads=threads,
+                    http=http)
+    cmd = "dualread bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
+        "dualread bench"
+    res = run_bench(out, plan, str(actor) if actor else None, str(heads) if heads else None,
+                    gpu=gpu, command=cmd.strip(), batch_wait_ms=batch_wait_ms)
+    console.print((out / "bench.md").read_text())
+    missed = [t["target"] for t in res["targets"] if t["met"] is False]
+    if missed:
+        console.print(f"[yellow]targets missed[/yellow]: {'; '.join(missed)}")
 
 
 def main() -> None:  # pragma: no cover

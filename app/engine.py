@@ -1,8 +1,16 @@
-"""The model worker: one task owns the actor; requests coalesce into micro-batches.
+"""The model worker: one thread owns the model; compatible jobs coalesce into micro-batches.
 
-Jobs of the same kind that arrive within the wait window (up to the max batch) run as one
-batched call in a single worker thread, so the event loop never blocks on the model. The
-queue is bounded: a full queue is refused at once (429) rather than growing latency.
+Jobs with the same key (handler name + compatibility key, e.g. the generation limit)
+that arrive within the wait window, up to the max batch, run as one call in a single
+worker thread, so the event loop never blocks on the model. Jobs with different keys never
+share a batch. The queue is bounded: a full queue is refused at once (429) rather than
+growing latency.
+
+Contract with a handler: it receives the payloads and deadlines of one batch and returns
+one entry per job, in order: a result, or an exception instance for that job alone. If it
+raises instead, each job of the batch is retried alone, so one bad item fails only
+itself. A handler that returns the wrong number of entries fails the whole batch with
+EngineError (a bug, not a client error).
 """
 
 from __future__ import annotations
@@ -10,111 +18,204 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
 
-class QueueFull(Exception):
-    pass
+Handler = Callable[[list[Any], list[float]], Sequence[Any]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    kind: str
+    handler: str
+    key: Hashable
     payload: Any
+    deadline: float                    # time.monotonic() seconds
     future: asyncio.Future
-    enqueued: float = field(default_factory=time.perf_counter)
+    enqueued: float = field(default_factory=time.monotonic)
     started: float = 0.0
     batch: int = 0
 
+    @property
+    def group(self) -> tuple[str, Hashable]:
+        return self.handler, self.key
 
-BatchFn = Callable[[list[Any]], list[Any]]
+    @property
+    def queued_s(self) -> float:
+        return max(0.0, self.started - self.enqueued)
+
+
+class BatcherHooks:
+    """Callbacks for cross-cutting work (metrics); the defaults do nothing."""
+
+    def batch_started(self, handler: str, jobs: list[Job]) -> None:
+        pass
+
+    def batch_finished(self, handler: str, jobs: list[Job], seconds: float) -> None:
+        pass
+
+    def depth_changed(self, depth: int) -> None:
+        pass
 
 
 class Batcher:
-    def __init__(self, handlers: dict[str, BatchFn], max_batch: int, wait_ms: float,
-                 queue_limit: int, on_batch: Callable[[str, int], None] | None = None) -> None:
+    def __init__(self, handlers: dict[str, Handler], max_batch: int, wait_ms: float,
+                 queue_limit: int, hooks: BatcherHooks | None = None) -> None:
         self.handlers = handlers
         self.max_batch = max_batch
         self.wait = wait_ms / 1000
-        self.queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=queue_limit)
+        self.queue_limit = queue_limit
+        self.hooks = hooks or BatcherHooks()
+        self.queue: deque[Job] = deque()
+        self.arrived = asyncio.Event()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.on_batch = on_batch
         self.task: asyncio.Task | None = None
-        self.held: deque[Job] = deque()
         self.inflight = 0
+        self.closed = False
 
+    # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        """Refuse queued jobs, let the running batch end (its deadlines bound it), close."""
+        self.closed = True
+        for job in self.queue:
+            if not job.future.done():
+                job.future.set_exception(ShuttingDown())
+        self.queue.clear()
+        self.arrived.set()
         if self.task:
-            self.task.cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.pool.shutdown(wait=False)
 
     @property
     def depth(self) -> int:
-        return self.queue.qsize() + len(self.held)
-
-    def submit(self, kind: str, payload: Any) -> Job:
-        job = Job(kind, payload, asyncio.get_running_loop().create_future())
-        try:
-            self.queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise QueueFull() from None
-        return job
-
-    async def _next(self) -> Job:
-        return self.held.popleft() if self.held else await self.queue.get()
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            first = await self._next()
-            batch = [first]
-            deadline = loop.time() + self.wait
-            while len(batch) < self.max_batch:
-                timeout = deadline - loop.time()
-                if self.held:
-                    job = self.held.popleft()
-                elif timeout <= 0:
-                    try:
-                        job = self.queue.get_nowait()
-                    except asyncio.QueueEmpty:
-                        break
-                else:
-                    try:
-                        job = await asyncio.wait_for(self.queue.get(), timeout)
-                    except TimeoutError:
-                        break
-                if job.kind == first.kind:
-                    batch.append(job)
-                else:
-                    self.held.append(job)
-                    break
-            live = [j for j in batch if not j.future.cancelled()]
-            if not live:
-                continue
-            now = time.perf_counter()
-            for j in live:
-                j.started, j.batch = now, len(live)
-            self.inflight = len(live)
-            if self.on_batch:
-                self.on_batch(first.kind, len(live))
-            try:
-                results = await loop.run_in_executor(
-                    self.pool, self.handlers[first.kind], [j.payload for j in live])
-                for j, r in zip(live, results):
-                    if not j.future.done():
-                        j.future.set_result(r)
-            except Exception as e:  # the whole batch failed: every caller hears why
-                for j in live:
-                    if not j.future.done():
-                        j.future.set_exception(e)
-            finally:
-                self.inflight = 0
+        return len(self.queue)
 
     def idle(self) -> bool:
-        return self.depth == 0 and self.inflight == 0
+        return not self.queue and self.inflight == 0
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, handler: str, payload: Any, deadline: float, key: Hashable = None) -> Job:
+        return self.submit_many(handler, [payload], deadline, key)[0]
+
+    def submit_many(self, handler: str, payloads: Sequence[Any], deadline: float,
+                    key: Hashable = None) -> list[Job]:
+        """Queue all payloads or none (a request's jobs are admitted together)."""
+        if self.closed:
+            raise ShuttingDown()
+        if handler not in self.handlers:
+            raise EngineError(f"no handler {handler!r}")
+        if len(self.queue) + len(payloads) > self.queue_limit:
+            raise QueueFull()
+        loop = asyncio.get_running_loop()
+        jobs = [Job(handler, key, p, deadline, loop.create_future()) for p in payloads]
+        self.queue.extend(jobs)
+        self.arrived.set()
+        self.hooks.depth_changed(self.depth)
+        return jobs
+
+    # ------------------------------------------------------------------ the loop
+    def _usable(self, job: Job) -> bool:
+        """Drop jobs whose caller has gone or whose deadline has passed."""
+        if job.future.done():
+            return False
+        if time.monotonic() > job.deadline:
+            job.future.set_exception(DeadlineExceeded("deadline passed while queued"))
+            return False
+        return True
+
+    def _take(self, group: tuple[str, Hashable] | None) -> Job | None:
+        """The oldest usable job (of `group`, when given); others keep their order."""
+        for job in list(self.queue):
+            if group is not None and job.group != group:
+                continue
+            self.queue.remove(job)
+            if self._usable(job):
+                return job
+        return None
+
+    async def _first(self) -> Job | None:
+        while not self.closed:
+            job = self._take(None)
+            if job is not None:
+                return job
+            self.arrived.clear()
+            await self.arrived.wait()
+        return None
+
+    async def _gather(self, first: Job) -> list[Job]:
+        loop = asyncio.get_running_loop()
+        batch = [first]
+        until = loop.time() + self.wait
+        while len(batch) < self.max_batch:
+            job = self._take(first.group)
+            if job is not None:
+                batch.append(job)
+                continue
+            left = until - loop.time()
+            if left <= 0:
+                break
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                break
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            first = await self._first()
+            if first is None:      # closed
+                return
+            batch = await self._gather(first)
+            self.hooks.depth_changed(self.depth)
+            await self._run(batch)
+
+    async def _run(self, batch: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        for j in batch:
+            j.started, j.batch = now, len(batch)
+        name = batch[0].handler
+        fn = self.handlers[name]
+        self.inflight = len(batch)
+        self.hooks.batch_started(name, batch)
+        t = time.perf_counter()
+        try:
+            outcomes = await self._call(loop, fn, batch)
+            retry = isinstance(outcomes, BaseException) and not isinstance(outcomes, EngineError)
+            if len(batch) > 1 and retry:
+                # isolate the failure: each job alone, so only the bad one fails
+                outcomes = [await self._call(loop, fn, [j]) for j in batch]
+                outcomes = [o if isinstance(o, BaseException) else o[0] for o in outcomes]
+            elif isinstance(outcomes, BaseException):
+                outcomes = [outcomes] * len(batch)
+            for job, outcome in zip(batch, outcomes):
+                if job.future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    job.future.set_exception(outcome)
+                else:
+                    job.future.set_result(outcome)
+        finally:
+            self.inflight = 0
+            self.hooks.batch_finished(name, batch, time.perf_counter() - t)
+
+    async def _call(self, loop: asyncio.AbstractEventLoop, fn: Handler, jobs: list[Job]
+                    ) -> list[Any] | BaseException:
+        """Run the handler in the worker thread: its outcomes, or the exception it raised
+        (EngineError when it broke the one-entry-per-job contract)."""
+        try:
+            out = await loop.run_in_executor(self.pool, fn, [j.payload for j in jobs],
+                                             [j.deadline for j in jobs])
+        except Exception as e:
+            return e
+        if not isinstance(out, Sequence) or len(out) != len(jobs):
+            n = len(out) if isinstance(out, Sequence) else type(out).__name__
+            return EngineError(f"handler returned {n} results for {len(jobs)} jobs")
+        return list(out)

@@ -1,14 +1,62 @@
-"""Prometheus metrics (prefix dualread_), one registry per app instance."""
+"""Prometheus metrics (prefix dualread_), one registry per app instance, fed by hooks.
+
+The feedback-window statistics (AUROC, ECE, ...) are computed when /metrics is scraped,
+and only when feedback arrived since the last scrape: a /feedback request does O(1) work.
+Before any feedback they are absent rather than 0 (0 would read as a real value).
+"""
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+
+from app.engine import BatcherHooks, Job
+from app.serving import AnswerResult, ServingHooks
+from heads.monitor import FeedbackMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FEEDBACK_GAUGES = {
+    "auroc": ("dualread_feedback_auroc", "AUROC of confidence on the feedback window."),
+    "ece": ("dualread_feedback_ece", "ECE-15 of confidence on the feedback window."),
+    "selective_risk": ("dualread_feedback_selective_risk",
+                       "Error rate among non-deferred answers (feedback window)."),
+    "defer_rate": ("dualread_feedback_defer_rate", "Defer rate on the feedback window."),
+    "n": ("dualread_feedback_window", "Answers with feedback in the window."),
+}
+
+
+class FeedbackCollector:
+    """Window statistics at scrape time, recomputed only after new feedback."""
+
+    def __init__(self, monitor: FeedbackMonitor) -> None:
+        self.monitor = monitor
+        self.version = 0
+        self.cached: tuple[int, dict[str, float]] = (-1, {})
+        self.lock = threading.Lock()
+
+    def changed(self) -> None:
+        self.version += 1
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            version = self.version
+            if self.cached[0] != version:
+                self.cached = (version, self.monitor.stats())
+            return self.cached[1]
+
+    def collect(self):
+        stats = self.stats()
+        for key, (name, doc) in FEEDBACK_GAUGES.items():
+            if key in stats:
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], stats[key])
+                yield g
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, monitor: FeedbackMonitor | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.request_duration = Histogram(
             "dualread_request_duration_seconds", "Request latency by route.", ["route"],
@@ -27,21 +75,39 @@ class Metrics:
         self.defer = Counter("dualread_defer", "Answers flagged for deferral.", registry=r)
         self.feedback = Counter("dualread_feedback", "Feedback received.", ["known"],
                                 registry=r)
-        self.feedback_auroc = Gauge("dualread_feedback_auroc",
-                                    "AUROC of confidence on the feedback window.", registry=r)
-        self.feedback_ece = Gauge("dualread_feedback_ece",
-                                  "ECE-15 of confidence on the feedback window.", registry=r)
-        self.feedback_risk = Gauge("dualread_feedback_selective_risk",
-                                   "Error rate among non-deferred answers (feedback window).",
-                                   registry=r)
-        self.feedback_defer_rate = Gauge("dualread_feedback_defer_rate",
-                                         "Defer rate on the feedback window.", registry=r)
         self.model_info = Info("dualread_model", "Loaded actor and heads.", registry=r)
+        self.feedback_stats = FeedbackCollector(monitor or FeedbackMonitor())
+        r.register(self.feedback_stats)
 
-    def set_feedback(self, stats: dict[str, float]) -> None:
-        if not stats:
-            return
-        self.feedback_auroc.set(stats["auroc"])
-        self.feedback_ece.set(stats["ece"])
-        self.feedback_risk.set(stats["selective_risk"])
-        self.feedback_defer_rate.set(stats["defer_rate"])
+
+class MetricsHooks(ServingHooks, BatcherHooks):
+    """Bookkeeping on the serving and batching hooks: metrics and the feedback monitor."""
+
+    def __init__(self, metrics: Metrics, monitor: FeedbackMonitor) -> None:
+        self.metrics = metrics
+        self.monitor = monitor
+
+    def batch_started(self, handler: str, jobs: list[Job]) -> None:
+        self.metrics.batch_size.observe(len(jobs))
+        for j in jobs:
+            self.metrics.stage_duration.labels("queue").observe(j.queued_s)
+
+    def depth_changed(self, depth: int) -> None:
+        self.metrics.queue_depth.set(depth)
+
+    def answered(self, request_id: str, result: AnswerResult, queued_s: float) -> None:
+        m = self.metrics
+        m.confidence.observe(result.confidence.dualread)
+        m.stage_duration.labels("generate").observe(result.timings.generate)
+        m.stage_duration.labels("readout").observe(result.timings.readout)
+        m.stage_duration.labels("heads").observe(result.timings.heads)
+        if result.defer:
+            m.defer.inc()
+        self.monitor.record(request_id, result.confidence.dualread, result.defer)
+
+    def feedback(self, request_id: str, correct: bool) -> bool:
+        known = self.monitor.feedback(request_id, correct)
+        self.metrics.feedback.labels(str(known).lower()).inc()
+        if known:
+            self.metrics.feedback_stats.changed()
+        return known

@@ -1,63 +1,144 @@
-"""Glue between HTTP and the core: load the actor and heads, run batches, shape results."""
+"""The model side of serving: load the actor and its heads, check inputs against the
+tokenizer, run batches and shape typed results. The numbers come from `models` + `heads`."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
+from app.errors import DeadlineExceeded, ModelFailure, QuestionInvalid, TrajectoryInvalid
+from app.serving import (
+    AnswerItem,
+    AnswerResult,
+    Confidences,
+    ScoreItem,
+    ScoreResult,
+    StageTimes,
+)
 from heads.dualread import Heads
 from models.loading import load_actor
-from models.masking import MaskSpec
+from models.quality import response_problem, uses_answer_tag
+from models.readout import Response
+
+log = logging.getLogger("dualread.service")
+AnswerJob = AnswerItem   # the earlier name
 
 
-@dataclass
-class AnswerJob:
-    image: Image.Image
-    question: str
+def _confidences(c: dict[str, float]) -> Confidences:
+    return Confidences(dualread=c["dualread"], psr=c["psr"], per=c["per"],
+                       verbalized=c["verbalized"])
 
 
 class Service:
     def __init__(self, actor_dir: str | None, heads_dir: str | None, device: str = "cpu",
                  dtype: str = "float32") -> None:
         self.actor = load_actor(actor_dir, device=device, dtype=dtype)
+        # Heads fitted on another actor read meaningless states: refuse them.
         self.heads = Heads.load(heads_dir, self.actor.fingerprint)
+        self.fingerprint = self.actor.fingerprint
         self.heads_id = self.heads.card.get("heads_id") or \
             f"{self.heads.actor_fingerprint}-{self.heads.card.get('git_commit', '')[:8]}"
-        self.threshold = self.heads.policy.tau if self.heads.policy else 1.5
+        self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
+
+    @property
+    def threshold(self) -> float:
+        policy = self.heads.policy
+        # With no policy every answer is deferred; report a threshold no confidence reaches.
+        return policy.tau if policy is not None else 1.5
+
+    def _actor_card(self) -> dict[str, Any]:
+        card = Path(self.actor.folder) / "actor_card.json"
+        return json.loads(card.read_text()) if card.exists() else {}
+
+    def info(self) -> dict[str, str]:
+        """Labels of the dualread_model_info metric."""
+        return {"actor": self.fingerprint, "heads": self.heads_id,
+                "family": self.actor.family.name, "device": str(self.actor.device)}
 
     def cards(self) -> dict[str, Any]:
-        import json
-        from pathlib import Path
-
-        card = Path(self.actor.folder) / "actor_card.json"
-        actor_card = json.loads(card.read_text()) if card.exists() else {}
+        actor_card = self._actor_card()
         actor_card.pop("log", None)
         return {"actor": {"fingerprint": self.actor.fingerprint, "folder_name":
                           Path(self.actor.folder).name, "family": self.actor.family.name,
                           "card": actor_card},
                 "heads": {"id": self.heads_id, "card": self.heads.card}}
 
-    def answer_batch(self, jobs: list[AnswerJob], max_new_tokens: int) -> list[dict]:
-        res = self.actor.answer([j.image for j in jobs], [j.question for j in jobs],
-                                max_new_tokens, readout="capture")
-        tm = dict(self.actor.last_timings)
-        out = []
-        for r in res:
-            t = time.perf_counter()
-            conf = self.heads.confidence(r.readout)
-            heads_s = time.perf_counter() - t
-            out.append({"answer": r.answer, "canonical": r.canonical, "response": r.text,
-                        "confidence": conf, "defer": self.heads.defer(conf["dualread"]),
-                        "timings": {"generate": tm["generate"], "readout": tm["readout"],
-                                    "heads": heads_s}})
+    # ------------------------------------------------------------------ input checks
+    def check_question(self, question: str, max_chars: int, max_tokens: int) -> str:
+        q = question.strip()
+        if not q:
+            raise QuestionInvalid("question is empty")
+        if len(q) > max_chars:
+            raise QuestionInvalid(f"question is longer than {max_chars} characters")
+        reserved = self.actor.reserved_tokens_in(q)
+        if reserved:
+            raise QuestionInvalid(f"question contains reserved token(s) {', '.join(reserved)}")
+        n = self.actor.count_tokens(q)
+        if n > max_tokens:
+            raise QuestionInvalid(f"question is {n} tokens, over the limit of {max_tokens}")
+        return q
+
+    def check_response(self, response: str, max_tokens: int) -> str:
+        """The text that will be scored (masks index into it), or TrajectoryInvalid."""
+        text = self.actor.score_text(response)
+        reserved = self.actor.reserved_tokens_in(text)
+        if reserved:
+            raise TrajectoryInvalid(f"contains reserved token(s) {', '.join(reserved)}")
+        n = self.actor.count_tokens(text)
+        if n > max_tokens:
+            raise TrajectoryInvalid(f"{n} tokens, over the limit of {max_tokens}")
+        return text
+
+    # ------------------------------------------------------------------ batch handlers
+    def answer_batch(self, items: list[AnswerItem], deadlines: list[float]
+                     ) -> list[AnswerResult | Exception]:
+        limit = items[0].max_new_tokens
+        res = self.actor.answer([i.image for i in items], [i.question for i in items],
+                                limit, readout="capture", deadlines=deadlines)
+        now = time.monotonic()
+        out: list[AnswerResult | Exception] = []
+        for r, deadline in zip(res, deadlines):
+            if now > deadline:     # decoding was cut at the deadline; its caller has gone
+                out.append(DeadlineExceeded("deadline passed while generating"))
+                continue
+            out.append(self._guard(lambda r=r: self._answer(r, res.timings)))
         return out
 
-    def score_one(self, image: Image.Image, question: str, response: str,
-                  mask: MaskSpec | None) -> dict:
-        r = self.actor.score([image], [question], [response], mask=mask)[0]
+    def _answer(self, r: Response, timings) -> AnswerResult:
+        t = time.perf_counter()
+        conf = _confidences(self.heads.confidence(r.readout))
+        heads_s = time.perf_counter() - t
+        problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
+        defer = self.heads.defer(conf.dualread) or problem is not None
+        return AnswerResult(
+            answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
+            defer=defer, defer_reason=problem,
+            timings=StageTimes(timings.generate, timings.readout, heads_s))
+
+    def score_batch(self, items: list[ScoreItem], deadlines: list[float]
+                    ) -> list[ScoreResult | Exception]:
+        res = self.actor.score([i.image for i in items], [i.question for i in items],
+                               [i.response for i in items], mask=[i.mask for i in items])
+        return [self._guard(lambda r=r: self._score(r)) for r in res]
+
+    def _score(self, r: Response) -> ScoreResult:
         ro = r.readout
-        return {"confidence": self.heads.confidence(ro), "mu_c": ro.verbalized_mu,
-                "answer": r.answer, "masked_tokens": len(ro.positions.get("masked", []))}
+        return ScoreResult(confidence=_confidences(self.heads.confidence(ro)),
+                           mu_c=ro.verbalized_mu, answer=r.answer,
+                           masked_tokens=len(ro.positions.get("masked", [])))
+
+    @staticmethod
+    def _guard(fn) -> Any:
+        """One item's failure is that item's error, not the batch's."""
+        try:
+            return fn()
+        except Exception as e:
+            log.error("item failed: %s", type(e).__name__, exc_info=e)
+            return ModelFailure("the model failed on this item")
+
+    def __repr__(self) -> str:
+        return f"Service(actor={self.actor.fingerprint}, heads={self.heads_id})"
+

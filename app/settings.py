@@ -11,17 +11,26 @@ class Settings(BaseSettings):
 
     actor: str | None = Field(None, description="actor folder; default: the embedded actor")
     heads: str | None = Field(None, description="heads folder; default: the embedded heads")
-    device: str = "cpu"
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch_size: int = Field(8, ge=1, le=256)
-    batch_wait_ms: float = Field(10.0, ge=0)
-    queue_limit: int = Field(64, ge=1)
-    request_timeout_s: float = Field(30.0, gt=0)
-    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)
-    max_image_pixels: int = Field(40_000_000, ge=1)
-    max_new_tokens: int = Field(64, ge=1, le=1024)
-    max_question_chars: int = Field(2000, ge=1)
+    device: str = Field("cpu", description="cpu or cuda")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
+    max_batch_size: int = Field(8, ge=1, le=256, description="jobs per model batch")
+    batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch waits to fill")
+    queue_limit: int = Field(64, ge=1, description="queued jobs before 429")
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline of every job (504)")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
+                                description="request body limit (413 before reading more)")
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="per image (413)")
+    max_image_pixels: int = Field(40_000_000, ge=1,
+                                  description="per image, DICOM frames included (413)")
+    max_new_tokens: int = Field(64, ge=1, le=1024, description="generation cap per answer")
+    max_question_chars: int = Field(2000, ge=1, description="question length (422)")
+    max_question_tokens: int = Field(512, ge=1, description="question tokens (422)")
+    max_response_tokens: int = Field(1024, ge=1,
+                                     description="tokens of a scored trajectory (422)")
     api_key: str | None = Field(None, description="bearer token required when set")
-    feedback_window: int = Field(500, ge=10)
+    metrics_require_key: bool = Field(False, description="with an API key, /metrics needs it")
+    docs_require_key: bool = Field(
+        True, description="with an API key, /docs, /redoc and /openapi.json need it")
+    feedback_window: int = Field(500, ge=10, description="answers in the feedback window")

@@ -8,48 +8,22 @@ the donor) CCG-AUC = mean φ(c_real − c_hn), φ(d) = 1[d > 0] + ½·1[d = 0].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from heads.metrics import resample_clusters
-from models.data import HardNegativeIndex, Item
+from clients.maths import Pair, ccg_auc, decisive, phi  # noqa: F401  (Pair, phi: re-exported)
+from clients.maths import ccg_bootstrap_ci as bootstrap_ci
+
+if TYPE_CHECKING:
+    from models.data import Item
 
 UNDERPOWERED_IMAGES = 30
 
 
-@dataclass
-class Pair:
-    item_id: str
-    image_id: str
-    z_real: bool
-    z_hn: bool
-    c_real: float
-    c_hn: float
-    strict: bool
-
-
-def phi(d: np.ndarray) -> np.ndarray:
-    return (d > 0).astype(float) + 0.5 * (d == 0)
-
-
-def ccg_auc(pairs: list[Pair], strict: bool = False) -> float:
-    e = [p for p in pairs if p.z_real and not p.z_hn and (p.strict or not strict)]
-    if not e:
-        return float("nan")
-    return float(phi(np.array([p.c_real - p.c_hn for p in e])).mean())
-
-
-def bootstrap_ci(pairs: list[Pair], strict: bool = False, n: int = 1000, seed: int = 42
-                 ) -> tuple[float, float]:
-    """Paired source-image-cluster bootstrap: resample images, keep all their questions."""
-    return resample_clusters([p.image_id for p in pairs],
-                             lambda idx: ccg_auc([pairs[i] for i in idx], strict), n, seed)
-
-
 def summarise(pairs: list[Pair], bootstrap: int = 1000) -> dict:
-    e = [p for p in pairs if p.z_real and not p.z_hn]
-    e_strict = [p for p in e if p.strict]
+    e = decisive(pairs)
+    e_strict = decisive(pairs, strict=True)
     images = len({p.image_id for p in e})
     acc_real = float(np.mean([p.z_real for p in pairs])) if pairs else float("nan")
     acc_hn = float(np.mean([p.z_hn for p in pairs])) if pairs else float("nan")
@@ -64,7 +38,13 @@ def summarise(pairs: list[Pair], bootstrap: int = 1000) -> dict:
 
 
 def run(client, items: list[Item], seed: int = 0, method: str = "dualread") -> list[Pair]:
-    """Call the service for every item that has a donor (the eligible set P)."""
+    """Call the service for every item that has a donor (the eligible set P).
+
+    Donor assignment reads the data loaders (`models.data`), so it is imported here: the
+    maths above needs numpy only.
+    """
+    from models.data import HardNegativeIndex
+
     index = HardNegativeIndex(items, seed)
     donors = {it.id: index.assign(it) for it in items}   # assigned before any scoring
     pairs = []

@@ -1,68 +1,186 @@
-"""Typed HTTP client for a dualread deployment (any host: it speaks HTTP only)."""
+"""Typed HTTP clients for a dualread deployment (any host: they speak HTTP only).
+
+`DualReadClient` (sync) and `AsyncDualReadClient` (async, with a concurrency limit) share
+one retry policy: 429, 503 and connection errors are retried with exponential backoff and
+jitter, and a `Retry-After` header, when the server sends one, sets the wait instead.
+Everything else (4xx, 500, 504) is raised at once with the server's reason.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import email.utils
+import random
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from app.schemas import (
+from clients.schemas import (
+    MAX_TRAJECTORIES,
     AnswerResponse,
     CounterfactualResponse,
     FeedbackResponse,
+    ScoreBatchResponse,
     ScoreResponse,
+    TrajectoryScore,
 )
 
+RETRY_STATUS = frozenset({429, 503})
+ImageLike = bytes | str | Path
 
-def _b64(image: bytes | str | Path) -> str:
+
+def _b64(image: ImageLike) -> str:
     data = image if isinstance(image, bytes) else Path(image).read_bytes()
     return base64.b64encode(data).decode()
 
 
+def retry_after(response: httpx.Response | None) -> float | None:
+    """Seconds asked for by a `Retry-After` header (delta-seconds or an HTTP date)."""
+    value = response.headers.get("retry-after") if response is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time()) if when else None
+
+
+def backoff(attempt: int, response: httpx.Response | None, base: float, cap: float) -> float:
+    asked = retry_after(response)
+    if asked is not None:
+        return min(asked, cap)
+    # Full jitter keeps many clients that were refused together from retrying together.
+    return random.uniform(0.5, 1.0) * min(cap, base * 2 ** attempt)
+
+
+def _raise_for(r: httpx.Response, path: str) -> None:
+    if r.status_code < 400:
+        return
+    try:
+        detail = r.json().get("detail") if r.headers.get("content-type", "").startswith(
+            "application/json") else r.text
+    except ValueError:
+        detail = r.text
+    raise httpx.HTTPStatusError(f"{r.status_code} on {path}: {detail}",
+                                request=r.request, response=r)
+
+
+def _mask(mask: dict | None) -> dict | None:
+    if mask is None:
+        return None
+    m = dict(mask)
+    if isinstance(m.get("target"), tuple):
+        m["target"] = list(m["target"])
+    return m
+
+
+def _answer_body(image: ImageLike, question: str, max_new_tokens: int | None) -> dict:
+    body: dict[str, Any] = {"image": _b64(image), "question": question}
+    if max_new_tokens:
+        body["max_new_tokens"] = max_new_tokens
+    return body
+
+
+def _cf_body(image, question, counterfactual, reference, counterfactual_reference) -> dict:
+    return {"image": _b64(image), "question": question,
+            "counterfactual": "blank" if counterfactual is None else _b64(counterfactual),
+            "reference_answer": reference,
+            "counterfactual_reference_answer": counterfactual_reference}
+
+
+def _trajectories(responses: Sequence[str], masks: Sequence[dict | None] | None) -> list[dict]:
+    masks = list(masks) if masks is not None else [None] * len(responses)
+    if len(masks) != len(responses):
+        raise ValueError("one mask (or None) per trajectory")
+    return [{"response": r, "mask": _mask(m)} for r, m in zip(responses, masks)]
+
+
 class DualReadClient:
+    """Blocking client; every method returns the typed response body."""
+
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, retries: int = 6, backoff_base: float = 0.25,
+                 backoff_cap: float = 20.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout,
+                                 transport=transport)
+        self.retries, self.base, self.cap = retries, backoff_base, backoff_cap
+        self.batch_scoring: bool | None = None     # None: not yet known for this server
 
     def __enter__(self) -> DualReadClient:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
         self.http.close()
 
+    def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, path, json=body)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(backoff(attempt, None, self.base, self.cap))
+                continue
+            if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                return r
+            time.sleep(backoff(attempt, r, self.base, self.cap))
+        raise AssertionError("unreachable")
+
     def _post(self, path: str, body: dict) -> dict:
-        r = self.http.post(path, json=body)
-        if r.status_code >= 400:
-            detail = r.json().get("detail") if r.headers.get("content-type", "").startswith(
-                "application/json") else r.text
-            raise httpx.HTTPStatusError(f"{r.status_code} on {path}: {detail}",
-                                        request=r.request, response=r)
+        r = self._request("POST", path, body)
+        _raise_for(r, path)
         return r.json()
 
-    def answer(self, image: bytes | str | Path, question: str,
+    def answer(self, image: ImageLike, question: str,
                max_new_tokens: int | None = None) -> AnswerResponse:
-        body = {"image": _b64(image), "question": question}
-        if max_new_tokens:
-            body["max_new_tokens"] = max_new_tokens
-        return AnswerResponse.model_validate(self._post("/answer", body))
+        return AnswerResponse.model_validate(
+            self._post("/answer", _answer_body(image, question, max_new_tokens)))
 
-    def counterfactual(self, image: bytes | str | Path, question: str,
-                       counterfactual: bytes | str | Path | None = None,
+    def counterfactual(self, image: ImageLike, question: str,
+                       counterfactual: ImageLike | None = None,
                        reference: str | None = None,
                        counterfactual_reference: str | None = None) -> CounterfactualResponse:
         """`counterfactual=None` uses the blank image (SPEC §5)."""
-        body = {"image": _b64(image), "question": question,
-                "counterfactual": "blank" if counterfactual is None else _b64(counterfactual),
-                "reference_answer": reference,
-                "counterfactual_reference_answer": counterfactual_reference}
+        body = _cf_body(image, question, counterfactual, reference, counterfactual_reference)
         return CounterfactualResponse.model_validate(self._post("/probe/counterfactual", body))
 
-    def score(self, image: bytes | str | Path, question: str, response: str,
+    def score(self, image: ImageLike, question: str, response: str,
               mask: dict | None = None) -> ScoreResponse:
-        body = {"image": _b64(image), "question": question, "response": response, "mask": mask}
+        body = {"image": _b64(image), "question": question, "response": response,
+                "mask": _mask(mask)}
         return ScoreResponse.model_validate(self._post("/probe/score", body))
+
+    def score_batch(self, image: ImageLike, question: str, responses: Sequence[str],
+                    masks: Sequence[dict | None] | None = None) -> list[TrajectoryScore]:
+        """Several trajectories for one image and question, results in order. A server
+        without `/probe/score_batch` is asked once per trajectory instead."""
+        trajs, b64 = _trajectories(responses, masks), _b64(image)
+        out: list[TrajectoryScore] = []
+        for start in range(0, len(trajs), MAX_TRAJECTORIES):
+            chunk = trajs[start:start + MAX_TRAJECTORIES]
+            if self.batch_scoring is not False:
+                r = self._request("POST", "/probe/score_batch",
+                                  {"image": b64, "question": question, "trajectories": chunk})
+                if r.status_code not in (404, 405):
+                    self.batch_scoring = True
+                    _raise_for(r, "/probe/score_batch")
+                    out += ScoreBatchResponse.model_validate(r.json()).results
+                    continue
+                self.batch_scoring = False
+            out += [TrajectoryScore.model_validate(
+                self.score(image, question, t["response"], t["mask"]).model_dump())
+                for t in chunk]
+        return out
 
     def feedback(self, request_id: str, correct: bool) -> FeedbackResponse:
         return FeedbackResponse.model_validate(
@@ -72,4 +190,110 @@ class DualReadClient:
         return self.http.get("/health/ready").status_code == 200
 
     def models(self) -> dict:
-        return self.http.get("/v1/models").json()
+        r = self._request("GET", "/v1/models")
+        _raise_for(r, "/v1/models")
+        return r.json()
+
+
+class AsyncDualReadClient:
+    """Async client: at most `concurrency` requests in flight, the same retry policy."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 timeout: float = 120.0, concurrency: int = 8, retries: int = 8,
+                 backoff_base: float = 0.25, backoff_cap: float = 20.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
+                                      limits=limits, transport=transport)
+        self.limit = asyncio.Semaphore(concurrency)
+        self.retries, self.base, self.cap = retries, backoff_base, backoff_cap
+        self.batch_scoring: bool | None = None
+        self.retried = 0                           # how many times a request was retried
+
+    async def __aenter__(self) -> AsyncDualReadClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _request(self, method: str, path: str, body: dict | None = None
+                       ) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            r = None
+            try:
+                async with self.limit:   # the wait between tries does not hold a slot
+                    r = await self.http.request(method, path, json=body)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                    return r
+            self.retried += 1
+            await asyncio.sleep(backoff(attempt, r, self.base, self.cap))
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, body: dict) -> dict:
+        r = await self._request("POST", path, body)
+        _raise_for(r, path)
+        return r.json()
+
+    async def answer(self, image: ImageLike, question: str,
+                     max_new_tokens: int | None = None) -> AnswerResponse:
+        return AnswerResponse.model_validate(
+            await self._post("/answer", _answer_body(image, question, max_new_tokens)))
+
+    async def counterfactual(self, image: ImageLike, question: str,
+                             counterfactual: ImageLike | None = None,
+                             reference: str | None = None,
+                             counterfactual_reference: str | None = None
+                             ) -> CounterfactualResponse:
+        body = _cf_body(image, question, counterfactual, reference, counterfactual_reference)
+        return CounterfactualResponse.model_validate(
+            await self._post("/probe/counterfactual", body))
+
+    async def score(self, image: ImageLike, question: str, response: str,
+                    mask: dict | None = None) -> ScoreResponse:
+        body = {"image": _b64(image), "question": question, "response": response,
+                "mask": _mask(mask)}
+        return ScoreResponse.model_validate(await self._post("/probe/score", body))
+
+    async def score_batch(self, image: ImageLike, question: str, responses: Sequence[str],
+                          masks: Sequence[dict | None] | None = None
+                          ) -> list[TrajectoryScore]:
+        """Several trajectories for one image and question, results in order (chunks of
+        64 per request; one request per trajectory on a server without the batch route)."""
+        trajs, b64 = _trajectories(responses, masks), _b64(image)
+        out: list[TrajectoryScore] = []
+        for start in range(0, len(trajs), MAX_TRAJECTORIES):
+            chunk = trajs[start:start + MAX_TRAJECTORIES]
+            if self.batch_scoring is not False:
+                r = await self._request("POST", "/probe/score_batch",
+                                        {"image": b64, "question": question,
+                                         "trajectories": chunk})
+                if r.status_code not in (404, 405):
+                    self.batch_scoring = True
+                    _raise_for(r, "/probe/score_batch")
+                    out += ScoreBatchResponse.model_validate(r.json()).results
+                    continue
+                self.batch_scoring = False
+            done = await asyncio.gather(*(self.score(image, question, t["response"], t["mask"])
+                                          for t in chunk))
+            out += [TrajectoryScore.model_validate(d.model_dump()) for d in done]
+        return out
+
+    async def feedback(self, request_id: str, correct: bool) -> FeedbackResponse:
+        return FeedbackResponse.model_validate(
+            await self._post("/feedback", {"request_id": request_id, "correct": correct}))
+
+    async def ready(self) -> bool:
+        return (await self.http.get("/health/ready")).status_code == 200
+
+    async def models(self) -> dict:
+        r = await self._request("GET", "/v1/models")
+        _raise_for(r, "/v1/models")
+        return r.json()

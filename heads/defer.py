@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.stats import beta
 
+# A threshold above any probability: with it every answer is deferred (no feasible τ, or
+# no policy at all).
+DEFER_ALL_TAU = 1.5
+
 
 @dataclass(frozen=True)
 class DeferPolicy:
@@ -68,7 +72,7 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target_risk: f
             lo = mid
     if best is None:
         # tau above any probability: everything is deferred
-        return DeferPolicy(tau=1.5, target_risk=target_risk, delta=delta, coverage=0.0,
+        return DeferPolicy(tau=DEFER_ALL_TAU, target_risk=target_risk, delta=delta, coverage=0.0,
                            empirical_risk=0.0, risk_upper_bound=1.0, n_calibration=n,
                            feasible=False)
     tau, k, risk, ub = best

@@ -1,4 +1,10 @@
-"""The fitted heads: DualRead branches, baselines' mappings, the defer policy, artefacts."""
+"""The fitted heads artefact: every registered method's readers and maps, and the defer policy.
+
+What a method owns here is keyed by its canonical name (`heads.registry`): temperatures and
+Platt maps by method, readers by reader name (a reader can serve several methods: P-State's
+reader also feeds PER and DualRead). Older artefacts (keys `T_pre`, `sc2`, `semantic`, ...)
+still load.
+"""
 
 from __future__ import annotations
 
@@ -10,98 +16,139 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.calibration import fuse, platt
-from heads.defer import DeferPolicy
-from heads.features import KAPPA
-from heads.modules import BICR_HIDDEN, PSR_HIDDEN, SAPLMA_HIDDEN, Reader
+import heads.methods  # noqa: F401  (registers the shipped methods)
+from heads import registry
+from heads.defer import DEFER_ALL_TAU, DeferPolicy
+from heads.features import FEATURE_SCHEMA, KAPPA, extract
+from heads.methods import dualread as dualread_method
+from heads.methods import state_baselines
+from heads.modules import Reader
+from heads.registry import Method
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
+CARD_VERSION = 2
+# the method whose confidence the defer policy thresholds
+DEFER_METHOD = "dualread"
+# card keys written before the registry -> canonical method names
+LEGACY_TEMPERATURES = {"T_pre": "psr", "T_post": "per", "T_state": "p_state",
+                       "T_saplma": "saplma", "T_bicr": "blind_image_contrast",
+                       "T_msp": "max_sequence_probability"}
+LEGACY_PLATT = {"sc2": "sc_2", "sc4": "sc_4", "sc8": "sc_8", "semantic": "semantic_uncertainty"}
 
 
 class FingerprintMismatch(RuntimeError):
     pass
 
 
+class _Temperature:
+    """`heads.t_pre` and friends: attribute views of `heads.temperatures[method]`."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj.temperatures.get(self.method, 1.0)
+
+    def __set__(self, obj, value: float) -> None:
+        obj.temperatures[self.method] = float(value)
+
+
 @dataclass
 class Heads:
     dim: int
-    psr: Reader
-    state: Reader
-    visual: Reader
-    saplma: Reader
-    bicr: Reader
-    t_pre: float = 1.0
-    t_post: float = 1.0
-    t_state: float = 1.0
-    t_saplma: float = 1.0
-    t_bicr: float = 1.0
-    t_msp: float = 1.0
-    platt: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # -log(pos_weight) of each class-weighted MLP (PSR, SAPLMA, BICR)
+    readers: dict[str, Reader] = field(default_factory=dict)
+    temperatures: dict[str, float] = field(default_factory=dict)           # by method
+    platt_maps: dict[str, tuple[float, float]] = field(default_factory=dict)  # by method
+    # -log(pos_weight) of each class-weighted MLP, by reader name
     offsets: dict[str, float] = field(default_factory=dict)
     policy: DeferPolicy | None = None
     kappa: float = KAPPA
     actor_fingerprint: str = ""
     card: dict = field(default_factory=dict)
 
+    t_pre = _Temperature("psr")
+    t_post = _Temperature("per")
+    t_state = _Temperature("p_state")
+    t_saplma = _Temperature("saplma")
+    t_bicr = _Temperature("blind_image_contrast")
+    t_msp = _Temperature("max_sequence_probability")
+
     @classmethod
     def new(cls, dim: int) -> Heads:
-        return cls(dim=dim, psr=Reader(dim, PSR_HIDDEN), state=Reader(dim),
-                   visual=Reader(4 * dim), saplma=Reader(dim, SAPLMA_HIDDEN),
-                   bicr=Reader(2 * dim, BICR_HIDDEN))
+        """Fresh readers for every registered method (created in registration order)."""
+        specs = registry.readers_for(registry.registered())
+        return cls(dim=dim, readers={name: Reader(s.width * dim, s.hidden)
+                                     for name, s in specs.items()})
+
+    def __getattr__(self, name: str):
+        # `heads.psr`, `heads.state`, ...: the readers by name
+        readers = self.__dict__.get("readers", {})
+        if name in readers:
+            return readers[name]
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------- per-method state
+    def temperature(self, method: str) -> float:
+        return self.temperatures.get(method, 1.0)
+
+    def platt_map(self, method: str, default: tuple[float, float] | None = None
+                  ) -> tuple[float, float]:
+        if method in self.platt_maps:
+            return self.platt_maps[method]
+        if default is None:
+            raise KeyError(f"these heads have no Platt map for {method!r}; refit them with "
+                           "`dualread fit-heads`")
+        return default
+
+    @property
+    def platt(self) -> dict[str, tuple[float, float]]:
+        """Platt maps by method, plus the older key names (`sc2`, `semantic`) as aliases.
+
+        A read-only copy for older callers; fitting writes `platt_maps`.
+        """
+        out = dict(self.platt_maps)
+        out.update({old: out[new] for old, new in LEGACY_PLATT.items() if new in out})
+        return out
+
+    @platt.setter
+    def platt(self, maps: dict[str, tuple[float, float]]) -> None:
+        self.platt_maps = {LEGACY_PLATT.get(k, k): tuple(v) for k, v in maps.items()}
+
+    def has(self, method: Method) -> bool:
+        """Whether this artefact holds every reader the method needs."""
+        return all(r in self.readers for r in method.readers)
 
     # ------------------------------------------------------------- scoring
-    @torch.no_grad()
     def logits(self, f: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        l_pre = self.psr(f["h_pre"]) + self.offsets.get("psr", 0.0)
-        l_state = self.state(f["h_close"])
-        l_post = l_state + self.visual(f["phi"])
-        return {"pre": l_pre, "state": l_state, "post": l_post}
+        """DualRead's branch logits: pre (PSR), state (P-State) and post (P-State + P-Visual)."""
+        return dualread_method.logits(self, f)
 
-    @torch.no_grad()
     def score(self, f: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """Confidence of every readout-only method for a batch of features."""
-        lg = self.logits(f)
-        p_pre = torch.sigmoid(lg["pre"].double() / self.t_pre)
-        p_post = torch.sigmoid(lg["post"].double() / self.t_post)
-        msp = f["msp"].flatten().double().clamp(1e-6, 1 - 1e-6)
-        out = {
-            "psr": p_pre,
-            "p_state": torch.sigmoid(lg["state"] / self.t_state),
-            "per": p_post,
-            "dualread": fuse(p_pre, p_post),
-            "verbalized": f["mu"].flatten(),
-            "max_sequence_probability": torch.sigmoid(torch.log(msp / (1 - msp)) / self.t_msp),
-            "saplma": torch.sigmoid(self.saplma_logits(f["h_mid"]) / self.t_saplma),
-        }
-        res = {k: v.double().numpy() for k, v in out.items()}
-        res["mean_token_logprob"] = platt(f["mean_logprob"].flatten().numpy(),
-                                          self.platt.get("mean_token_logprob", (1.0, 0.0)))
-        res["predictive_entropy"] = platt(-f["entropy"].flatten().numpy(),
-                                          self.platt.get("predictive_entropy", (1.0, 0.0)))
-        return res
+        """Confidence of every method that reads only the natural pass, for a feature batch."""
+        return {m.name: m.score(self, f) for m in registry.registered()
+                if not m.passes and self.has(m)}
 
     def confidence(self, readout) -> dict[str, float]:
-        """The online view for one readout: DualRead, its branches and μ(C)."""
-        from heads.features import extract
-
+        """The online view for one readout: the methods marked `served` (`/answer`)."""
         f = {k: v[None] for k, v in extract(readout, self.kappa).items()}
-        s = self.score(f)
-        return {"dualread": float(s["dualread"][0]), "psr": float(s["psr"][0]),
-                "per": float(s["per"][0]), "verbalized": float(s["verbalized"][0])}
+        return {m.name: float(m.score(self, f)[0]) for m in registry.registered()
+                if m.served and self.has(m)}
 
-    @torch.no_grad()
     def saplma_logits(self, h_mid: torch.Tensor) -> torch.Tensor:
-        return self.saplma(h_mid) + self.offsets.get("saplma", 0.0)
+        return state_baselines.saplma_logits(self, h_mid)
 
-    @torch.no_grad()
     def bicr_logits(self, h_real: torch.Tensor, h_black: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([h_real, h_real - h_black], -1)
-        return self.bicr(x) + self.offsets.get("bicr", 0.0)
+        return state_baselines.bicr_logits(self, h_real, h_black)
 
-    @torch.no_grad()
     def score_bicr(self, h_real: torch.Tensor, h_black: torch.Tensor) -> np.ndarray:
-        return torch.sigmoid(self.bicr_logits(h_real, h_black) / self.t_bicr).double().numpy()
+        return state_baselines.score_bicr(self, h_real, h_black)
+
+    @property
+    def defer_threshold(self) -> float:
+        """τ; above any probability when there is no policy (everything is deferred)."""
+        return self.policy.tau if self.policy else DEFER_ALL_TAU
 
     def defer(self, p: float) -> bool:
         return True if self.policy is None else self.policy.defer(p)
@@ -111,15 +158,17 @@ class Heads:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
-        for name in ("psr", "state", "visual", "saplma", "bicr"):
-            for k, v in getattr(self, name).state_dict().items():
+        for name, reader in self.readers.items():
+            for k, v in reader.state_dict().items():
                 tensors[f"{name}.{k}"] = v.contiguous()
         save_file(tensors, str(folder / "heads.safetensors"))
-        card = {**card, "actor_fingerprint": self.actor_fingerprint, "feature_dim": self.dim,
-                "kappa": self.kappa, "temperatures": {
-                    "T_pre": self.t_pre, "T_post": self.t_post, "T_state": self.t_state,
-                    "T_saplma": self.t_saplma, "T_bicr": self.t_bicr, "T_msp": self.t_msp},
-                "platt": self.platt, "prior_offsets": self.offsets,
+        card = {**card, "card_version": CARD_VERSION,
+                "actor_fingerprint": self.actor_fingerprint, "feature_dim": self.dim,
+                "feature_schema": FEATURE_SCHEMA, "kappa": self.kappa,
+                "methods": [m.name for m in registry.registered() if self.has(m)],
+                "temperatures": dict(self.temperatures),
+                "platt": {k: list(v) for k, v in self.platt_maps.items()},
+                "prior_offsets": self.offsets,
                 "defer": self.policy.to_dict() if self.policy else None}
         self.card = card
         (folder / "heads_card.json").write_text(json.dumps(card, indent=2))
@@ -138,14 +187,16 @@ class Heads:
                 f"not for the loaded actor {actor_fingerprint}; refit with `dualread fit-heads`")
         heads = cls.new(int(card["feature_dim"]))
         state = load_file(str(folder / "heads.safetensors"))
-        for name in ("psr", "state", "visual", "saplma", "bicr"):
-            sub = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")}
-            getattr(heads, name).load_state_dict(sub)
-            getattr(heads, name).eval()
-        t = card["temperatures"]
-        heads.t_pre, heads.t_post, heads.t_state = t["T_pre"], t["T_post"], t["T_state"]
-        heads.t_saplma, heads.t_bicr, heads.t_msp = t["T_saplma"], t["T_bicr"], t["T_msp"]
-        heads.platt = {k: tuple(v) for k, v in card.get("platt", {}).items()}
+        stored = {k.split(".", 1)[0] for k in state}
+        # a registered method whose reader this artefact lacks is simply not available
+        heads.readers = {n: r for n, r in heads.readers.items() if n in stored}
+        for name, reader in heads.readers.items():
+            reader.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()
+                                    if k.startswith(name + ".")})
+            reader.eval()
+        heads.temperatures = {LEGACY_TEMPERATURES.get(k, k): float(v)
+                              for k, v in card.get("temperatures", {}).items()}
+        heads.platt = card.get("platt", {})
         heads.offsets = dict(card.get("prior_offsets", {}))
         heads.policy = DeferPolicy(**card["defer"]) if card.get("defer") else None
         heads.kappa = card.get("kappa", KAPPA)

@@ -13,86 +13,72 @@ from pathlib import Path
 
 import numpy as np
 
-from heads.calibration import platt
-from heads.collect import K_SAMPLES, Collector
+from heads import registry
+from heads.collect import Collector
 from heads.dualread import Heads
 from heads.metrics import METRICS, cluster_bootstrap, risk_coverage
 from models.data import load, sample
 
-# method -> (extra forward passes beyond the natural generation, which collected part)
-COSTS = {
-    "verbalized": ("0", None), "max_sequence_probability": ("0", None),
-    "mean_token_logprob": ("0", None),
-    "predictive_entropy": ("0", None),
-    "p_true": ("1", "ptrue"),
-    "saplma": ("0 (states captured while generating)", None),
-    "sc_2": ("2 generations", "samples"), "sc_4": ("4 generations", "samples"),
-    "sc_8": ("8 generations", "samples"), "semantic_uncertainty": ("8 generations", "samples"),
-    "blind_image_contrast": ("1 replay (black image)", "bicr"),
-    "psr": ("0 (states captured while generating)", None),
-    "p_state": ("0 (states captured while generating)", None),
-    "per": ("0 (states captured while generating)", None),
-    "dualread": ("0 (states captured while generating)", None),
-}
-METHODS = tuple(COSTS)
 SHOWN = ("auroc", "ece", "ece10", "brier", "aurc", "hce90")
 
 
-def score_all(heads: Heads, feats: dict, methods: tuple[str, ...]) -> dict[str, np.ndarray]:
-    out = {k: v for k, v in heads.score(feats).items() if k in methods}
-    if "p_true" in methods:
-        out["p_true"] = feats["ptrue"].double().numpy()
-    if "blind_image_contrast" in methods:
-        out["blind_image_contrast"] = heads.score_bicr(feats["h_close"], feats["h_close_black"])
-    for k in (2, 4, 8):
-        if f"sc_{k}" in methods:
-            out[f"sc_{k}"] = platt(feats[f"sc{k}"].numpy(), heads.platt[f"sc{k}"])
-    if "semantic_uncertainty" in methods:
-        out["semantic_uncertainty"] = platt(-feats["semantic"].numpy(), heads.platt["semantic"])
-    return {m: out[m] for m in methods if m in out}
+def __getattr__(name: str):
+    # METHODS follows the registry, so a method registered later is in the default table
+    if name == "METHODS":
+        return registry.names()
+    raise AttributeError(name)
+
+
+def score_all(heads: Heads, feats: dict, methods: tuple[str, ...] | None = None
+              ) -> dict[str, np.ndarray]:
+    """Confidence of each chosen method (all registered by default), in the order given."""
+    return {m.name: m.score(heads, feats) for m in registry.select(methods)}
 
 
 def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
-             methods: tuple[str, ...] = METHODS, limit: int | None = None,
+             methods: tuple[str, ...] | None = None, limit: int | None = None,
              bootstrap: int = 1000, cache_dir: str | Path | None = None,
              max_new_tokens: int = 64, command: str = "") -> dict:
+    """One table per data spec: every chosen method (all registered by default)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
-    extras = tuple(sorted({COSTS[m][1] for m in methods if COSTS[m][1]}))
+    chosen = registry.select(methods)
+    missing = [m.name for m in chosen if not heads.has(m)]
+    if missing:
+        raise ValueError(f"these heads were fitted without {', '.join(missing)}; refit them "
+                         "with `dualread fit-heads` or leave those methods out")
+    passes = registry.passes_for(chosen)
     report: dict = {"actor": actor.folder, "actor_fingerprint": actor.fingerprint,
                     "heads": heads.card.get("command", ""), "command": command,
                     "bootstrap": bootstrap, "datasets": {}}
     for spec in specs:
         items = sample(load(spec), limit)
-        col = Collector(actor, cache_dir, max_new_tokens)
+        # features with the κ the heads were fitted with
+        col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
         t0 = time.perf_counter()
-        feats, meta = col.run(items, extras=extras, label=f"evaluate {spec}")
+        feats, meta = col.run(items, passes=passes, label=f"evaluate {spec}")
         wall = time.perf_counter() - t0
         t1 = time.perf_counter()
-        scores = score_all(heads, feats, methods)
+        scores = {m.name: m.score(heads, feats) for m in chosen}
         scoring_s = (time.perf_counter() - t1) / max(1, len(items))
         z = feats["z"].numpy().astype(int)
         clusters = meta["image_ids"]
         rows = {}
         n = len(items)
         base_s = col.seconds["generate+readout"] / max(1, n)
-        for m, c in scores.items():
+        for m in chosen:
+            c = scores[m.name]
             row = {"n": n}
             for name in SHOWN:
                 row[name] = METRICS[name](c, z)
                 if bootstrap:
                     row[name + "_ci"] = cluster_bootstrap(c, z, clusters, METRICS[name],
                                                           n=bootstrap)
-            part = COSTS[m][1]
-            extra_s = col.seconds[part] / n if part else 0.0
-            if m.startswith("sc_"):   # SC@K reads the first K of one K_SAMPLES-sample pass
-                extra_s *= int(m[3:]) / K_SAMPLES
-            row["cost_passes"] = COSTS[m][0]
+            extra_s = sum(col.seconds[p] for p in m.passes) / n
+            extra_s *= m.pass_share    # SC@K reads the first K of one shared sample pass
+            row["cost_passes"] = m.cost
             row["seconds_per_item_extra"] = round(extra_s + scoring_s, 5)
-            rows[m] = row
+            rows[m.name] = row
         report["datasets"][spec] = {
             "n": n, "accuracy": float(z.mean()), "images": len(set(clusters)),
             "seconds_per_item_generate_readout": round(base_s, 5),

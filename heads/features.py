@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from models.readout import Readout
 
+# SPEC §1's κ, the default when heads are fitted. Fitted heads store the κ they were fitted
+# with (`Heads.kappa`); evaluation and serving use that stored value, never this constant.
 KAPPA = 0.1
+# Bump when what `extract` returns changes meaning (names, shapes, definitions): cached
+# readouts carry this version in their key, so old shards are not reused. The cache key
+# also hashes this module's source, which catches edits nobody remembered to version.
+FEATURE_SCHEMA = 2
 
 
 def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA

@@ -1,4 +1,5 @@
-"""`dualread fit-heads`: readouts once, image-disjoint splits, every head, one artefact."""
+"""`dualread fit-heads`: readouts once, image-disjoint splits, every registered method, one
+artefact."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from heads.calibration import fit_platt, fit_temperature, logit
+from heads import registry
 from heads.collect import Collector
 from heads.defer import choose_threshold
-from heads.dualread import Heads
+from heads.dualread import DEFER_METHOD, Heads
 from heads.metrics import METRICS
-from heads.modules import fit_linear, fit_mlp
+from heads.registry import FitData, Method
 from models.data import Item
 
 console = Console(stderr=True)
@@ -37,77 +38,72 @@ def _idx(meta: dict, split: str, sub: str | None = None) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def splits_of(meta: dict) -> dict[str, torch.Tensor]:
+    """Item indices of every split (image-disjoint), by name."""
+    out = {s: _idx(meta, s) for s in SPLITS}
+    out["reader_train"], out["reader_val"] = _idx(meta, "reader", "train"), \
+        _idx(meta, "reader", "val")
+    return out
+
+
+def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None) -> dict:
+    """Fit each method in registration order; their log entries by method name."""
+    log = {}
+    for m in methods if methods is not None else registry.registered():
+        entry = m.fit(heads, data)
+        if entry is not None:
+            log[m.name] = entry
+    return log
+
+
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64) -> tuple[Heads, dict]:
-    """Fit PSR, P-State, P-Visual, baselines' readers, temperatures, Platt maps and τ."""
-    torch.manual_seed(seed)
+    """Fit every registered method on image-disjoint splits, then the defer threshold τ."""
+    methods = registry.registered()
     col = Collector(actor, cache_dir, max_new_tokens)
-    feats, meta = col.run(items, extras=("bicr",), label="readouts (fit)")
+    on_all = registry.passes_for([m for m in methods if m.fit_passes_on == "all"])
+    feats, meta = col.run(items, passes=on_all, label="readouts (fit)")
     z = feats["z"]
-    rd, tp, df = (_idx(meta, s) for s in SPLITS)
-    rd_tr, rd_val = _idx(meta, "reader", "train"), _idx(meta, "reader", "val")
-    for name, ix in (("reader", rd), ("temperature", tp), ("defer", df)):
+    splits = splits_of(meta)
+    for name in SPLITS:
+        ix = splits[name]
         if len(ix) == 0 or z[ix].min() == z[ix].max():
             raise ValueError(f"the {name} split needs both correct and wrong answers; "
                              f"give more data (it has {len(ix)} items)")
+    # Reader weights start from the seed; every fit that draws random numbers reseeds.
+    torch.manual_seed(seed)
     heads = Heads.new(feats["h_pre"].shape[1])
     heads.actor_fingerprint = actor.fingerprint
-    log = {}
-    # PSR first, independently: MLP, class-weighted BCE, early stopping on held-out images.
-    log["psr"] = fit_mlp(heads.psr, feats["h_pre"][rd_tr], z[rd_tr], feats["h_pre"][rd_val],
-                         z[rd_val], seed=seed)
-    # P-State, fitted then frozen; P-Visual on the residual.
-    log["p_state"] = fit_linear(heads.state, feats["h_close"][rd], z[rd])
-    with torch.no_grad():
-        l_state = heads.state(feats["h_close"][rd])
-    log["p_visual"] = fit_linear(heads.visual, feats["phi"][rd], z[rd], offset=l_state)
-    heads.offsets["psr"] = log["psr"]["prior_offset"]
-    log["saplma"] = fit_mlp(heads.saplma, feats["h_mid"][rd_tr], z[rd_tr],
-                            feats["h_mid"][rd_val], z[rd_val], seed=seed)
-    bicr_x = torch.cat([feats["h_close"], feats["h_close"] - feats["h_close_black"]], -1)
-    log["bicr"] = fit_mlp(heads.bicr, bicr_x[rd_tr], z[rd_tr], bicr_x[rd_val], z[rd_val],
-                          seed=seed)
-    heads.offsets["saplma"] = log["saplma"]["prior_offset"]
-    heads.offsets["bicr"] = log["bicr"]["prior_offset"]
-    # Temperatures on the image-disjoint temperature split, everything else fixed.
-    with torch.no_grad():
-        lg = heads.logits({k: v[tp] for k, v in feats.items()})
-        heads.t_pre = fit_temperature(lg["pre"], z[tp])
-        heads.t_post = fit_temperature(lg["post"], z[tp])
-        heads.t_state = fit_temperature(lg["state"], z[tp])
-        heads.t_saplma = fit_temperature(heads.saplma_logits(feats["h_mid"][tp]), z[tp])
-        heads.t_bicr = fit_temperature(
-            heads.bicr_logits(feats["h_close"][tp], feats["h_close_black"][tp]), z[tp])
-        heads.t_msp = fit_temperature(logit(feats["msp"][tp].flatten()).float(), z[tp])
-    heads.platt["mean_token_logprob"] = fit_platt(feats["mean_logprob"][tp].flatten().numpy(),
-                                                  z[tp].numpy())
-    heads.platt["predictive_entropy"] = fit_platt(-feats["entropy"][tp].flatten().numpy(),
-                                                  z[tp].numpy())
-    # SC@K and semantic uncertainty are Platt-mapped on the same split (K samples each).
-    tp_items = [items[i] for i in tp.tolist()]
-    sfeats, _ = Collector(actor, cache_dir, max_new_tokens).run(
-        tp_items, extras=("samples",), label="samples (SC/semantic)")
-    for k in (2, 4, 8):
-        heads.platt[f"sc{k}"] = fit_platt(sfeats[f"sc{k}"].numpy(), sfeats["z"].numpy())
-    heads.platt["semantic"] = fit_platt(-sfeats["semantic"].numpy(), sfeats["z"].numpy())
+    # Passes too costly for every item (K samples) run on the one split that needs them.
+    scoped = {}
+    for split in dict.fromkeys(m.fit_passes_on for m in methods
+                               if m.fit_passes_on not in (None, "all")):
+        need = registry.passes_for([m for m in methods if m.fit_passes_on == split])
+        sub = [items[i] for i in splits[split].tolist()]
+        scoped[split], _ = Collector(actor, cache_dir, max_new_tokens).run(
+            sub, passes=need, label=f"{', '.join(need)} ({split} split)")
+    data = FitData(feats, z, splits, scoped, seed)
+    log = fit_methods(heads, data, methods)
     # Defer policy on its own calibration split.
-    scores = heads.score({k: v[df] for k, v in feats.items()})
-    heads.policy = choose_threshold(scores["dualread"], z[df].numpy(), target_risk, delta)
+    df = splits["defer"]
+    scores = heads.score(data.on("defer"))
+    heads.policy = choose_threshold(scores[DEFER_METHOD], z[df].numpy(), target_risk, delta)
     held = {}
     for name, c in scores.items():
         held[name] = {m: round(fn(c, z[df].numpy()), 4) for m, fn in METRICS.items()}
     info = {
-        "splits": {"reader": len(rd), "reader_train": len(rd_tr), "reader_val": len(rd_val),
-                   "temperature": len(tp), "defer_calibration": len(df),
+        "splits": {"reader": len(splits["reader"]), "reader_train": len(splits["reader_train"]),
+                   "reader_val": len(splits["reader_val"]),
+                   "temperature": len(splits["temperature"]), "defer_calibration": len(df),
                    "rule": "sha256(image_id) bins: 60% reader / 20% temperature / 20% defer"},
         "accuracy": round(float(z.mean()), 4),
         "fit_log": log,
         "defer_split_metrics": held,
         "seconds": dict(col.seconds),
     }
-    console.log(f"fitted heads: AUROC on defer split {held['dualread']['auroc']}, "
-                f"ECE-15 {held['dualread']['ece']}, tau {heads.policy.tau:.3f}, "
+    console.log(f"fitted heads: AUROC on defer split {held[DEFER_METHOD]['auroc']}, "
+                f"ECE-15 {held[DEFER_METHOD]['ece']}, tau {heads.policy.tau:.3f}, "
                 f"coverage {heads.policy.coverage:.3f}")
     return heads, info
 

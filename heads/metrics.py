@@ -7,6 +7,9 @@ from collections.abc import Callable
 import numpy as np
 from sklearn.metrics import brier_score_loss, roc_auc_score
 
+# the bootstrap lives with the numpy-only client maths; imported here for older callers
+from clients.maths import cluster_bootstrap, resample_clusters  # noqa: F401
+
 
 def auroc(c: np.ndarray, z: np.ndarray) -> float:
     """AUROC with ties counted ½ (sklearn's trapezoid); NaN with one class only."""
@@ -69,29 +72,3 @@ METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
     "auroc": auroc, "ece": lambda c, z: ece(c, z, 15), "ece10": lambda c, z: ece(c, z, 10),
     "brier": brier, "aurc": aurc, "hce90": hce,
 }
-
-
-def resample_clusters(clusters: list[str], stat: Callable[[np.ndarray], float],
-                      n: int = 1000, seed: int = 42) -> tuple[float, float]:
-    """95% percentile CI of `stat(item indices)`, resampling whole clusters (images)."""
-    keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
-    members = [np.nonzero(inv == k)[0] for k in range(len(keys))]
-    rng = np.random.default_rng(seed)
-    stats = []
-    for _ in range(n):
-        idx = np.concatenate([members[k] for k in rng.integers(len(keys), size=len(keys))])
-        v = stat(idx)
-        if not np.isnan(v):
-            stats.append(v)
-    if not stats:
-        return float("nan"), float("nan")
-    lo, hi = np.percentile(stats, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def cluster_bootstrap(c: np.ndarray, z: np.ndarray, clusters: list[str],
-                      fn: Callable[[np.ndarray, np.ndarray], float], n: int = 1000,
-                      seed: int = 42) -> tuple[float, float]:
-    """95% percentile CI of a metric, resampling whole clusters (source images)."""
-    c, z = np.asarray(c, float), np.asarray(z, int)
-    return resample_clusters(clusters, lambda idx: fn(c[idx], z[idx]), n, seed)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from PIL import Image
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models.canon import canon
 from models.families import Family, decode_position_ids, position_ids
@@ -19,6 +22,74 @@ from models.readout import Readout, Response, locate, token_spans
 ReadoutMode = Literal["capture", "replay", "none"]
 CONFIDENCE_CUE = "<confidence>"
 SAPLMA_DEPTH = 0.625
+
+
+@dataclass(frozen=True)
+class StageTimings:
+    """Seconds one `Actor.answer` batch spent per stage."""
+
+    generate: float
+    readout: float
+
+
+class Answers(list):
+    """`Actor.answer`'s responses, in input order, with the batch's stage timings."""
+
+    def __init__(self, responses: Sequence[Response], timings: StageTimings) -> None:
+        super().__init__(responses)
+        self.timings = timings
+
+
+class DeadlineCriteria(StoppingCriteria):
+    """Stops each row once its deadline (time.monotonic seconds) has passed.
+
+    Checked between decode steps, so no generation outlives the caller waiting for it.
+    """
+
+    def __init__(self, deadlines: Sequence[float]) -> None:
+        self.deadlines = list(deadlines)
+        self.cut: dict[int, int] = {}     # row -> sequence length when it was stopped
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        now = time.monotonic()
+        late = [now > d for d in self.deadlines]
+        for b, stop in enumerate(late):
+            if stop:
+                self.cut.setdefault(b, input_ids.shape[1])
+        return torch.tensor(late, device=input_ids.device)
+
+
+class StateTap:
+    """Keeps the final-norm output and one decoder layer's output of every forward run
+    while it is entered, from the calling thread only.
+
+    That is what `output_hidden_states` returns at those two depths (`hidden_states[-1]`
+    is the final norm's output, `hidden_states[k]` decoder layer k-1's), without building
+    every layer's states at every decode step: the capture path then costs generate
+    almost nothing extra. Re-entering keeps appending.
+    """
+
+    def __init__(self, model, mid_layer: int) -> None:
+        decoder = model.get_decoder()
+        self.modules = {"last": decoder.norm, "mid": decoder.layers[mid_layer - 1]}
+        self.states: dict[str, list[torch.Tensor]] = {"last": [], "mid": []}
+        self.handles: list = []
+        self.thread = threading.get_ident()
+
+    def _keep(self, key: str):
+        def hook(module, args, output) -> None:
+            if threading.get_ident() == self.thread:
+                self.states[key].append(output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    def __enter__(self) -> StateTap:
+        self.handles = [m.register_forward_hook(self._keep(k)) for k, m in self.modules.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 @dataclass
@@ -60,7 +131,9 @@ class Actor:
             self.pad_id = next(iter(self.eos_ids))
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.digit_ids = self._digit_ids()
-        self.last_timings: dict[str, float] = {}
+        # Ids a user's text must not contain: chat, image and padding markers.
+        self.reserved_ids = {i for i, t in self.tokenizer.added_tokens_decoder.items()
+                             if t.special} | {self.image_token_id}
 
     @property
     def device(self) -> torch.device:
@@ -78,6 +151,22 @@ class Actor:
             ids = self.tokenizer.encode(str(c), add_special_tokens=False)
             out.append(ids[0] if len(ids) == 1 else None)
         return out
+
+    # ---------------------------------------------------------------- input budgets
+    def count_tokens(self, text: str) -> int:
+        """Tokens `text` costs inside a prompt or a scored response."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def reserved_tokens_in(self, text: str) -> list[str]:
+        """Reserved markers (image pad, chat turns, ...) written in a user's text."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return sorted({self.tokenizer.convert_ids_to_tokens(i) for i in ids
+                       if i in self.reserved_ids})
+
+    @staticmethod
+    def score_text(response: str, cue: bool = True) -> str:
+        """The text `score` actually feeds for a supplied response (masks index into it)."""
+        return response.split(CONFIDENCE_CUE)[0] + (CONFIDENCE_CUE if cue else "")
 
     def prompt_text(self, question: str) -> str:
         messages = []
@@ -122,6 +211,10 @@ class Actor:
         return Batch(ids.to(dev), mask.to(dev), type_ids.to(dev), lp, vision)
 
     # ---------------------------------------------------------------- forward passes
+    def _vision_kwargs(self, batch: Batch) -> dict:
+        """The model's extra inputs for a batch: vision tensors plus the modality ids."""
+        return {**batch.vision, self.family.type_ids_key: batch.type_ids}
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM-head logits from final-layer states (only where they are needed)."""
         w = self.model.get_output_embeddings()
@@ -138,8 +231,7 @@ class Actor:
         `attn`, when given, is a 4-D additive mask (or Gemma3's per-layer-type dict) and
         then `pos` must be the explicit position ids.
         """
-        kwargs = dict(batch.vision)
-        kwargs[self.family.type_ids_key] = batch.type_ids
+        kwargs = self._vision_kwargs(batch)
         out = self.model(input_ids=batch.input_ids,
                          attention_mask=batch.attention_mask if attn is None else attn,
                          position_ids=pos, output_hidden_states=True, use_cache=False,
@@ -151,10 +243,9 @@ class Actor:
     def _response(self, ids: list[int], last: torch.Tensor, mid: torch.Tensor | None,
                   input_ids: torch.Tensor, lp: int) -> Response:
         """Assemble one item's Response from its states over [prompt ; response]."""
-        eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
-        finished = eos_at is not None
-        ids = ids[: eos_at + 1] if finished else ids
-        body = ids[:eos_at] if finished else ids
+        ids = self._trim(ids)
+        finished = bool(ids) and ids[-1] in self.eos_ids
+        body = ids[:-1] if finished else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
         parsed = parse_response(text)
@@ -175,7 +266,7 @@ class Actor:
         tgt = torch.tensor(ids, device=logp.device)
         tok_lp = logp.gather(-1, tgt[:, None]).squeeze(-1) if n else logp.new_zeros(0)
         ent = -(logp.exp() * logp).sum(-1) if n else logp.new_zeros(0)
-        digits = self._digit_probs(text, spans, last, lp)
+        digits = self._digit_probs(text, spans, last, lp, logp)
         ro = Readout(
             h_pre=last[t_prompt].cpu(), h_close=last[close_pos].cpu(),
             h_answer=last[ans_pos].cpu(), h_image=last[img_pos].cpu(),
@@ -188,8 +279,14 @@ class Actor:
         resp.readout = ro
         return resp
 
-    def _digit_probs(self, text: str, spans, last: torch.Tensor, lp: int) -> torch.Tensor | None:
-        """P(C=c) at the position whose next token is the verbalized level (SPEC §3)."""
+    def _digit_probs(self, text: str, spans, last: torch.Tensor, lp: int,
+                     logp: torch.Tensor | None = None) -> torch.Tensor | None:
+        """P(C=c) at the position whose next token is the verbalized level (SPEC §3).
+
+        `logp` holds the response's next-token log-probabilities (row k predicts response
+        token k); when it covers the cue's position its row is reused instead of a second
+        LM-head pass.
+        """
         cue = text.find(CONFIDENCE_CUE)
         if cue < 0 or all(d is None for d in self.digit_ids):
             return None
@@ -197,32 +294,45 @@ class Actor:
         idx = [k for k, (a, b) in enumerate(spans) if a < end and b >= end and b > a]
         if not idx:
             return None
-        logits = self._logits(last[lp + idx[0]])
-        p = torch.softmax(logits, -1)
-        probs = torch.tensor([float(p[d]) if d is not None else 0.0 for d in self.digit_ids])
+        row = idx[0] + 1
+        if logp is not None and row < len(logp):
+            p = logp[row].exp()
+        else:
+            p = torch.softmax(self._logits(last[lp + idx[0]]), -1)
+        known = [k for k, d in enumerate(self.digit_ids) if d is not None]
+        probs = torch.zeros(len(self.digit_ids))
+        probs[known] = p[[self.digit_ids[k] for k in known]].float().cpu()
         return probs / probs.sum().clamp_min(1e-12)
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def answer(self, images: Sequence[Image.Image], questions: Sequence[str],
-               max_new_tokens: int = 64, readout: ReadoutMode = "capture") -> list[Response]:
-        """Greedy answers for a batch, each with its readout.
+               max_new_tokens: int = 64, readout: ReadoutMode = "capture",
+               deadlines: Sequence[float] | None = None) -> Answers:
+        """Greedy answers for a batch, each with its readout, plus the stage timings.
 
         `capture` reads states out of `generate` (plus one cached step when the last
         generated token needs a state); `replay` runs one teacher-forced pass instead.
+        `deadlines` (time.monotonic seconds, one per item) stop an item's decoding once
+        passed; its response is then truncated.
         """
         t0 = time.perf_counter()
         batch = self.encode(images, questions)
-        kwargs = dict(batch.vision)
-        kwargs[self.family.type_ids_key] = batch.type_ids
-        out = self.model.generate(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids), output_hidden_states=readout == "capture",
-            return_dict_in_generate=True, top_p=None, top_k=None, temperature=None, **kwargs)
+        kwargs = self._vision_kwargs(batch)
+        stop = DeadlineCriteria(deadlines) if deadlines is not None else None
+        tap = StateTap(self.model, self.mid_layer) if readout == "capture" else None
+        with tap or nullcontext():
+            out = self.model.generate(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, top_p=None,
+                top_k=None, temperature=None,
+                stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
-        resp_ids = [self._trim(row.tolist()) for row in gen]
+        # a row stopped at its deadline is padded afterwards: cut the padding off
+        resp_ids = [self._trim(row.tolist())[: stop.cut[b] - lp if stop and b in stop.cut
+                                             else None] for b, row in enumerate(gen)]
         t1 = time.perf_counter()
         if readout == "none":
             res = [self._response(r, None, None, batch.input_ids[b], lp)
@@ -233,60 +343,64 @@ class Actor:
             res = [self._response(r, last[b], mid[b], full.input_ids[b], lp)
                    for b, r in enumerate(resp_ids)]
         else:
-            last, mid = self._captured(out, batch, gen, resp_ids)
+            last, mid = self._captured(out, batch, gen, resp_ids, tap)
             res = [self._response(r, last[b], mid[b], out.sequences[b], lp)
                    for b, r in enumerate(resp_ids)]
-        self.last_timings = {"generate": t1 - t0, "readout": time.perf_counter() - t1}
-        return res
+        return Answers(res, StageTimings(t1 - t0, time.perf_counter() - t1))
 
     def _trim(self, ids: list[int]) -> list[int]:
+        """Ids up to and including the first EOS (all of them when there is none)."""
         eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
         return ids[: eos_at + 1] if eos_at is not None else ids
 
-    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """States over [prompt ; generated] from generate's own hidden states.
+    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]],
+                  tap: StateTap) -> tuple[torch.Tensor, torch.Tensor]:
+        """States over [prompt ; generated], as `tap` kept them during `generate`.
 
-        Step 0 holds the prompt; step k holds the token fed at step k, i.e. generated
-        token k-1. The last generated token is never fed back, so when an item needs it
-        (truncated without EOS) one more cached decode step supplies its state.
+        Forward 0 (prefill) holds the prompt; forward k holds the token fed at step k,
+        i.e. generated token k-1. The last generated token is never fed back, so when an
+        item needs it (truncated without EOS) one more cached decode step supplies its state.
         """
-        hs = out.hidden_states
-        last = [hs[0][-1]] + [s[-1] for s in hs[1:]]
-        mid = [hs[0][self.mid_layer]] + [s[self.mid_layer] for s in hs[1:]]
         n = gen.shape[1]
         if any(len(r) == n and r[-1] not in self.eos_ids for r in resp_ids):
             mask = torch.cat([batch.attention_mask,
                               torch.ones_like(gen, dtype=batch.attention_mask.dtype)], 1)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            step = self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
-                              position_ids=decode_position_ids(self.model, self.family, mask),
-                              output_hidden_states=True, use_cache=True, logits_to_keep=1)
-            last.append(step.hidden_states[-1])
-            mid.append(step.hidden_states[self.mid_layer])
+            with tap:
+                self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
+                           position_ids=decode_position_ids(self.model, self.family, mask),
+                           use_cache=True, logits_to_keep=1)
+        last, mid = tap.states["last"], tap.states["mid"]
         return torch.cat(last, 1).float(), torch.cat(mid, 1).float()
 
     @torch.no_grad()
     def score(self, images: Sequence[Image.Image], questions: Sequence[str],
-              responses: Sequence[str], mask: MaskSpec | None = None,
+              responses: Sequence[str],
+              mask: MaskSpec | Sequence[MaskSpec | None] | None = None,
               cue: bool = True) -> list[Response]:
         """Teacher-forced readout of supplied responses (trajectories).
 
         With `cue`, anything from `<confidence>` on is dropped and the cue is appended,
-        so the readout carries μ(C) for the supplied trajectory. With `mask`, the chosen
-        tokens keep their positions but no later token can attend to them.
+        so the readout carries μ(C) for the supplied trajectory. With `mask` (one for all
+        items, or one per item, None for unmasked), the chosen tokens keep their
+        positions but no later token can attend to them.
         """
-        texts = [r.split(CONFIDENCE_CUE)[0] + (CONFIDENCE_CUE if cue else "")
-                 for r in responses]
+        texts = [self.score_text(r, cue) for r in responses]
+        masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * len(texts)
+        if len(masks) != len(texts):
+            raise ValueError("one mask (or None) per response")
+        mask = next((m for m in masks if m is not None), None)
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         batch = self.encode(images, questions, ids)
         attn = pos = None
         if mask is not None:
             lp = batch.prompt_len
             masked = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
-            for b, (t, r) in enumerate(zip(texts, ids)):
+            for b, (t, r, m) in enumerate(zip(texts, ids, masks)):
+                if m is None:
+                    continue
                 spans = token_spans(self.tokenizer, r)
-                for k in masked_token_indices(t, spans, mask):
+                for k in masked_token_indices(t, spans, m):
                     masked[b, lp + k] = True
             attn = attention_mask_4d(batch.attention_mask, masked, batch.type_ids,
                                      self.family, self.dtype, self.model.config)
@@ -321,8 +435,7 @@ class Actor:
         rep_imgs = [im for im in images for _ in range(k)]
         rep_qs = [q for q in questions for _ in range(k)]
         batch = self.encode(rep_imgs, rep_qs)
-        kwargs = dict(batch.vision)
-        kwargs[self.family.type_ids_key] = batch.type_ids
+        kwargs = self._vision_kwargs(batch)
         out = self.model.generate(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=True,
             temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,

@@ -8,6 +8,7 @@
     vqarad:DIR                       (VQA-RAD: the public JSON + its image folder)
     pathvqa:DIR[:split]              (PathVQA: qas/{split}/{split}_qa.pkl + images/{split}/)
     pmcvqa:DIR[:split]               (PMC-VQA: {split}.csv + figures/ or images/)
+    SPEC~FAMILY:SEVERITY             (any of the above, images corrupted: models.shift)
 """
 
 from __future__ import annotations
@@ -200,7 +201,17 @@ LOADERS: dict[str, Callable[..., list[Item]]] = {
 
 
 def load(spec: str) -> list[Item]:
-    """Items for a data spec such as `easyvqa:test` or `slake:/data/slake:test`."""
+    """Items for a data spec such as `easyvqa:test` or `slake:/data/slake:test`.
+
+    A suffix `~FAMILY:SEVERITY` (e.g. `easyvqa:test~blur:3`) corrupts every image
+    (models.shift, SPEC §8).
+    """
+    if "~" in spec:
+        from models.shift import shift_items, split_spec
+
+        base, shift = split_spec(spec)
+        if shift is not None:
+            return shift_items(load(base), *shift)
     kind, _, rest = spec.partition(":")
     if kind not in LOADERS or not rest:
         raise ValueError(f"bad data spec {spec!r}; kinds: {', '.join(LOADERS)} (KIND:ARGS)")

@@ -6,19 +6,15 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from PIL import Image
 from rich.progress import Progress
 
 from models.canon import is_correct
+from models.counterfactuals import BLANK_RGB, blank_image
+from models.counterfactuals import BLANK_SIZE as BLANK
 from models.data import Item
 
-BLANK = (224, 224)
-BLANK_RGB = (128, 128, 128)
-
-
-def blank_image() -> Image.Image:
-    """SPEC §5 blank condition: 224x224 RGB (128, 128, 128)."""
-    return Image.new("RGB", BLANK, BLANK_RGB)
+__all__ = ["BLANK", "BLANK_RGB", "blank_image", "evaluate_actor", "git_commit", "run_items",
+           "summarise"]
 
 
 def git_commit() -> str:

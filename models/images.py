@@ -1,4 +1,16 @@
-"""Decoding untrusted image bytes: PNG, JPEG and DICOM, bounded, converted to RGB."""
+"""Decoding untrusted image bytes: PNG, JPEG and DICOM, bounded, converted to RGB.
+
+Policy (the service documents the same):
+- Formats: PNG, JPEG and DICOM only. GIF, WEBP, TIFF, BMP and the rest are refused rather
+  than half-supported (animated frames, odd colour models); convert them to PNG first.
+- Size: the pixel count (DICOM: rows × columns × frames) is read from the header and
+  checked before any pixel is decoded, so a decompression bomb costs nothing.
+- Geometry: an aspect ratio above 200:1 is refused (VLM processors cannot resize it).
+- DICOM: single-frame only (a multi-frame object is a series; send the frame you mean);
+  MONOCHROME1/2 are windowed with the file's own centre/width (else min–max) to 8 bits,
+  MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
+  interpretations are refused. Malformed tags are refused with the tag's name.
+"""
 
 from __future__ import annotations
 
@@ -9,68 +21,132 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000
+MAX_ASPECT_RATIO = 200
+FORMATS = ("PNG", "JPEG")
+DICOM_MONO = ("MONOCHROME1", "MONOCHROME2")
+DICOM_COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422")
+FORMAT_HINT = "send a PNG, JPEG or DICOM file"
 
 
 class ImageError(ValueError):
     """The bytes are not an image we can use; the message says why."""
 
 
-def _dicom(data: bytes) -> Image.Image:
-    """DICOM to 8-bit: the file's own window (centre/width) when present, else min-max."""
+class ImageTooLarge(ImageError):
+    """Over the pixel limit (or a decompression bomb)."""
+
+
+class ImageInvalid(ImageError):
+    """Not decodable, not an accepted format, or unusable geometry."""
+
+
+def check_geometry(width: int, height: int, max_pixels: int, frames: int = 1) -> None:
+    """Refuse sizes the model cannot use, before the pixels are decoded."""
+    if width < 1 or height < 1 or frames < 1:
+        raise ImageInvalid(f"image has no pixels ({width}x{height}, {frames} frame(s))")
+    if width * height * frames > max_pixels:
+        what = f"{width}x{height}" + (f"x{frames} frames" if frames > 1 else "")
+        raise ImageTooLarge(f"image has {what} pixels, over the limit of {max_pixels}")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise ImageInvalid(f"image is {width}x{height}: aspect ratio over "
+                           f"{MAX_ASPECT_RATIO}:1; crop or pad it")
+
+
+def _tag(ds, name: str, default, cast=float):
+    """A DICOM attribute as a number (first value if multi-valued), or ImageInvalid."""
+    value = ds.get(name, None)
+    if value is None or value == "":
+        return default
+    try:
+        import pydicom
+
+        if isinstance(value, pydicom.multival.MultiValue):
+            value = value[0]
+        return cast(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        raise ImageInvalid(f"malformed DICOM tag {name}") from None
+
+
+def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     try:
         import pydicom
     except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImageError("DICOM support needs pydicom") from e
+        raise ImageInvalid("DICOM support needs pydicom") from e
     try:
         ds = pydicom.dcmread(io.BytesIO(data))
-        a = ds.pixel_array.astype(np.float64)
+    except Exception as e:   # pydicom raises many types on hostile input
+        raise ImageInvalid(f"unreadable DICOM: {type(e).__name__}") from None
+    if "PixelData" not in ds:
+        raise ImageInvalid("DICOM has no pixel data")
+    rows = _tag(ds, "Rows", 0, int)
+    cols = _tag(ds, "Columns", 0, int)
+    frames = _tag(ds, "NumberOfFrames", 1, int)
+    check_geometry(cols, rows, max_pixels, frames)
+    if frames != 1:
+        raise ImageInvalid(f"multi-frame DICOM ({frames} frames) is not supported; "
+                           "send the one frame you mean")
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
+    if photometric not in DICOM_MONO + DICOM_COLOUR:
+        raise ImageInvalid(f"DICOM photometric interpretation {photometric!r} is not "
+                           f"supported (accepted: {', '.join(DICOM_MONO + DICOM_COLOUR)})")
+    slope = _tag(ds, "RescaleSlope", 1.0) or 1.0
+    intercept = _tag(ds, "RescaleIntercept", 0.0)
+    centre = _tag(ds, "WindowCenter", None)
+    width = _tag(ds, "WindowWidth", None)
+    try:
+        a = np.asarray(ds.pixel_array, dtype=np.float64)   # YBR arrives as RGB
     except Exception as e:
-        raise ImageError(f"unreadable DICOM: {e}") from e
-    slope = float(getattr(ds, "RescaleSlope", 1) or 1)
-    a = a * slope + float(getattr(ds, "RescaleIntercept", 0) or 0)
-    centre, width = getattr(ds, "WindowCenter", None), getattr(ds, "WindowWidth", None)
-    if centre is not None and width is not None:
-        c = float(centre[0] if isinstance(centre, pydicom.multival.MultiValue) else centre)
-        w = float(width[0] if isinstance(width, pydicom.multival.MultiValue) else width)
-        lo, hi = c - w / 2, c + w / 2
+        raise ImageInvalid(f"unreadable DICOM pixel data: {type(e).__name__}") from None
+    colour = photometric in DICOM_COLOUR
+    if a.shape[:2] != (rows, cols) or (colour and a.shape[2:] != (3,)) or \
+            (not colour and a.ndim != 2):
+        raise ImageInvalid(f"DICOM pixel data of shape {a.shape} does not match "
+                           f"{rows}x{cols} {photometric}")
+    if not np.isfinite(a).all():
+        raise ImageInvalid("DICOM pixel data is not finite")
+    if colour:
+        lo, hi = (0.0, 255.0) if a.max() <= 255 and a.min() >= 0 else (a.min(), a.max())
+        a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
+        return Image.fromarray(a.astype(np.uint8), "RGB")
+    a = a * slope + intercept
+    if centre is not None and width is not None and width > 0:
+        lo, hi = centre - width / 2, centre + width / 2
     else:
         lo, hi = float(a.min()), float(a.max())
     a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
-    if getattr(ds, "PhotometricInterpretation", "") == "MONOCHROME1":
+    if photometric == "MONOCHROME1":
         a = 255 - a
-    if a.ndim == 3 and a.shape[-1] != 3:   # multi-frame: first frame
-        a = a[0]
     return Image.fromarray(a.astype(np.uint8)).convert("RGB")
 
 
 def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode bytes into an RGB image or raise ImageError with the reason.
+    """Decode bytes into an RGB image or raise ImageTooLarge / ImageInvalid with the reason.
 
-    The pixel limit is checked from the header, before the pixels are decoded, so a
-    decompression bomb costs nothing.
+    The pixel limit and the aspect ratio are checked from the header, before the pixels
+    are decoded.
     """
     if not data:
-        raise ImageError("empty image")
+        raise ImageInvalid("empty image")
     if len(data) > 132 and data[128:132] == b"DICM":
-        img = _dicom(data)
+        img = _dicom(data, max_pixels)
     else:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(data))
-                w, h = img.size
-                if w * h > max_pixels:
-                    raise ImageError(f"image has {w}x{h} pixels, over the limit of {max_pixels}")
+                img = Image.open(io.BytesIO(data), formats=list(FORMATS))
+                check_geometry(*img.size, max_pixels)
                 img.load()
         except ImageError:
             raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageError(f"image rejected as a decompression bomb: {e}") from e
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise ImageTooLarge("image rejected as a decompression bomb") from None
         except UnidentifiedImageError:
-            raise ImageError("cannot decode image: not a PNG, JPEG or DICOM file") from None
+            raise ImageInvalid(f"cannot decode image: not a PNG, JPEG or DICOM file; "
+                               f"{FORMAT_HINT}") from None
         except Exception as e:
-            raise ImageError(f"cannot decode image: {e}") from e
-    if img.mode == "I;16" or img.mode in ("I", "F"):
+            raise ImageInvalid(f"cannot decode image: {type(e).__name__}: "
+                               f"{str(e)[:120]}") from None
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         a = np.asarray(img, dtype=np.float64)
         lo, hi = float(a.min()), float(a.max())
         img = Image.fromarray(((a - lo) / max(hi - lo, 1e-6) * 255).astype(np.uint8))

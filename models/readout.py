@@ -7,8 +7,10 @@ every confidence method is a cheap function of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from models.parse import Parsed
 
@@ -75,8 +77,21 @@ def token_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
     """Character span of each token in `tokenizer.decode(ids)` (prefix decoding).
 
     Generated ids need not equal a re-tokenisation of their text, so offsets come from
-    the ids themselves.
+    the ids themselves. Decoding every prefix was the largest part of the readout's cost;
+    with a byte-level decoder the prefix text is the UTF-8 decoding of the concatenated
+    token bytes, so when every token decodes alone to valid text (no U+FFFD) and the
+    pieces join to the full decode, the spans are the pieces' running lengths. Anything
+    else (a character split across tokens, another decoder) takes the exact prefix loop.
     """
+    ids = list(ids)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if ids and backend is not None and isinstance(backend.decoder, ByteLevelDecoder):
+        pieces = [backend.decode([t], skip_special_tokens=False) for t in ids]
+        full = tokenizer.decode(ids, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        if "".join(pieces) == full and not any("\ufffd" in p for p in pieces):
+            ends = list(accumulate(len(p) for p in pieces))
+            return list(zip([0] + ends[:-1], ends))
     spans, prev = [], 0
     for k in range(len(ids)):
         cur = len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False,

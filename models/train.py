@@ -53,6 +53,10 @@ class Recipe:
     grpo_prompts: int = 4          # prompts per GRPO step (x 8 generations)
     grpo_lr: float = 2e-5
     grpo_temperature: float = 1.0
+    grpo_group: int = 8            # generations per prompt
+    brier_weight: float = 1.0      # weight of the Brier term against correctness (1.0)
+    grpo_scale_rewards: str = "group"   # TRL: "group" (std per group), "batch" or "none"
+    grpo_save_steps: int = 0       # checkpoint interval, 0 = none (the continuation sets it)
     max_images: int | None = None  # smoke mode: a handful of images
 
 
@@ -256,33 +260,50 @@ def reward_brier(completions, answer, **_) -> list[float]:
     return out
 
 
-def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[dict]) -> None:
-    """Stage 2: TRL GRPOTrainer on the SFT actor saved in `folder`; result saved to `out`."""
+def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[dict],
+         pool_seed: int | None = None, **config) -> None:
+    """Stage 2: TRL GRPOTrainer on the actor saved in `folder`; result saved to `out`.
+
+    Checkpoints go to `<out>/_grpo_tmp` every `grpo_save_steps`; a run that finds one
+    there resumes from it (weights, optimizer, RNG and data position). `config` overrides
+    GRPOConfig fields.
+    """
     from datasets import Dataset
+    from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig, GRPOTrainer
 
     from models.loading import load_actor
 
     actor = load_actor(folder)
-    rng = random.Random(recipe.seed + 1)
+    rng = random.Random(recipe.seed + 1 if pool_seed is None else pool_seed)
     pool = rng.sample(items, min(len(items), recipe.grpo_steps * recipe.grpo_prompts * 2))
     rows = {"prompt": [[{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": it.question}]}] for it in pool],
         "image": [it.image() for it in pool], "answer": [it.answer for it in pool]}
     ds = Dataset.from_dict(rows)
+    tmp = out / "_grpo_tmp"
+    save = recipe.grpo_save_steps > 0
     cfg = GRPOConfig(
-        output_dir=str(out / "_grpo_tmp"), num_generations=8,
-        per_device_train_batch_size=recipe.grpo_prompts * 8, max_steps=recipe.grpo_steps,
-        learning_rate=recipe.grpo_lr, lr_scheduler_type="constant", beta=0.0,
-        max_completion_length=56, temperature=recipe.grpo_temperature, use_cpu=True,
-        bf16=False, logging_steps=10, save_strategy="no", report_to=[], seed=recipe.seed,
-        dataloader_num_workers=0, disable_tqdm=False, remove_unused_columns=False)
+        output_dir=str(tmp), num_generations=recipe.grpo_group,
+        per_device_train_batch_size=recipe.grpo_prompts * recipe.grpo_group,
+        max_steps=recipe.grpo_steps, learning_rate=recipe.grpo_lr,
+        lr_scheduler_type="constant", beta=0.0, max_completion_length=56,
+        temperature=recipe.grpo_temperature, use_cpu=True, bf16=False, logging_steps=10,
+        save_strategy="steps" if save else "no", save_steps=max(1, recipe.grpo_save_steps),
+        save_total_limit=1, report_to=[], seed=recipe.seed, dataloader_num_workers=0,
+        disable_tqdm=False, remove_unused_columns=False,
+        reward_weights=[1.0, 1.0, recipe.brier_weight],
+        scale_rewards=recipe.grpo_scale_rewards, **config)
     actor.model.requires_grad_(True)
     actor.model.train()
     trainer = GRPOTrainer(model=actor.model, processing_class=actor.processor,
                           reward_funcs=[reward_correct, reward_format, reward_brier],
                           args=cfg, train_dataset=ds)
-    trainer.train()
+    last = get_last_checkpoint(str(tmp)) if save and tmp.is_dir() else None
+    if last:
+        console.log(f"resuming GRPO from {Path(last).name}")
+        log.append({"stage": "grpo", "resumed_from_step": int(last.rsplit("-", 1)[-1])})
+    trainer.train(resume_from_checkpoint=last)
     for rec in trainer.state.log_history:
         log.append({"stage": "grpo", **{k: v for k, v in rec.items()
                                          if isinstance(v, (int, float))}})

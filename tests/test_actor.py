@@ -167,3 +167,40 @@ def test_sampling_returns_k_per_item(qwen3, images):
     again = qwen3.sample(images[:2], QUESTIONS[:2], k=4, max_new_tokens=6, seed=0)
     assert [r.token_ids for r in out[0]] == [r.token_ids for r in again[0]]
     assert len({tuple(r.token_ids) for r in out[0]}) > 1   # temperature 1 explores
+
+
+def _model_logprobs(actor, img, question, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p and entropy of each response token from the model's own logits, one item."""
+    batch = actor.encode([img], [question], [ids])
+    out = actor.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      mm_token_type_ids=batch.type_ids, **batch.vision)
+    logp = torch.log_softmax(out.logits[0].float(), -1)
+    lp = batch.prompt_len
+    # response token k sits at lp + k and is predicted by the logits at lp + k - 1
+    tok_lp = torch.stack([logp[lp + k - 1, t] for k, t in enumerate(ids)])
+    ent = torch.stack([-(logp[lp + k - 1].exp() * logp[lp + k - 1]).sum()
+                       for k in range(len(ids))])
+    return tok_lp, ent
+
+
+def test_teacher_forced_token_logprobs_match_the_model(qwen3):
+    img, q = random_image(0), QUESTIONS[0]
+    ids = qwen3.tokenizer.encode(TRAJ, add_special_tokens=False)
+    r = qwen3.score([img], [q], [TRAJ], cue=False)[0]
+    assert r.token_ids == ids
+    want_lp, want_ent = _model_logprobs(qwen3, img, q, ids)
+    torch.testing.assert_close(r.readout.token_logprobs, want_lp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(r.readout.token_entropy, want_ent, atol=1e-4, rtol=1e-4)
+    # the answer-span log-probs are those of the answer token(s), "red"
+    a = r.readout.answer_index.tolist()
+    assert qwen3.tokenizer.decode([ids[k] for k in a]) == "red"
+    torch.testing.assert_close(r.readout.answer_logprobs, want_lp[a], atol=1e-4, rtol=1e-4)
+
+
+def test_generated_token_logprobs_match_the_model(qwen3, images):
+    """Batched generation with capture: each item's log-probs equal its own forward."""
+    res = qwen3.answer(images[:2], QUESTIONS[:2], max_new_tokens=8, readout="capture")
+    for img, q, r in zip(images[:2], QUESTIONS[:2], res):
+        want_lp, want_ent = _model_logprobs(qwen3, img, q, r.token_ids)
+        torch.testing.assert_close(r.readout.token_logprobs, want_lp, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(r.readout.token_entropy, want_ent, atol=1e-4, rtol=1e-4)

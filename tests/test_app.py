@@ -1,7 +1,10 @@
 """The HTTP contract through the ASGI app (a real uvicorn process: test_server.py)."""
 
+import dataclasses
 import io
 import struct
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -12,7 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.service import Service
+from app.serving import AnswerResult, Confidences, ScoreResult, StageTimes
 from app.settings import Settings
+from clients.grounding import PairClass, classify_pair
+from heads.dualread import FingerprintMismatch
+from models.actor import Answers, StageTimings
 from tests.conftest import random_image
 from tests.helpers import b64, png_bytes, random_heads
 
@@ -47,7 +54,8 @@ def test_answer_json_contract(api):
                          "model", "heads", "request_id", "timings_ms"}
     assert set(body["confidence"]) == {"dualread", "psr", "per", "verbalized"}
     assert all(0 <= v <= 1 for v in body["confidence"].values())
-    assert body["defer"] == (body["confidence"]["dualread"] < body["defer_threshold"])
+    below = body["confidence"]["dualread"] < body["defer_threshold"]
+    assert body["defer"] == (below or body["defer_reason"] is not None)
     assert set(body["timings_ms"]) == {"queue", "generate", "readout", "heads"}
     assert r.headers["x-request-id"] == body["request_id"]
 
@@ -147,17 +155,108 @@ def test_counterfactual_blank(api):
     assert body["decisive"] is None
 
 
-def test_counterfactual_with_references(api):
-    first = api.post("/probe/counterfactual", json={
-        "question": Q, "image": IMG, "counterfactual": b64(png_bytes(random_image(9)))}).json()
-    real_answer = first["real"]["answer"] or "x"
-    r = api.post("/probe/counterfactual", json={
-        "question": Q, "image": IMG, "counterfactual": b64(png_bytes(random_image(9))),
-        "reference_answer": real_answer, "counterfactual_reference_answer": "zzz"}).json()
-    if first["real"]["answer"]:
-        assert r["real"]["correct"] is True and r["counterfactual"]["correct"] is False
-        assert r["decisive"] is True
-        assert r["strict"] == (r["real"]["canonical"] == r["counterfactual"]["canonical"])
+class FakeBackend:
+    """The model side without a model: answers the colour of the image's first pixel.
+
+    `hold` makes every batch wait on an event (the 504 path); `seen` records deadlines.
+    """
+
+    fingerprint, heads_id, threshold = "fake-actor", "fake-heads", 0.5
+    COLOURS = {(255, 0, 0): "red", (0, 0, 255): "blue", (128, 128, 128): "gray"}
+
+    def __init__(self, hold: threading.Event | None = None) -> None:
+        self.hold = hold
+        self.seen: list[list[float]] = []
+
+    def info(self) -> dict[str, str]:
+        return {"actor": self.fingerprint, "heads": self.heads_id, "family": "fake",
+                "device": "none"}
+
+    def cards(self) -> dict:
+        return {"actor": {"fingerprint": self.fingerprint}, "heads": {"id": self.heads_id}}
+
+    def check_question(self, question: str, max_chars: int, max_tokens: int) -> str:
+        return question.strip()
+
+    def check_response(self, response: str, max_tokens: int) -> str:
+        return response
+
+    def answer_batch(self, items, deadlines):
+        self.seen.append(list(deadlines))
+        if self.hold is not None:
+            self.hold.wait(30)
+        out = []
+        for it in items:
+            a = self.COLOURS.get(it.image.convert("RGB").getpixel((0, 0)), "green")
+            c = Confidences(0.9 if a == "red" else 0.2, 0.5, 0.5, 0.5)
+            out.append(AnswerResult(a, a, f"<answer>{a}</answer>", c, c.dualread < 0.5, None,
+                                    StageTimes(0.0, 0.0, 0.0)))
+        return out
+
+    def score_batch(self, items, deadlines):
+        return [ScoreResult(Confidences(0.5, 0.5, 0.5, 0.5), None, "x", 0) for _ in items]
+
+
+def solid(rgb) -> str:
+    return b64(png_bytes(Image.new("RGB", (16, 16), rgb)))
+
+
+@pytest.mark.parametrize("refs, decisive, strict", [
+    (("red", "red"), True, False),        # right on the real image, wrong on the other
+    (("red", "blue"), False, False),      # right on both
+    (("blue", "red"), False, False),      # wrong on the real image
+    (("blue", "blue"), False, False),
+    ((None, "red"), None, None),          # one reference missing: undefined
+])
+def test_counterfactual_decisive_and_strict(refs, decisive, strict):
+    with TestClient(create_app(Settings(), FakeBackend())) as c:
+        r = c.post("/probe/counterfactual", json={
+            "question": Q, "image": solid((255, 0, 0)), "counterfactual": solid((0, 0, 255)),
+            "reference_answer": refs[0], "counterfactual_reference_answer": refs[1]})
+    body = r.json()
+    assert r.status_code == 200, r.text
+    assert (body["real"]["answer"], body["counterfactual"]["answer"]) == ("red", "blue")
+    assert body["decisive"] is decisive and body["strict"] is strict
+    assert body["answer_changed"] is True
+    assert body["confidence_difference"]["dualread"] == pytest.approx(0.9 - 0.2)
+
+
+def test_counterfactual_strict_needs_the_same_answer():
+    # the blank image is gray (128, 128, 128): the fake answers "gray" there
+    with TestClient(create_app(Settings(), FakeBackend())) as c:
+        body = c.post("/probe/counterfactual", json={
+            "question": Q, "image": solid((128, 128, 128)), "counterfactual": "blank",
+            "reference_answer": "gray", "counterfactual_reference_answer": "white"}).json()
+    assert body["decisive"] is True and body["strict"] is True
+    assert body["answer_changed"] is False
+
+
+def test_classify_pair_by_hand():
+    assert classify_pair(True, False, "red", "blue") == PairClass(True, False)
+    assert classify_pair(True, False, "red", "red") == PairClass(True, True)
+    assert classify_pair(True, False, "", "") == PairClass(True, False)   # canon ≠ ∅
+    assert classify_pair(False, False, "a", "a") == PairClass(False, False)
+    assert classify_pair(True, True, "a", "a") == PairClass(False, False)
+    assert classify_pair(None, False, "a", "a") == PairClass(None, None)
+
+
+def test_timeout_is_504_and_the_job_carries_the_deadline():
+    hold = threading.Event()
+    fake = FakeBackend(hold)
+    try:
+        with TestClient(create_app(Settings(request_timeout_s=0.3), fake)) as c:
+            t0 = time.monotonic()
+            r = c.post("/answer", json={"image": solid((255, 0, 0)), "question": Q})
+            t1 = time.monotonic()
+            assert r.status_code == 504, r.text
+            assert set(r.json()) == {"detail", "request_id"}
+            assert r.headers["x-request-id"] == r.json()["request_id"]
+            # the worker was told when to give up: the caller's own timeout from submission
+            [[deadline]] = fake.seen
+            assert t0 + 0.3 <= deadline <= t1 + 0.3
+            hold.set()
+    finally:
+        hold.set()
 
 
 def test_probe_score_with_mask(api):
@@ -237,3 +336,45 @@ def test_readiness_is_503_until_loaded(tmp_path):
         assert r.status_code == 503 and "no actor" in r.json()["detail"]
         assert c.post("/answer", json={"image": IMG, "question": Q}).status_code == 503
         assert c.get("/health/live").status_code == 200
+
+
+def test_heads_of_another_actor_are_refused(actor_dirs, actors, tmp_path):
+    """Service checks the heads' fingerprint: heads fitted on qwen2_vl, actor qwen3_vl."""
+    other = random_heads(tmp_path / "h", actors["qwen2_vl"])
+    with pytest.raises(FingerprintMismatch):
+        Service(actor_dirs["qwen3_vl"], other)
+    with TestClient(create_app(Settings(actor=actor_dirs["qwen3_vl"], heads=other))) as c:
+        for _ in range(200):
+            r = c.get("/health/ready")
+            if "FingerprintMismatch" in r.text:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503 and "fitted for actor" in r.json()["detail"]
+
+
+def test_defer_is_decided_on_dualread_not_per(service, monkeypatch):
+    """τ placed between PER and DualRead: only the DualRead side may decide."""
+    traj = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
+    img = random_image(0)
+    ro = service.actor.score([img], [Q], [traj], cue=False)[0]
+    conf = service.heads.confidence(ro.readout)
+    dr, per = conf["dualread"], conf["per"]
+    assert abs(dr - per) > 1e-3                      # precondition: they differ
+
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        rs = service.actor.score(list(images), list(questions), [traj] * len(images), cue=False)
+        for r in rs:
+            r.finished = True
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+    monkeypatch.setattr(service, "needs_tag", True)
+    tau = (dr + per) / 2
+    monkeypatch.setattr(service.heads, "policy",
+                        dataclasses.replace(service.heads.policy, tau=tau))
+    with client(service) as c:
+        body = c.post("/answer", json={"image": b64(png_bytes(img)), "question": Q}).json()
+    assert body["defer_reason"] is None and body["defer_threshold"] == pytest.approx(tau)
+    assert body["confidence"]["dualread"] == pytest.approx(dr, abs=1e-5)
+    assert body["defer"] is (dr < tau)
+    assert body["defer"] is not (per < tau)           # the two rules disagree here

@@ -1,5 +1,7 @@
 import json
 
+import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from app.cli import app
@@ -31,3 +33,59 @@ def test_answer_missing_actor_is_a_clear_error(tmp_path):
                                    "--question", "q"])
     assert res.exit_code != 0
     assert "no actor at" in str(res.exception)
+
+
+# ------------------------------------------------------------------ fit-heads, evaluate
+QS = ["what color is the shape?", "what shape is it?", "is there a red circle?",
+      "how many shapes?"]
+ANSWERABLE = {"what color is the shape?", "how many shapes?"}
+
+
+@pytest.fixture(scope="module")
+def labelled(actors, tmp_path_factory):
+    """Correctness is a function of the question: the reference is the actor's own
+    (default-length) answer for two questions and a wrong one for the other two."""
+    actor = actors["gemma3"]           # random Qwen tiny actors answer blanks
+    root = tmp_path_factory.mktemp("cli-data")
+    imgs = [random_image(300 + i, 32, 32) for i in range(24)]
+    rows = []
+    for i, img in enumerate(imgs):
+        img.save(root / f"{i}.png")
+        for j, r in enumerate(actor.answer([img] * len(QS), QS, readout="none")):
+            ref = r.answer if QS[j] in ANSWERABLE else "definitely wrong"
+            rows.append({"id": f"{i}-{j}", "image": f"{i}.png", "question": QS[j],
+                         "answer": ref})
+    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return f"jsonl:{root / 'd.jsonl'}"
+
+
+def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
+    res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
+                                   "--limit", "80", "--risk", "0.3", "--out", str(heads_dir),
+                                   "--cache", str(tmp_path / "cache")])
+    assert res.exit_code == 0, res.output
+    assert "defer below tau=" in res.output
+    card = json.loads((heads_dir / "heads_card.json").read_text())
+    assert card["actor_fingerprint"] == load_actor(actor_dir).fingerprint
+    assert card["limit"] == 80 and card["data"] == labelled
+    assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 80
+    assert card["defer"]["target_risk"] == 0.3 and card["defer"]["n_calibration"] > 0
+
+    res = CliRunner().invoke(app, ["evaluate", "--actor", actor_dir, "--heads", str(heads_dir),
+                                   "--data", labelled, "--limit", "40", "--bootstrap", "5",
+                                   "--methods", "dualread,psr,per", "--out", str(report_dir)])
+    assert res.exit_code == 0, res.output
+    report = json.loads((report_dir / "report.json").read_text())
+    d = report["datasets"][labelled]
+    assert d["n"] == 40 and set(d["methods"]) == {"dualread", "psr", "per"}
+    # the same seeded sample, labelled here from the references alone
+    items = sample(load(labelled), 40)
+    expected = np.mean([it.answer != "definitely wrong" for it in items])
+    assert d["accuracy"] == pytest.approx(expected)
+    # heads fitted through the CLI carry the label: the question decides correctness
+    assert d["methods"]["dualread"]["auroc"] >= 0.9
+    assert "| dualread |" in (report_dir / "report.md").read_text()

@@ -1,9 +1,19 @@
-"""The embedded actor's recipe runs end to end (SFT then GRPO) in smoke mode."""
+"""The embedded actor's recipe runs end to end (SFT then GRPO) in smoke mode, and so does
+the calibration continuation (more GRPO on an existing actor)."""
 
 import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
-from models.loading import load_actor
-from models.train import reward_brier, reward_correct, reward_format
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import app
+from models.calibrate import confidence_summary
+from models.data import load
+from models.loading import fingerprint, load_actor
+from models.train import SMOKE, grpo, reward_brier, reward_correct, reward_format, split_train
 from models.trajectory import image_facts, parse_question, trajectory, truth
 
 
@@ -39,16 +49,97 @@ def test_image_facts_agree_with_every_answer():
                for i in items if i.image_id in facts)
 
 
-def test_smoke_recipe_end_to_end(tmp_path):
-    from typer.testing import CliRunner
-
-    from app.cli import app
-
-    res = CliRunner().invoke(app, ["train-actor", "--out", str(tmp_path / "a"), "--smoke"])
+@pytest.fixture(scope="module")
+def smoke_actor(tmp_path_factory) -> Path:
+    """The whole recipe in smoke mode, once for the tests below."""
+    out = tmp_path_factory.mktemp("smoke") / "a"
+    res = CliRunner().invoke(app, ["train-actor", "--out", str(out), "--smoke"])
     assert res.exit_code == 0, res.output
-    card = json.loads((tmp_path / "a" / "actor_card.json").read_text())
+    return out
+
+
+def test_smoke_recipe_end_to_end(smoke_actor):
+    card = json.loads((smoke_actor / "actor_card.json").read_text())
     assert card["recipe"]["grpo_steps"] == 2 and card["metrics"]["real"]["n"] == 32
     assert any(r["stage"] == "grpo" for r in card["log"])
     assert {"sft_and_grpo", "heads_holdout"} <= set(card["splits"])
-    actor = load_actor(tmp_path / "a")
+    actor = load_actor(smoke_actor)
     assert actor.family.name == "qwen3_vl"
+
+
+def test_calibration_continuation(smoke_actor, tmp_path):
+    """--continue-from runs GRPO on an existing actor, leaves its parent untouched and
+    writes a card naming the parent, its recipe and the μ(C) metrics."""
+    parent_bytes = (smoke_actor / "model.safetensors").read_bytes()
+    out = tmp_path / "cal"
+    res = CliRunner().invoke(app, [
+        "train-actor", "--continue-from", str(smoke_actor), "--out", str(out), "--smoke",
+        "--calibration-steps", "2", "--group", "2", "--prompts", "2", "--brier-weight", "2",
+        "--hard-share", "0.5", "--scan", "16"])
+    assert res.exit_code == 0, res.output
+    assert (smoke_actor / "model.safetensors").read_bytes() == parent_bytes
+    card = json.loads((out / "actor_card.json").read_text())
+    assert card["continued_from"]["fingerprint"] == fingerprint(smoke_actor)
+    assert card["recipe"]["grpo_steps"] == 2 and card["recipe"]["grpo_group"] == 2
+    assert card["recipe"]["brier_weight"] == 2.0
+    assert "--continue-from" in card["command"] and "--brier-weight 2.0" in card["command"]
+    conf = card["metrics"]["confidence"]
+    assert card["metrics"]["real"]["n"] == 32 and sum(conf["mu_histogram"].values()) == 32
+    assert not (out / "_grpo_tmp").exists()
+    # pool of 2 steps x 2 prompts x 2 = 8 prompts, half of them misses when there are any
+    assert card["mined"]["scanned"] == 16 and card["mined"]["pool"] == 8
+    assert card["mined"]["hard_in_pool"] == (4 if card["mined"]["misses"] else 0)
+    assert load_actor(out).family.name == "qwen3_vl"
+    # the parent folder itself is refused as the output
+    res = CliRunner().invoke(app, ["train-actor", "--continue-from", str(smoke_actor),
+                                   "--out", str(smoke_actor), "--smoke"])
+    assert res.exit_code != 0
+
+
+def test_grpo_resumes_from_its_checkpoint(smoke_actor, tmp_path):
+    """An interrupted continuation restarts from the last checkpoint, not from step 0."""
+    items = split_train(load("easyvqa:train"))[0][:8]
+    two = replace(SMOKE, grpo_steps=2, grpo_group=2, grpo_prompts=1, grpo_save_steps=1)
+    grpo(smoke_actor, items, two, tmp_path, [])
+    assert (tmp_path / "_grpo_tmp" / "checkpoint-2").is_dir()
+    log: list[dict] = []
+    grpo(smoke_actor, items, replace(two, grpo_steps=3), tmp_path, log)
+    assert {"stage": "grpo", "resumed_from_step": 2} in log
+    assert (tmp_path / "_grpo_tmp" / "checkpoint-3").is_dir()
+
+
+def test_confidence_summary_by_hand():
+    rows = [{"type": "yes/no", "correct": True, "mu": 0.9, "digit": 9},
+            {"type": "yes/no", "correct": True, "mu": 0.6, "digit": 6},
+            {"type": "color", "correct": False, "mu": 0.7, "digit": 10},
+            {"type": "color", "correct": False, "mu": None, "digit": None}]
+    s = confidence_summary(rows)
+    # pairs (correct, wrong) ranked right: 0.9>0.7, 0.9>0.5, 0.6<0.7, 0.6>0.5 -> 3/4
+    assert s["mu_auroc"] == 0.75
+    # stated digits 0.9, 0.6 vs 1.0, 0.5 (missing): 0.9>0.5, 0.6>0.5 -> 2/4
+    assert s["digit_auroc"] == 0.5
+    assert s["mu_histogram"]["0.9"] == s["mu_histogram"]["0.5"] == 1
+    assert sum(s["mu_histogram"].values()) == 4
+    assert s["digit_histogram"] == {"6": 1, "9": 1, "10": 1, "none": 1}
+    assert abs(s["mu_mean_wrong"] - 0.6) < 1e-9
+    assert abs(s["brier_mu"] - (0.01 + 0.16 + 0.49 + 0.25) / 4) < 1e-4
+
+
+def test_hard_pool_mixes_in_the_misses():
+    """A stand-in actor that misses exactly the items in `miss`: the pool holds the
+    requested share of them (repeated when too few) and no other miss."""
+    from models.calibrate import hard_pool
+
+    items = list({it.question: it for it in load("easyvqa:test")}.values())[:40]
+    miss = {items[3].question, items[17].question}
+    reply = {it.question: "wrong" if it.question in miss else it.answer for it in items}
+
+    class Stub:   # run_items only needs .answer(...) -> objects with answer and parsed
+        def answer(self, images, questions, max_new_tokens=64, readout="none"):
+            return [SimpleNamespace(answer=reply[q], parsed=SimpleNamespace(
+                well_formed=True, verbalized=0.5)) for q in questions]
+
+    pool, info = hard_pool(Stub(), items, n=20, share=0.25, seed=9, scan=40)
+    assert info == {"scanned": 40, "misses": 2, "hard_in_pool": 5, "pool": 20}
+    assert len(pool) == 20 and sum(it.question in miss for it in pool) == 5
+    assert {it.question for it in pool if it.question in miss} == miss

@@ -1,0 +1,66 @@
+"""Request-scoped accessors and guards shared by the routers (auth, content type)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from app.errors import Unauthorized, UnsupportedMediaType
+from app.serving import Serving
+from app.settings import Settings
+
+# Declared in the OpenAPI spec (Swagger UI's Authorize button); checked below, so a
+# missing header and a wrong key get the same 401.
+bearer = HTTPBearer(auto_error=False, description="the service's API key, when it has one")
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+def check_key(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
+    key = settings.api_key
+    if not key:
+        return
+    given = creds.credentials.encode() if creds is not None else b""
+    # constant-time either way; the scheme was checked by HTTPBearer
+    if not hmac.compare_digest(given, key.encode()) or creds is None:
+        raise Unauthorized()
+
+
+async def require_key(request: Request,
+                      creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    check_key(get_settings(request), creds)
+
+
+async def require_key_for_docs(request: Request, creds: HTTPAuthorizationCredentials | None
+                               = Depends(bearer)) -> None:
+    settings = get_settings(request)
+    if settings.docs_require_key:
+        check_key(settings, creds)
+
+
+async def require_key_for_metrics(request: Request, creds: HTTPAuthorizationCredentials | None
+                                  = Depends(bearer)) -> None:
+    settings = get_settings(request)
+    if settings.metrics_require_key:
+        check_key(settings, creds)
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def require_json(request: Request) -> None:
+    if media_type(request) != "application/json":
+        raise UnsupportedMediaType("send the body as application/json")

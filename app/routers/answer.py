@@ -1,0 +1,109 @@
+"""POST /answer: JSON or multipart in, answer + confidence + defer flag out."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
+from app.deps import get_serving, media_type, request_id, require_json, require_key
+from app.errors import InvalidInput, UnsupportedMediaType, explain
+from app.routers.common import ERRORS
+from app.schemas import (
+    MAX_NEW_TOKENS,
+    AnswerRequest,
+    AnswerResponse,
+    Confidence,
+    FeedbackRequest,
+    FeedbackResponse,
+    Timings,
+)
+from app.serving import AnswerItem, AnswerResult, Serving
+
+router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
+
+MULTIPART_FIELDS = {"file", "question", "max_new_tokens"}
+_INT = re.compile(r"^\d{1,4}$")
+BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": AnswerRequest.model_json_schema()},
+    "multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "question"], "additionalProperties": False,
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "question": {"type": "string", "minLength": 1},
+                       "max_new_tokens": {"type": "integer", "minimum": 1,
+                                          "maximum": MAX_NEW_TOKENS}}}}}}}
+
+
+async def _multipart(request: Request, serving: Serving) -> AnswerItem:
+    form = await request.form(max_files=1, max_fields=2)
+    extra = set(form.keys()) - MULTIPART_FIELDS
+    if extra:
+        raise InvalidInput("multipart body has unexpected parts; send file, question and "
+                           "optionally max_new_tokens")
+    upload = form.get("file")
+    if upload is None or isinstance(upload, str):
+        raise InvalidInput("multipart body needs a 'file' part")
+    raw_mnt = form.get("max_new_tokens")
+    mnt = None
+    if raw_mnt is not None:
+        if not isinstance(raw_mnt, str) or not _INT.match(raw_mnt.strip()) or \
+                not 1 <= int(raw_mnt) <= MAX_NEW_TOKENS:
+            raise InvalidInput(f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
+        mnt = int(raw_mnt)
+    q = form.get("question")
+    question = serving.question(q if isinstance(q, str) else "")
+    limit = serving.max_new_tokens(mnt)
+    image = await serving.image(await upload.read())
+    return AnswerItem(image, question, limit)
+
+
+async def _json(request: Request, serving: Serving) -> AnswerItem:
+    try:
+        body = AnswerRequest.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise InvalidInput(explain(e.errors())) from None
+    question = serving.question(body.question)
+    limit = serving.max_new_tokens(body.max_new_tokens)
+    return AnswerItem(await serving.image_b64(body.image), question, limit)
+
+
+def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> AnswerResponse:
+    backend = serving.backend
+    c, t = res.confidence, res.timings
+    return AnswerResponse(
+        answer=res.answer, response=res.response,
+        confidence=Confidence(dualread=c.dualread, psr=c.psr, per=c.per,
+                              verbalized=c.verbalized),
+        defer=res.defer, defer_reason=res.defer_reason, defer_threshold=backend.threshold,
+        model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
+        timings_ms=Timings(queue=round(queued_s * 1000, 3),
+                           generate=round(t.generate * 1000, 3),
+                           readout=round(t.readout * 1000, 3), heads=round(t.heads * 1000, 3)))
+
+
+@router.post("/answer", response_model=AnswerResponse, responses=ERRORS, openapi_extra=BODY)
+async def answer(request: Request, serving: Serving = Depends(get_serving)) -> AnswerResponse:
+    """Answer a visual question; confidence, defer flag and timings come with it."""
+    serving.admit(request)
+    kind = media_type(request)
+    if kind == "multipart/form-data":
+        item = await _multipart(request, serving)
+    elif kind == "application/json":
+        item = await _json(request, serving)
+    else:
+        raise UnsupportedMediaType("send application/json or multipart/form-data")
+    rid = request_id(request)
+    [served] = await serving.answer([item], request_id=rid)
+    request.scope["state"]["batch_size"] = served.batch
+    return response(serving, rid, served.result, served.queued_s)
+
+
+@router.post("/feedback", response_model=FeedbackResponse, responses=ERRORS,
+             dependencies=[Depends(require_json)])
+async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
+    """A clinician's verdict on an earlier answer (by its server-generated request_id);
+    feeds the calibration monitor. O(1): the window statistics wait for /metrics."""
+    hooks = request.app.state.hooks
+    known = hooks.feedback(body.request_id, body.correct)
+    return FeedbackResponse(accepted=known, window=len(hooks.monitor.window))

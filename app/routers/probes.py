@@ -1,0 +1,109 @@
+"""Probe endpoints: counterfactual pairs (SPEC §2, §5) and teacher-forced scoring (SPEC §3)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from app.deps import get_serving, request_id, require_json, require_key
+from app.errors import InvalidInput
+from app.routers.common import ERRORS
+from app.schemas import (
+    Confidence,
+    CounterfactualRequest,
+    CounterfactualResponse,
+    MaskRequest,
+    Run,
+    ScoreBatchRequest,
+    ScoreBatchResponse,
+    ScoreRequest,
+    ScoreResponse,
+    TrajectoryScore,
+)
+from app.serving import AnswerItem, AnswerResult, Confidences, ScoreResult, Serving
+from clients.grounding import classify_pair
+from models.canon import is_correct
+from models.evaluate import blank_image
+from models.masking import MaskSpec
+
+router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json)])
+
+
+def confidence(c: Confidences) -> Confidence:
+    return Confidence(dualread=c.dualread, psr=c.psr, per=c.per, verbalized=c.verbalized)
+
+
+def run(r: AnswerResult, correct: bool | None) -> Run:
+    return Run(answer=r.answer, canonical=r.canonical, response=r.response,
+               confidence=confidence(r.confidence), correct=correct)
+
+
+def mask_spec(m: MaskRequest | None) -> MaskSpec | None:
+    if m is None:
+        return None
+    try:
+        return MaskSpec(tuple(m.target) if isinstance(m.target, list | tuple) else m.target,
+                        m.ratio, m.seed)
+    except ValueError as e:
+        raise InvalidInput(f"mask: {e}") from None
+
+
+def trajectory_score(r: ScoreResult) -> TrajectoryScore:
+    return TrajectoryScore(confidence=confidence(r.confidence), mu_c=r.mu_c, answer=r.answer,
+                           masked_tokens=r.masked_tokens)
+
+
+@router.post("/probe/counterfactual", response_model=CounterfactualResponse, responses=ERRORS)
+async def counterfactual(request: Request, body: CounterfactualRequest,
+                         serving: Serving = Depends(get_serving)) -> CounterfactualResponse:
+    """Run the same question on the real image and a counterfactual one (SPEC §2, §5)."""
+    serving.admit(request)
+    question = serving.question(body.question)
+    limit = serving.max_new_tokens(body.max_new_tokens)
+    real = await serving.image_b64(body.image)
+    cf = blank_image() if body.counterfactual == "blank" else \
+        await serving.image_b64(body.counterfactual, "counterfactual")
+    a, b = await serving.answer([AnswerItem(real, question, limit),
+                                 AnswerItem(cf, question, limit)])
+    ra, rb = a.result, b.result
+    ref, cf_ref = body.reference_answer, body.counterfactual_reference_answer
+    z_real = is_correct(ra.answer, ref) if ref is not None else None
+    z_cf = is_correct(rb.answer, cf_ref) if cf_ref is not None else None
+    pair = classify_pair(z_real, z_cf, ra.canonical, rb.canonical)
+    request.scope["state"]["batch_size"] = max(a.batch, b.batch)
+    return CounterfactualResponse(
+        real=run(ra, z_real), counterfactual=run(rb, z_cf),
+        confidence_difference=confidence(ra.confidence.minus(rb.confidence)),
+        answer_changed=ra.canonical != rb.canonical, decisive=pair.decisive,
+        strict=pair.strict, request_id=request_id(request))
+
+
+@router.post("/probe/score", response_model=ScoreResponse, responses=ERRORS)
+async def score(request: Request, body: ScoreRequest, serving: Serving = Depends(get_serving)
+                ) -> ScoreResponse:
+    """Teacher-forced confidence of a supplied trajectory, optionally masked (SPEC §3)."""
+    serving.admit(request)
+    question = serving.question(body.question)
+    mask = mask_spec(body.mask)
+    image = await serving.image_b64(body.image)
+    [item] = await serving.score_items(image, question, [(body.response, mask)])
+    [served] = await serving.score([item])
+    request.scope["state"]["batch_size"] = served.batch
+    r = trajectory_score(served.result)
+    return ScoreResponse(**r.model_dump(), request_id=request_id(request))
+
+
+@router.post("/probe/score_batch", response_model=ScoreBatchResponse, responses=ERRORS)
+async def score_batch(request: Request, body: ScoreBatchRequest,
+                      serving: Serving = Depends(get_serving)) -> ScoreBatchResponse:
+    """Several trajectories of one (image, question), scored as jobs that share batches;
+    results in the order given."""
+    serving.admit(request)
+    question = serving.question(body.question)
+    masks = [mask_spec(t.mask) for t in body.trajectories]
+    image = await serving.image_b64(body.image)
+    items = await serving.score_items(
+        image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
+    served = await serving.score(items)
+    request.scope["state"]["batch_size"] = max(s.batch for s in served)
+    return ScoreBatchResponse(results=[trajectory_score(s.result) for s in served],
+                              request_id=request_id(request))

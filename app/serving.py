@@ -1,0 +1,255 @@
+"""The serving layer: typed jobs in, typed results out, between the routers and the Batcher.
+
+Routers decode HTTP into `AnswerItem` / `ScoreItem` through `Serving.answer_item` /
+`score_item` (every check that can be made before queueing: image bytes, pixels and
+geometry, question and trajectory tokens, mask spans), then await results here. Metrics
+and the feedback monitor hang on `ServingHooks`; nothing here computes a confidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from PIL import Image
+from starlette.concurrency import run_in_threadpool
+
+from app.engine import Batcher, BatcherHooks, Job
+from app.errors import DeadlineExceeded, InvalidInput, NotReady, ShuttingDown, TrajectoryInvalid
+from app.settings import Settings
+from models.images import ImageTooLarge, open_image
+from models.masking import MaskSpec, char_span
+
+
+# ---------------------------------------------------------------------------- typed data
+@dataclass(frozen=True)
+class AnswerItem:
+    image: Image.Image
+    question: str
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    image: Image.Image
+    question: str
+    response: str
+    mask: MaskSpec | None
+
+
+@dataclass(frozen=True)
+class Confidences:
+    dualread: float
+    psr: float
+    per: float
+    verbalized: float
+
+    def minus(self, other: Confidences) -> Confidences:
+        return Confidences(self.dualread - other.dualread, self.psr - other.psr,
+                           self.per - other.per, self.verbalized - other.verbalized)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds per stage of the batch an answer ran in (queue time is per request)."""
+
+    generate: float
+    readout: float
+    heads: float
+
+
+@dataclass(frozen=True)
+class AnswerResult:
+    answer: str
+    canonical: str
+    response: str
+    confidence: Confidences
+    defer: bool
+    defer_reason: str | None
+    timings: StageTimes
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    confidence: Confidences
+    mu_c: float | None
+    answer: str
+    masked_tokens: int
+
+
+@dataclass(frozen=True)
+class Served:
+    """A result with what the request spent waiting and the size of its batch."""
+
+    result: Any
+    queued_s: float
+    batch: int
+
+
+class Backend(Protocol):
+    """What the serving layer needs from the model side (`app.service.Service`)."""
+
+    fingerprint: str
+    heads_id: str
+    threshold: float
+
+    def info(self) -> dict[str, str]: ...
+    def cards(self) -> dict[str, Any]: ...
+
+    def check_question(self, question: str, max_chars: int, max_tokens: int) -> str: ...
+    def check_response(self, response: str, max_tokens: int) -> str: ...
+    def answer_batch(self, items: list[AnswerItem], deadlines: list[float]
+                     ) -> Sequence[AnswerResult | Exception]: ...
+    def score_batch(self, items: list[ScoreItem], deadlines: list[float]
+                    ) -> Sequence[ScoreResult | Exception]: ...
+
+
+class ServingHooks:
+    """Cross-cutting callbacks; the defaults do nothing."""
+
+    def answered(self, request_id: str, result: AnswerResult, queued_s: float) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- serving
+class Serving:
+    def __init__(self, settings: Settings, hooks: ServingHooks | None = None,
+                 batcher_hooks: BatcherHooks | None = None) -> None:
+        self.settings = settings
+        self.hooks = hooks or ServingHooks()
+        self.batcher_hooks = batcher_hooks
+        self.backend: Backend | None = None
+        self.batcher: Batcher | None = None
+        self.load_error: str | None = None
+        self.draining = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def attach(self, backend: Backend) -> None:
+        s = self.settings
+        self.backend = backend
+        self.batcher = Batcher({"answer": backend.answer_batch, "score": backend.score_batch},
+                               s.max_batch_size, s.batch_wait_ms, s.queue_limit,
+                               self.batcher_hooks)
+        self.batcher.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None and self.batcher is not None and not self.draining
+
+    def drain(self) -> None:
+        self.draining = True
+
+    async def stop(self) -> None:
+        self.drain()
+        if self.batcher is not None:
+            await self.batcher.stop()
+
+    def admit(self, request: Any) -> None:
+        """A request that arrived after SIGTERM is refused; one already in is served."""
+        if request.scope["state"].get("late"):
+            raise ShuttingDown()
+        self.require_backend()
+
+    def require_backend(self) -> Backend:
+        if self.backend is None or self.batcher is None:
+            raise NotReady(self.load_error or "loading model")
+        return self.backend
+
+    # ----------------------------------------------------------------- decoding
+    async def image(self, raw: bytes, what: str = "image") -> Image.Image:
+        """Decode off the event loop; size limits before any pixel is decoded."""
+        limit = self.settings.max_image_bytes
+        if len(raw) > limit:
+            raise ImageTooLarge(f"{what}: {len(raw)} bytes, over the limit of {limit}")
+        try:
+            return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
+        except ValueError as e:   # ImageTooLarge / ImageInvalid keep their type
+            raise type(e)(f"{what}: {e}") from None
+
+    async def image_b64(self, b64: str, what: str = "image") -> Image.Image:
+        # The encoded size bounds the decoded one: refuse before decoding a huge string.
+        if len(b64) > 4 * (self.settings.max_image_bytes // 3 + 1) + 4:
+            raise ImageTooLarge(f"{what}: over the limit of {self.settings.max_image_bytes} "
+                                "bytes")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidInput(f"{what}: not valid base64 (one line, no wrapping; "
+                               "use `base64 < file | tr -d '\\n'`)") from None
+        return await self.image(raw, what)
+
+    def max_new_tokens(self, asked: int | None) -> int:
+        if asked is not None and asked < 1:
+            raise InvalidInput("max_new_tokens must be at least 1")
+        limit = self.settings.max_new_tokens
+        return limit if asked is None else min(asked, limit)
+
+    def question(self, question: str) -> str:
+        s = self.settings
+        return self.require_backend().check_question(question, s.max_question_chars,
+                                                     s.max_question_tokens)
+
+    def _score_items(self, image: Image.Image, question: str,
+                     trajectories: Sequence[tuple[str, MaskSpec | None]]) -> list[ScoreItem]:
+        backend = self.require_backend()
+        out = []
+        for k, (response, mask) in enumerate(trajectories):
+            where = "response" if len(trajectories) == 1 else f"trajectories.{k}"
+            try:
+                text = backend.check_response(response, self.settings.max_response_tokens)
+                if mask is not None:
+                    char_span(text, mask.target)   # a span must lie inside what is scored
+            except TrajectoryInvalid as e:
+                raise TrajectoryInvalid(f"{where}: {e.detail}") from None
+            except ValueError as e:
+                raise TrajectoryInvalid(f"{where}: {e}") from None
+            out.append(ScoreItem(image, question, response, mask))
+        return out
+
+    async def score_items(self, image: Image.Image, question: str,
+                          trajectories: Sequence[tuple[str, MaskSpec | None]]
+                          ) -> list[ScoreItem]:
+        """Checked score jobs (token budget, reserved tokens, mask spans); tokenising up to
+        64 long trajectories runs off the event loop."""
+        return await run_in_threadpool(self._score_items, image, question, trajectories)
+
+    # ----------------------------------------------------------------- running
+    def _deadline(self) -> float:
+        return time.monotonic() + self.settings.request_timeout_s
+
+    async def _await(self, jobs: list[Job]) -> list[Served]:
+        timeout = self.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                results = await asyncio.gather(*(asyncio.shield(j.future) for j in jobs))
+        except TimeoutError:
+            for j in jobs:          # the worker skips them, or stops decoding at the deadline
+                j.future.cancel()
+            raise DeadlineExceeded(f"no answer within {timeout} s") from None
+        except BaseException:
+            for j in jobs:
+                j.future.cancel()
+            raise
+        return [Served(r, j.queued_s, j.batch) for r, j in zip(results, jobs)]
+
+    async def answer(self, items: list[AnswerItem], request_id: str | None = None
+                     ) -> list[Served]:
+        """Answers for one request's items (1, or 2 for a counterfactual), in order."""
+        self.require_backend()
+        key = items[0].max_new_tokens   # one generation limit per batch
+        jobs = self.batcher.submit_many("answer", items, self._deadline(), key)
+        served = await self._await(jobs)
+        if request_id is not None:
+            for s in served:
+                self.hooks.answered(request_id, s.result, s.queued_s)
+        return served
+
+    async def score(self, items: list[ScoreItem]) -> list[Served]:
+        self.require_backend()
+        jobs = self.batcher.submit_many("score", items, self._deadline())
+        return await self._await(jobs)

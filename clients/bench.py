@@ -1,0 +1,234 @@
+"""HTTP load generator: a real `dualread serve` process, driven by N concurrent clients.
+
+The server runs as a subprocess on a free loopback port with its own `--max-batch-size`;
+the bench waits for `/health/ready`, sends a bounded number of `/answer` requests from
+1, 4 and 16 concurrent clients (request bodies are serialised once, up front, so the
+client spends its CPU on HTTP, not on base64), and stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`dualread serve` in a subprocess; use as a context manager."""
+
+    def __init__(self, flags: dict[str, object], threads: int | None = None,
+                 ready_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port)]
+        for k, v in flags.items():
+            if v is not None:
+                args += [f"--{k.replace('_', '-')}", str(v)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if threads:
+            # torch reads these at import: the server computes on as many threads as the
+            # in-process measurement it is compared with.
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.args = args
+        self.env = env
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServeProcess:
+        # The access log goes to stderr; it is discarded so the pipe never fills.
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dualread serve exited with {self.proc.returncode}: "
+                                   + " ".join(self.args))
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"dualread serve was not ready within {self.ready_timeout_s} s")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Load:
+    concurrency: int
+    latencies_s: list[float]
+    wall_s: float
+    errors: int
+
+    def summary(self) -> dict:
+        lat = np.asarray(self.latencies_s) * 1000
+        ok = len(lat)
+        pct = (lambda q: float(np.percentile(lat, q))) if ok else (lambda q: float("nan"))
+        return {"requests": ok + self.errors, "errors": self.errors,
+                "rps": ok / self.wall_s if self.wall_s > 0 else float("nan"),
+                "p50_ms": pct(50), "p95_ms": pct(95), "p99_ms": pct(99),
+                "mean_ms": float(lat.mean()) if ok else float("nan")}
+
+
+async def _drive(url: str, bodies: Sequence[bytes], concurrency: int, requests: int,
+                 timeout_s: float, advance: Callable[[], None] | None) -> Load:
+    latencies: list[float] = []
+    errors = 0
+    next_i = 0
+    headers = {"content-type": "application/json"}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        async def worker() -> None:
+            nonlocal next_i, errors
+            while next_i < requests:
+                i = next_i
+                next_i += 1
+                t = time.perf_counter()
+                try:
+                    r = await client.post("/answer", content=bodies[i % len(bodies)],
+                                          headers=headers)
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - t)
+                else:
+                    errors += 1
+                if advance:
+                    advance()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return Load(concurrency, latencies, wall, errors)
+
+
+def drive(url: str, bodies: Sequence[bytes], concurrency: int, requests: int,
+          timeout_s: float = 120.0, advance: Callable[[], None] | None = None) -> Load:
+    """Send `requests` POST /answer bodies from `concurrency` clients; each client sends
+    its next request as soon as its previous one is answered (closed loop)."""
+    return asyncio.run(_drive(url, bodies, concurrency, requests, timeout_s, advance))
+
+
+def _merge(parts: list[Load]) -> Load:
+    return Load(parts[0].concurrency, [x for p in parts for x in p.latencies_s],
+                sum(p.wall_s for p in parts), sum(p.errors for p in parts))
+
+
+def _post_timed(client: httpx.Client, body: bytes) -> float | None:
+    t = time.perf_counter()
+    try:
+        r = client.post("/answer", content=body, headers={"content-type": "application/json"})
+    except httpx.HTTPError:
+        return None
+    return time.perf_counter() - t if r.status_code == 200 else None
+
+
+def http_bench(bodies: Sequence[bytes], server_flags: dict[str, object],
+               requests: dict[int, int], threads: int | None = None, batch_size: int = 8,
+               rounds: int = 2, in_process_b1: Callable[[int], float] | None = None,
+               in_process_b8: Callable[[], tuple[int, float]] | None = None,
+               progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict:
+    """Requests/s and latency percentiles at each concurrency, micro-batching on
+    (`--max-batch-size batch_size`) and off (`--max-batch-size 1`).
+
+    Both servers run at once and are driven in alternating rounds, so a change in machine
+    load between them does not land in their ratio. At one client, each request to each
+    server alternates with `in_process_b1(i)` (seconds for item i answered in process);
+    at the highest concurrency, each round alternates with `in_process_b8()` (items and
+    seconds of an in-process batch-8 pass): overhead and ceiling come from the same window.
+    """
+    labels = {"batching": batch_size, "no_batching": 1}
+    top = max(requests)
+    with ServeProcess({**server_flags, "max_batch_size": batch_size}, threads) as on, \
+            ServeProcess({**server_flags, "max_batch_size": 1}, threads) as off:
+        servers = {"batching": on, "no_batching": off}
+        for srv in servers.values():                     # warm-up, not counted
+            drive(srv.url, bodies, 1, 2)
+            drive(srv.url, bodies, top, top)
+        out: dict[str, dict] = {}
+        for c, n in requests.items():
+            total = n * len(labels)
+            adv = progress(f"HTTP, {c} client(s), batching on and off", total) \
+                if progress else None
+            if c == 1:
+                out["c1"] = _paired_single(servers, bodies, n, in_process_b1, adv)
+                continue
+            parts: dict[str, list[Load]] = {k: [] for k in labels}
+            inproc: list[tuple[int, float]] = []
+            for r in range(rounds):
+                order = list(labels) if r % 2 == 0 else list(labels)[::-1]
+                for label in order:
+                    parts[label].append(drive(servers[label].url, bodies, c, n // rounds,
+                                              advance=adv))
+                if c == top and in_process_b8:
+                    inproc.append(in_process_b8())
+            out[f"c{c}"] = {k: _merge(v).summary() for k, v in parts.items()}
+            if inproc:
+                out[f"c{c}"]["in_process_b8_rps"] = sum(i for i, _ in inproc) / \
+                    sum(s for _, s in inproc)
+    return out
+
+
+def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n: int,
+                   in_process_b1: Callable[[int], float] | None,
+                   advance: Callable[[], None] | None) -> dict:
+    """One client: request i to each server, then item i in process, order rotated."""
+    clients = {k: httpx.Client(base_url=s.url, timeout=120) for k, s in servers.items()}
+    lat: dict[str, list[float]] = {k: [] for k in servers}
+    errors = dict.fromkeys(servers, 0)
+    walls = dict.fromkeys(servers, 0.0)
+    inproc: list[float] = []
+    steps = [*servers, "in_process"]
+    try:
+        for i in range(n):
+            k = i % len(steps)
+            for step in steps[k:] + steps[:k]:
+                if step == "in_process":
+                    if in_process_b1:
+                        inproc.append(in_process_b1(i))
+                    continue
+                t = time.perf_counter()
+                got = _post_timed(clients[step], bodies[i % len(bodies)])
+                walls[step] += time.perf_counter() - t
+                if got is None:
+                    errors[step] += 1
+                else:
+                    lat[step].append(got)
+                if advance:
+                    advance()
+    finally:
+        for c in clients.values():
+            c.close()
+    out: dict = {k: Load(1, lat[k], walls[k], errors[k]).summary() for k in servers}
+    if inproc:
+        out["in_process_b1_ms"] = float(np.median(inproc) * 1000)
+    return out

@@ -1,0 +1,83 @@
+"""The CCG-AUC maths (SPEC §2) and the image-cluster bootstrap, with numpy only.
+
+Shared by the probe clients and by `heads` (whose evaluation CIs resample images the same
+way), so an evaluator needs no model stack to recompute a number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from clients.grounding import classify_pair
+
+
+@dataclass
+class Pair:
+    """One eligible item of CCG: the real image and its donor (hard negative)."""
+
+    item_id: str
+    image_id: str
+    z_real: bool
+    z_hn: bool
+    c_real: float
+    c_hn: float
+    strict: bool    # decisive with the same non-empty canonical answer on both images
+
+
+def phi(d: np.ndarray) -> np.ndarray:
+    """φ(d) = 1[d > 0] + ½·1[d = 0]."""
+    d = np.asarray(d, float)
+    return (d > 0).astype(float) + 0.5 * (d == 0)
+
+
+def decisive(pairs: Sequence[Pair], strict: bool = False) -> list[Pair]:
+    """E (z_real = 1, z_hn = 0) by the one rule in `clients.grounding`; with `strict`,
+    E_strict, read from each pair's `strict` flag (set by that same rule when the pair was
+    made, from the canonical answers this record no longer holds)."""
+    return [p for p in pairs if classify_pair(p.z_real, p.z_hn, "", "").decisive
+            and (p.strict or not strict)]
+
+
+def ccg_auc(pairs: Sequence[Pair], strict: bool = False) -> float:
+    """mean over E of φ(c_real − c_hn); NaN when E is empty."""
+    e = decisive(pairs, strict)
+    if not e:
+        return float("nan")
+    return float(phi(np.array([p.c_real - p.c_hn for p in e])).mean())
+
+
+def resample_clusters(clusters: Sequence[str], stat: Callable[[np.ndarray], float],
+                      n: int = 1000, seed: int = 42) -> tuple[float, float]:
+    """95% percentile CI of `stat(item indices)`, resampling whole clusters (images)."""
+    keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
+    members = [np.nonzero(inv == k)[0] for k in range(len(keys))]
+    rng = np.random.default_rng(seed)
+    stats = []
+    for _ in range(n):
+        idx = np.concatenate([members[k] for k in rng.integers(len(keys), size=len(keys))])
+        v = stat(idx)
+        if not np.isnan(v):
+            stats.append(v)
+    if not stats:
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def cluster_bootstrap(c: np.ndarray, z: np.ndarray, clusters: Sequence[str],
+                      fn: Callable[[np.ndarray, np.ndarray], float], n: int = 1000,
+                      seed: int = 42) -> tuple[float, float]:
+    """95% percentile CI of a metric fn(c, z), resampling whole clusters (source images)."""
+    c, z = np.asarray(c, float), np.asarray(z, int)
+    return resample_clusters(clusters, lambda idx: fn(c[idx], z[idx]), n, seed)
+
+
+def ccg_bootstrap_ci(pairs: Sequence[Pair], strict: bool = False, n: int = 1000,
+                     seed: int = 42) -> tuple[float, float]:
+    """Paired source-image-cluster bootstrap: resample images, keep all their questions."""
+    pairs = list(pairs)
+    return resample_clusters([p.image_id for p in pairs],
+                             lambda idx: ccg_auc([pairs[i] for i in idx], strict), n, seed)

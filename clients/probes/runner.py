@@ -1,0 +1,349 @@
+"""Resumable probe runs: per-item results in JSONL, a progress bar, reports from results.
+
+Every probe's results go to `OUT/<probe>.jsonl`, one line per finished item, tagged with a
+hash of the probe's parameters (data, seed, severities, the deployment's actor and heads).
+A re-run with the same parameters skips what is there; a kill loses only the items in
+flight (a half-written last line is cut off on the next start). Reports are computed from
+the stored results in data order, so a resumed run writes the same report as one that was
+never interrupted. Wall time and retries go to `run.json`, never into `report.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from clients.http import AsyncDualReadClient
+from models.canon import canon, is_correct
+from models.data import HardNegativeIndex, Item
+
+FORMAT = 1          # bump when a record's layout changes: old lines stop matching
+
+
+@dataclass
+class Config:
+    data: str
+    seed: int = 0
+    bootstrap: int = 1000
+    max_new_tokens: int | None = None
+    severities: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    mask_ratios: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    mask_seeds: tuple[int, ...] = (0, 1, 2)
+    deployment: dict = field(default_factory=dict)
+
+
+class Probe(Protocol):
+    NAME: str
+
+    def params(self, cfg: Config) -> dict: ...
+    async def run_item(self, ctx: Context, item: Item, memo: Memo) -> dict: ...
+    def summarise(self, records: list[dict], cfg: Config) -> dict: ...
+    def markdown(self, section: dict) -> str: ...
+    def figures(self, records: list[dict], section: dict, out: Path) -> list[str]: ...
+
+
+# ---------------------------------------------------------------- storage
+def tag_of(params: dict) -> str:
+    blob = json.dumps(params, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class Store:
+    """Append-only JSONL of finished items for one probe and one parameter set."""
+
+    def __init__(self, path: Path, params: dict) -> None:
+        self.path = Path(path)
+        self.tag = tag_of(params)
+        self.done: dict[str, dict] = {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self._load()
+        self.fh = open(self.path, "a", encoding="utf-8")
+
+    def _load(self) -> None:
+        raw = self.path.read_bytes()
+        keep = raw[:raw.rfind(b"\n") + 1]      # a kill mid-write leaves a partial line
+        if len(keep) != len(raw):
+            with open(self.path, "r+b") as fh:
+                fh.truncate(len(keep))
+        for line in keep.decode("utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("tag") == self.tag:
+                self.done[row["id"]] = row["record"]
+
+    def add(self, item_id: str, record: dict) -> None:
+        self.fh.write(json.dumps({"id": item_id, "tag": self.tag, "record": record}) + "\n")
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.done[item_id] = record
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+# ---------------------------------------------------------------- the shared context
+def _seeded(seed: int, key: str) -> np.random.Generator:
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return np.random.default_rng([seed, h])
+
+
+class Context:
+    """What every probe needs: the client, the whole loaded data (donor and shuffle
+    pools), the config, and deterministic donor/shuffle assignments."""
+
+    def __init__(self, client: AsyncDualReadClient, pool: list[Item], cfg: Config) -> None:
+        self.client, self.pool, self.cfg = client, pool, cfg
+        self._index: HardNegativeIndex | None = None
+        self.donors: dict[str, Item | None] = {}
+        self.images: dict[str, str] = {}
+        self.boxes: dict[str, set[tuple[int, int, int, int]]] = {}
+        for it in pool:
+            self.images.setdefault(it.image_id, it.image_path)
+            if it.box:
+                self.boxes.setdefault(it.image_id, set()).add(tuple(it.box))
+        self._image_ids = sorted(self.images)
+
+    def assign_donors(self, items: Sequence[Item]) -> None:
+        """SPEC §2: donors are fixed (seeded) before anything is scored."""
+        self._index = self._index or HardNegativeIndex(self.pool, self.cfg.seed)
+        for it in items:
+            self.donors[it.id] = self._index.assign(it)
+
+    def donor(self, item: Item) -> Item | None:
+        if item.id not in self.donors:
+            self.assign_donors([item])
+        return self.donors[item.id]
+
+    def shuffle_image(self, item: Item) -> tuple[str, str] | None:
+        """(image id, path) of a different image from the same data, seeded per item."""
+        others = [i for i in self._image_ids if i != item.image_id]
+        if not others:
+            return None
+        pick = others[int(_seeded(self.cfg.seed, "shuffle:" + item.id).integers(len(others)))]
+        return pick, self.images[pick]
+
+    def other_boxes(self, item: Item) -> list[tuple[int, int, int, int]]:
+        """Annotated boxes on the same image other than this item's own."""
+        return sorted(b for b in self.boxes.get(item.image_id, ()) if b != tuple(item.box or ()))
+
+
+class Memo:
+    """One item's answers by condition, shared by the probes that run on it, so the real
+    image is answered once even when four probes want it at the same moment."""
+
+    def __init__(self, ctx: Context, item: Item) -> None:
+        self.ctx, self.item = ctx, item
+        self.runs: dict[str, asyncio.Future] = {}
+
+    async def answer(self, key: str, image: Callable[[], bytes | str | Path],
+                     reference: Item | None = None) -> dict:
+        if key not in self.runs:
+            self.runs[key] = asyncio.ensure_future(self._call(image))
+        run = dict(await self.runs[key])
+        ref = reference or self.item
+        run["z"] = is_correct(run["answer"], ref.answer, ref.options or None)
+        run["canonical"] = canon(run["answer"], ref.options or None)
+        return run
+
+    async def _call(self, image: Callable[[], bytes | str | Path]) -> dict:
+        r = await self.ctx.client.answer(image(), self.item.question, self.ctx.cfg.max_new_tokens)
+        return {"answer": r.answer, "response": r.response,
+                "confidence": r.confidence.model_dump()}
+
+    async def real(self) -> dict:
+        return await self.answer("real", lambda: Path(self.item.image_path))
+
+
+def short(run: dict) -> dict:
+    """What a record keeps of one run: correctness, canonical answer, confidences."""
+    return {"z": run["z"], "a": run["canonical"], "c": run["confidence"]}
+
+
+# ---------------------------------------------------------------- reports
+def clean(x: Any) -> Any:
+    """JSON-safe: NaN/inf → null, numpy scalars → Python, tuples → lists."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [clean(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    if isinstance(x, list | tuple) and len(x) == 2:
+        return f"[{fmt(x[0], digits)}, {fmt(x[1], digits)}]"
+    return str(x)
+
+
+def interfaces(records: list[dict], find: Callable[[dict], dict | None]) -> list[str]:
+    """Confidence interfaces the service returned, in its order."""
+    for r in records:
+        c = find(r)
+        if c:
+            return list(c)
+    return []
+
+
+def _progress(total: int, done: int, label: str):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:.2f} items/s" if speed else "– items/s")
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   Rate(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    task = bar.add_task(label, total=total, completed=done)
+    return bar, task
+
+
+async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context, out: Path,
+               concurrency: int, progress: bool) -> tuple[dict[str, Store], dict]:
+    stores = {p.NAME: Store(out / f"{p.NAME}.jsonl", p.params(ctx.cfg)) for p in probes}
+    todo = [it for it in items if any(it.id not in stores[p.NAME].done for p in probes)]
+    failures: list[str] = []
+    bar, task = _progress(len(items), len(items) - len(todo),
+                          "+".join(p.NAME for p in probes)) if progress else (None, None)
+    slots = asyncio.Semaphore(concurrency)        # items in flight: what a kill can lose
+
+    async def work(item: Item) -> None:
+        async with slots:
+            memo = Memo(ctx, item)
+            need = [p for p in probes if item.id not in stores[p.NAME].done]
+            try:
+                recs = await asyncio.gather(*(p.run_item(ctx, item, memo) for p in need))
+            except Exception as e:   # recorded, not stored: a re-run tries the item again
+                failures.append(f"{item.id}: {type(e).__name__}: {e}")
+                if len(failures) >= max(10, len(todo) // 10):
+                    raise
+                return
+            for p, rec in zip(need, recs):
+                stores[p.NAME].add(item.id, rec)
+            if bar is not None:
+                bar.advance(task)
+
+    t0 = time.perf_counter()
+    try:
+        if bar is not None:
+            bar.start()
+        await asyncio.gather(*(work(it) for it in todo))
+    finally:
+        if bar is not None:
+            bar.stop()
+        for s in stores.values():
+            s.close()
+    run = {"wall_s": round(time.perf_counter() - t0, 2), "items": len(items),
+           "items_run": len(todo) - len(failures), "items_resumed": len(items) - len(todo),
+           "failures": failures, "retried_requests": ctx.client.retried,
+           "batch_scoring": ctx.client.batch_scoring, "concurrency": concurrency}
+    return stores, run
+
+
+def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, Store],
+                  cfg: Config, out: Path) -> dict:
+    """report.json, report.md and figures from the stored results (data order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    report: dict[str, Any] = {"meta": {"data": cfg.data, "items": len(items),
+                                       "deployment": cfg.deployment, "seed": cfg.seed}}
+    md, figs = [], []
+    for p in probes:
+        recs = [stores[p.NAME].done[it.id] for it in items if it.id in stores[p.NAME].done]
+        section = clean(p.summarise(recs, cfg))
+        report[p.NAME] = section
+        md.append(p.markdown(section))
+        figs += p.figures(recs, section, out)
+    if len(probes) > 1:
+        from clients.probes.summary import summary
+
+        page = summary(report)
+        (out / "summary.md").write_text(page)
+        md.insert(0, page)
+    (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    body = "\n\n".join(md) + "\n\n" + "\n".join(f"![{Path(f).stem}]({Path(f).name})"
+                                                for f in figs) + "\n"
+    (out / "report.md").write_text(body)
+    return report
+
+
+async def deployment(client: AsyncDualReadClient, url: str) -> dict:
+    """Which actor and heads answer at `url` (results from another deployment never mix)."""
+    try:
+        m = await client.models()
+        return {"actor": m["actor"]["fingerprint"], "heads": m["heads"]["id"]}
+    except Exception:   # a deployment without /v1/models: key results by its address
+        return {"url": url}
+
+
+def run(names: Sequence[str], url: str, data: str, out: Path, limit: int | None = None,
+        concurrency: int = 16, api_key: str | None = None, seed: int = 0,
+        bootstrap: int = 1000, max_new_tokens: int | None = None, progress: bool = True,
+        items: list[Item] | None = None) -> dict:
+    """Run probes `names` against the service at `url`; returns report.json's content."""
+    from clients.probes import PROBES
+    from models.data import load, sample
+
+    unknown = [n for n in names if n not in PROBES]
+    if unknown:
+        raise ValueError(f"unknown probe {unknown}; choose from {', '.join(PROBES)} or all")
+    probes = [PROBES[n] for n in names]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pool = items if items is not None else load(data)
+    chosen = sample(pool, limit, seed)
+    cfg = Config(data=data, seed=seed, bootstrap=bootstrap, max_new_tokens=max_new_tokens)
+
+    async def go() -> tuple[dict[str, Store], dict]:
+        async with AsyncDualReadClient(url, api_key, concurrency=concurrency) as client:
+            cfg.deployment = await deployment(client, url)
+            ctx = Context(client, pool, cfg)
+            if "ccg" in names:
+                ctx.assign_donors(chosen)
+            return await _run(probes, chosen, ctx, out, concurrency, progress)
+
+    stores, info = asyncio.run(go())
+    report = write_reports(probes, chosen, stores, cfg, out)
+    info.update({"probes": list(names), "url": url, "data": data, "limit": limit,
+                 "config": clean(asdict(cfg))})
+    (out / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    if info["failures"]:
+        report["failures"] = info["failures"]
+    return report
+
+

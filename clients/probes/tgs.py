@@ -1,0 +1,201 @@
+"""`dualread probe tgs` — SPEC §3, for every confidence interface the service returns
+(verbalized μ(C), and DualRead, PSR and PER, which no seed paper measures this way).
+
+Per item: the actor's own trajectory τ (its natural answer), then one `/probe/score_batch`
+call with τ unmasked, τ with the think block masked at 25/50/75% (3 seeds each) and 100%
+(answer visible), and the three rule-built bad variants (vision, reasoning, answer; see
+`text.py`), plus pre/post cuts around any hesitation marker.
+
+- TGS-self = mean[c(τ) − c(τ masked 100%)] over items whose think block has tokens to mask.
+- TGS-pair_axis = mean[c(good) − c(bad_axis)] over items answered correctly (so the good
+  trajectory is good) that have a variant on that axis; TGS-pair = mean of the axes.
+- P(JSD ≤ 0.1) between good and bad: the service returns scalar confidences, so JSD is
+  between Bernoulli(c) distributions. For μ(C) that is a garbling of the 11-way digit
+  distribution, so by data processing it is ≤ the digit JSD and P(JSD ≤ 0.1) here is an
+  upper bound on the paper's statistic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from clients.probes import text
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces
+from clients.probes.stats import NAN_CI, cluster_bootstrap, mean, share_close
+from models.data import Item
+
+NAME = "tgs"
+AXES = ("vision", "reasoning", "answer")
+MAX_HESITATIONS = 20          # keeps one item inside one 64-trajectory batch
+CLOSE = 0.02                  # |c_pre − c_post| ≤ .02 counts as "no change" (TGS §3.4)
+
+
+def params(cfg: Config) -> dict:
+    return {"probe": NAME, "format": 1, "data": cfg.data, "seed": cfg.seed,
+            "ratios": list(cfg.mask_ratios), "seeds": list(cfg.mask_seeds),
+            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+
+
+def plan(response: str, question: str, key: str, cfg: Config
+         ) -> tuple[list[str], list[str], list[dict | None], dict]:
+    """(labels, trajectories, masks, variants) to score for one item's trajectory."""
+    labels, trajs, masks = ["good"], [response], [None]
+    for ratio in cfg.mask_ratios:
+        if ratio <= 0:
+            continue
+        for seed in (cfg.mask_seeds if ratio < 1 else (0,)):   # 100% is one fixed set
+            labels.append(f"mask:{ratio:g}:{seed}")
+            trajs.append(response)
+            masks.append({"target": "think", "ratio": ratio, "seed": seed})
+    variants = {"vision": text.vision_variant(response, question, key),
+                "reasoning": text.reasoning_variant(response),
+                "answer": text.answer_variant(response, key)}
+    for axis, v in variants.items():
+        if v is not None:
+            labels.append(axis)
+            trajs.append(v)
+            masks.append(None)
+    for j, (pre, post) in enumerate(text.hesitations(response)[:MAX_HESITATIONS]):
+        labels += [f"hes:{j}:pre", f"hes:{j}:post"]
+        trajs += [pre, post]
+        masks += [None, None]
+    return labels, trajs, masks, variants
+
+
+async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
+    real = await memo.real()
+    if not real["response"].strip():   # nothing to score (the service refuses empty text)
+        return {"image_id": item.image_id, "z": real["z"], "masked_tokens": 0, "scores": {},
+                "variants": {}, "hesitations": 0}
+    labels, trajs, masks, variants = plan(real["response"], item.question,
+                                          f"{ctx.cfg.seed}:{item.id}", ctx.cfg)
+    scores = await ctx.client.score_batch(Path(item.image_path), item.question, trajs, masks)
+    full = f"mask:{max(ctx.cfg.mask_ratios):g}:0"
+    by = dict(zip(labels, scores))
+    return {"image_id": item.image_id, "z": real["z"],
+            "masked_tokens": by[full].masked_tokens if full in by else 0,
+            "scores": {k: s.confidence.model_dump() for k, s in by.items()},
+            "variants": variants,
+            "hesitations": sum(k.endswith(":pre") for k in labels)}
+
+
+def _ci(rows: list[dict], d: np.ndarray, cfg: Config) -> tuple[float, float]:
+    if not len(rows):
+        return NAN_CI
+    return cluster_bootstrap([r["image_id"] for r in rows], lambda idx: float(d[idx].mean()),
+                             cfg.bootstrap, 42)
+
+
+def summarise(records: list[dict], cfg: Config) -> dict:
+    out: dict = {"n_items": len(records)}
+    selfset = [r for r in records if r["masked_tokens"] > 0]
+    out["n_self"] = len(selfset)
+    out["accuracy"] = mean([r["z"] for r in records])
+    pair_rows = {a: [r for r in records if r["z"] and a in r["scores"]] for a in AXES}
+    out.update({f"n_pair_{a}": len(pair_rows[a]) for a in AXES})
+    events = [(r["scores"][f"hes:{j}:pre"], r["scores"][f"hes:{j}:post"])
+              for r in records for j in range(r["hesitations"])]
+    out["hesitation"] = ({"events": len(events),
+                          "trajectories": sum(r["hesitations"] > 0 for r in records)}
+                         if events else "none")
+    full = f"mask:{max(cfg.mask_ratios):g}:0"
+    for k in interfaces(records, lambda r: r["scores"].get("good")):
+        good = np.array([r["scores"]["good"][k] for r in selfset])
+        masked = np.array([r["scores"][full][k] for r in selfset]) if selfset else good
+        d_self = good - masked
+        curve = {}
+        for ratio in cfg.mask_ratios:
+            if ratio <= 0:
+                curve[f"{ratio:g}"] = mean(good)
+                continue
+            seeds = cfg.mask_seeds if ratio < 1 else (0,)
+            curve[f"{ratio:g}"] = mean([np.mean([r["scores"][f"mask:{ratio:g}:{s}"][k]
+                                                 for s in seeds]) for r in selfset])
+        v: dict = {"self": mean(d_self), "self_ci": _ci(selfset, d_self, cfg),
+                   "curve": curve}
+        axis_means = []
+        for a in AXES:
+            rows = pair_rows[a]
+            g = np.array([r["scores"]["good"][k] for r in rows])
+            b = np.array([r["scores"][a][k] for r in rows])
+            d = g - b
+            v[f"pair_{a}"] = mean(d)
+            v[f"pair_{a}_ci"] = _ci(rows, d, cfg)
+            v[f"p_jsd_le_0.1_{a}"] = share_close(g, b) if rows else float("nan")
+            if rows:
+                axis_means.append(mean(d))
+        v["pair"] = float(np.mean(axis_means)) if axis_means else float("nan")
+        if events:
+            pre = np.array([e[0][k] for e in events])
+            post = np.array([e[1][k] for e in events])
+            v["hesitation"] = {"mean_drop": mean(pre - post),
+                               "p_unchanged": float(np.mean(np.abs(pre - post) <= CLOSE))}
+        out[k] = v
+    return out
+
+
+def _ifaces(s: dict) -> list[str]:
+    return [k for k, v in s.items() if isinstance(v, dict) and "self" in v]
+
+
+def markdown(s: dict) -> str:
+    lines = ["## Trajectory grounding (SPEC §3): does confidence read the trajectory?", "",
+             f"{s['n_items']} items (actor accuracy {fmt(s['accuracy'])}); TGS-self on "
+             f"{s['n_self']} with a think block to mask; TGS-pair on correctly answered items "
+             f"with a rule-built variant (vision {s['n_pair_vision']}, reasoning "
+             f"{s['n_pair_reasoning']}, answer {s['n_pair_answer']}). Positive = grounded, "
+             "0 = trajectory-blind, negative = anti-grounded. 95% CIs: image-cluster bootstrap.",
+             "", "| interface | TGS-self | 95% CI | TGS-pair | vision | reasoning | answer | "
+             "P(JSD≤.1) vision | reasoning | answer |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in _ifaces(s):
+        v = s[k]
+        lines.append(f"| {k} | {fmt(v['self'])} | {fmt(v['self_ci'])} | {fmt(v['pair'])} | "
+                     + " | ".join(f"{fmt(v[f'pair_{a}'])} {fmt(v[f'pair_{a}_ci'])}"
+                                  for a in AXES) + " | "
+                     + " | ".join(fmt(v[f"p_jsd_le_0.1_{a}"]) for a in AXES) + " |")
+    lines += ["", "Masking curve (mean confidence as the think block is masked; the answer "
+              "stays visible):", "", "| interface | " + " | ".join(
+                  f"{r}" for r in next(iter([s[k]["curve"] for k in _ifaces(s)]), {})) + " |",
+              "|---|" + "---|" * len(next(iter([s[k]["curve"] for k in _ifaces(s)]), {}))]
+    for k in _ifaces(s):
+        lines.append(f"| {k} | " + " | ".join(fmt(x) for x in s[k]["curve"].values()) + " |")
+    h = s["hesitation"]
+    if h == "none":
+        lines += ["", "Hesitation: none — the actor never wrote a hesitation marker "
+                  "(TGS A.3 lexicon), so there is nothing to analyse."]
+    else:
+        lines += ["", f"Hesitation: {h['events']} events in {h['trajectories']} trajectories; "
+                  + "; ".join(f"{k}: mean drop {fmt(s[k]['hesitation']['mean_drop'])}, "
+                              f"P(|Δ|≤.02) {fmt(s[k]['hesitation']['p_unchanged'])}"
+                              for k in _ifaces(s))]
+    return "\n".join(lines)
+
+
+def figures(records: list[dict], section: dict, out: Path) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    names = _ifaces(section)
+    if not names:
+        return []
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for k in names:
+        xs = [float(x) for x in section[k]["curve"]]
+        a1.plot(xs, list(section[k]["curve"].values()), marker="o", label=k)
+    a1.set(xlabel="share of think tokens masked", ylabel="mean confidence",
+           title="TGS masking curve")
+    a1.legend(fontsize=7)
+    width = 0.8 / len(names)
+    for j, k in enumerate(names):
+        vals = [section[k][f"pair_{a}"] for a in AXES] + [section[k]["self"]]
+        vals = [np.nan if v is None else v for v in vals]
+        a2.bar(np.arange(4) + j * width, vals, width, label=k)
+    a2.axhline(0, color="k", lw=0.8)
+    a2.set_xticks(np.arange(4) + 0.4 - width / 2, ["vision", "reasoning", "answer", "self"])
+    a2.set(ylabel="TGS", title="TGS-pair by axis and TGS-self")
+    fig.tight_layout()
+    path = out / "tgs.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]

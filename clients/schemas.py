@@ -1,0 +1,171 @@
+"""Request and response bodies of the HTTP API (the OpenAPI contract).
+
+Only pydantic and the standard library, so a client can use them without the model stack.
+Request bodies forbid unknown fields: a misspelt field is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
+               "pLvAAAAAElFTkSuQmCC")
+MAX_RESPONSE_CHARS = 20000
+MAX_TRAJECTORIES = 64
+MAX_NEW_TOKENS = 1024
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AnswerRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"image": B64_EXAMPLE, "question": "what color is the shape?"}]})
+    image: str = Field(..., description="PNG, JPEG or DICOM bytes, base64 (one line)")
+    question: str = Field(..., min_length=1)
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+
+
+class Confidence(BaseModel):
+    """Confidences of one run, or (in `confidence_difference`) real minus counterfactual."""
+
+    dualread: float = Field(..., description="fused DualRead confidence")
+    psr: float = Field(..., description="pre-answer branch (PSR)")
+    per: float = Field(..., description="post-answer branch (P-State + P-Visual)")
+    verbalized: float = Field(..., description="the actor's own μ(C)")
+
+
+# One schema: a difference of confidences has the same fields.
+ConfidenceDifference = Confidence
+
+
+class Timings(BaseModel):
+    queue: float
+    generate: float
+    readout: float
+    heads: float
+
+
+class AnswerResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "answer": "red", "response": "<think>I see a red circle. ...</think><answer>red</answer>"
+        "<confidence>9</confidence>", "confidence": {"dualread": 0.97, "psr": 0.95,
+                                                     "per": 0.98, "verbalized": 0.88},
+        "defer": False, "defer_reason": None, "defer_threshold": 0.71, "model": "3f2a...",
+        "heads": "9c1b...", "request_id": "5b0e...",
+        "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
+    answer: str
+    response: str
+    confidence: Confidence
+    defer: bool = Field(..., description="route to a clinician: confidence below threshold, "
+                                         "or the response did not parse")
+    defer_reason: str | None = Field(
+        None, description="why the response itself is not trusted (no answer tag, empty "
+                          "answer, repetition, truncated); null when only confidence decides")
+    defer_threshold: float
+    model: str = Field(..., description="actor fingerprint")
+    heads: str = Field(..., description="heads artefact id")
+    request_id: str = Field(..., description="server-generated; the key for /feedback")
+    timings_ms: Timings
+
+
+class CounterfactualRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "question": "what color is the shape?", "image": B64_EXAMPLE,
+        "counterfactual": "blank", "reference_answer": "red"}]})
+    question: str = Field(..., min_length=1)
+    image: str = Field(..., description="the real image, base64")
+    counterfactual: str = Field(..., description='another image (base64) or "blank"')
+    reference_answer: str | None = None
+    counterfactual_reference_answer: str | None = None
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+
+
+class Run(BaseModel):
+    answer: str
+    canonical: str
+    response: str
+    confidence: Confidence
+    correct: bool | None = None
+
+
+class CounterfactualResponse(BaseModel):
+    real: Run
+    counterfactual: Run
+    confidence_difference: Confidence = Field(..., description="real minus counterfactual")
+    answer_changed: bool
+    decisive: bool | None = Field(None, description="z_real = 1 and z_cf = 0 (SPEC §2)")
+    strict: bool | None = Field(None, description="decisive and the same canonical answer")
+    request_id: str
+
+
+class MaskRequest(_Request):
+    target: Literal["think", "answer", "response"] | tuple[int, int] = Field(
+        "think", description='a tag\'s content or a [start, end) character span')
+    ratio: float = Field(1.0, ge=0, le=1)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+
+class ScoreRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "image": B64_EXAMPLE, "question": "what color is the shape?",
+        "response": "<think>I see a red circle. The question asks for the colour, so the "
+                    "answer is red.</think><answer>red</answer>",
+        "mask": {"target": "think", "ratio": 1.0, "seed": 0}}]})
+    image: str
+    question: str = Field(..., min_length=1)
+    response: str = Field(..., min_length=1, max_length=MAX_RESPONSE_CHARS)
+    mask: MaskRequest | None = None
+
+
+class TrajectoryScore(BaseModel):
+    confidence: Confidence
+    mu_c: float | None = Field(None, description="verbalized μ(C) after the trajectory")
+    answer: str
+    masked_tokens: int
+
+
+class ScoreResponse(TrajectoryScore):
+    request_id: str
+
+
+class Trajectory(_Request):
+    response: str = Field(..., min_length=1, max_length=MAX_RESPONSE_CHARS)
+    mask: MaskRequest | None = None
+
+
+class ScoreBatchRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "image": B64_EXAMPLE, "question": "what color is the shape?",
+        "trajectories": [
+            {"response": "<think>I see a red circle.</think><answer>red</answer>",
+             "mask": None},
+            {"response": "<think>I see a red circle.</think><answer>red</answer>",
+             "mask": {"target": "think", "ratio": 1.0, "seed": 0}}]}]})
+    image: str
+    question: str = Field(..., min_length=1)
+    trajectories: list[Trajectory] = Field(..., min_length=1, max_length=MAX_TRAJECTORIES)
+
+
+class ScoreBatchResponse(BaseModel):
+    results: list[TrajectoryScore] = Field(..., description="in the order of the request")
+    request_id: str
+
+
+class FeedbackRequest(_Request):
+    request_id: str = Field(..., min_length=1, max_length=64,
+                            description="the request_id of an earlier /answer response")
+    correct: bool
+
+
+class FeedbackResponse(BaseModel):
+    accepted: bool
+    window: int
+
+
+class ErrorResponse(BaseModel):
+    detail: str
+    request_id: str

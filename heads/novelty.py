@@ -1,0 +1,147 @@
+"""Novelty score on the actor's states, turned into a conformal p-value (SPEC §8).
+
+Fitted on clean reader-split features, calibrated on a disjoint clean split of n items:
+    p(x) = (1 + #{i : s_i ≥ s(x)}) / (n + 1)
+For a clean input exchangeable with the calibration split, P[p ≤ α] ≤ α, whatever the score.
+The defer rule it feeds is `defer = p_DR < τ or p(x) < α`.
+
+Scores (larger = more unusual), on features standardised with fitting-split statistics:
+- `mahalanobis`: distance under a Ledoit–Wolf shrunk covariance;
+- `knn`: distance to the k-th nearest fitting item;
+- `token_knn`: for token sets [M, D] (image-token states), the largest distance of any token
+  to its nearest fitting token (a patch-level score: one odd region is enough).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+KINDS = ("mahalanobis", "knn", "token_knn")
+ALPHA = 0.01
+MAX_BANK = 50_000          # fitting tokens kept for token_knn (a deterministic subsample)
+
+# Named feature maps from a feature dict (heads.features.extract plus `h_image` [N, M, D]).
+FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
+    "h_pre": lambda f: f["h_pre"],
+    "h_close": lambda f: f["h_close"],
+    "h_mid": lambda f: f["h_mid"],
+    "img_mean": lambda f: f["h_image"].mean(1),
+    "img_std": lambda f: f["h_image"].std(1),
+    "img_mean_std": lambda f: torch.cat([f["h_image"].mean(1), f["h_image"].std(1)], -1),
+    "pre_img_mean": lambda f: torch.cat([f["h_pre"], f["h_image"].mean(1)], -1),
+    "img_tokens": lambda f: f["h_image"].flatten(1),
+    "img_token_set": lambda f: f["h_image"],
+}
+
+
+def features(name: str, feats: dict[str, torch.Tensor]) -> torch.Tensor:
+    if name not in FEATURES:
+        raise ValueError(f"unknown novelty feature {name!r}; known: {', '.join(FEATURES)}")
+    return FEATURES[name](feats).double()
+
+
+def p_values(cal_scores: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """(1 + #{i : s_i ≥ s}) / (n + 1) for each s, against calibration scores s_i."""
+    cal = np.sort(np.asarray(cal_scores, float))
+    s = np.asarray(scores, float)
+    at_least = len(cal) - np.searchsorted(cal, s, side="left")
+    return (1 + at_least) / (len(cal) + 1)
+
+
+class Novelty:
+    def __init__(self, kind: str = "mahalanobis", feature: str = "img_mean", k: int = 5
+                 ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"novelty kind must be one of {KINDS}")
+        self.kind, self.feature, self.k = kind, feature, k
+        self.t: dict[str, torch.Tensor] = {}      # mean, scale, precision | bank, calibration
+        self.n_fit = 0
+
+    # ------------------------------------------------------------------ fitting
+    def fit(self, x: torch.Tensor) -> Novelty:
+        """Fit on clean features: [N, D], or [N, M, D] token sets for `token_knn`."""
+        x = torch.as_tensor(x).double()
+        if (x.dim() == 3) != (self.kind == "token_knn"):
+            raise ValueError(f"{self.kind} takes {'[N, M, D]' if x.dim() == 2 else '[N, D]'}"
+                             " features")
+        self.n_fit = len(x)
+        flat = x.reshape(-1, x.shape[-1])
+        self.t["mean"] = flat.mean(0)
+        self.t["scale"] = flat.std(0).clamp_min(1e-6)
+        z = self._std(flat)
+        if self.kind == "mahalanobis":
+            from sklearn.covariance import LedoitWolf
+
+            lw = LedoitWolf().fit(z.numpy())
+            self.t["location"] = torch.from_numpy(lw.location_)
+            self.t["precision"] = torch.from_numpy(lw.precision_)
+        elif self.kind == "token_knn" and len(z) > MAX_BANK:
+            keep = np.random.default_rng(0).choice(len(z), MAX_BANK, replace=False)
+            self.t["bank"] = z[np.sort(keep)]
+        else:
+            self.t["bank"] = z
+        return self
+
+    def calibrate(self, x_cal: torch.Tensor) -> Novelty:
+        """Scores of a clean split disjoint from the fitting one (the conformal reference)."""
+        self.t["calibration"] = torch.from_numpy(np.sort(self.score(x_cal)))
+        return self
+
+    # ------------------------------------------------------------------ scoring
+    def _std(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.t["mean"]) / self.t["scale"]
+
+    def score(self, x: torch.Tensor) -> np.ndarray:
+        x = torch.as_tensor(x).double()
+        z = self._std(x)
+        if self.kind == "mahalanobis":
+            d = z - self.t["location"]
+            return torch.einsum("nd,de,ne->n", d, self.t["precision"], d).clamp_min(0).sqrt(
+            ).numpy()
+        if self.kind == "knn":
+            return self._nearest(z, self.k).numpy()
+        n, m, dim = z.shape
+        return self._nearest(z.reshape(-1, dim), 1).reshape(n, m).max(1).values.numpy()
+
+    def _nearest(self, z: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
+        """Distance of each row to its k-th nearest bank row."""
+        bank = self.t["bank"]
+        out = [torch.cdist(z[s: s + chunk], bank).kthvalue(k, dim=1).values
+               for s in range(0, len(z), chunk)]
+        return torch.cat(out) if out else torch.zeros(0, dtype=z.dtype)
+
+    def p_value(self, x: torch.Tensor) -> np.ndarray:
+        if "calibration" not in self.t:
+            raise RuntimeError("calibrate on a clean split before asking for p-values")
+        return p_values(self.t["calibration"].numpy(), self.score(x))
+
+    def novel(self, x: torch.Tensor, alpha: float = ALPHA) -> np.ndarray:
+        return self.p_value(x) < alpha
+
+    # ------------------------------------------------------------------ artefacts
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "feature": self.feature, "k": self.k, "n_fit": self.n_fit,
+                "n_calibration": len(self.t.get("calibration", ())),
+                "p_value": "(1 + #{i : s_i >= s(x)}) / (n + 1)"}
+
+    def save(self, folder: str | Path, prefix: str = "novelty") -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.t.items()},
+                  str(folder / f"{prefix}.safetensors"))
+        (folder / f"{prefix}.json").write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, folder: str | Path, prefix: str = "novelty") -> Novelty:
+        folder = Path(folder)
+        d = json.loads((folder / f"{prefix}.json").read_text())
+        nov = cls(d["kind"], d["feature"], d["k"])
+        nov.n_fit = d["n_fit"]
+        nov.t = dict(load_file(str(folder / f"{prefix}.safetensors")))
+        return nov

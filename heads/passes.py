@@ -1,0 +1,159 @@
+"""Forward passes beyond the natural generation, each declared once.
+
+A pass turns a chunk of items (and the natural run's metadata) into named feature tensors.
+Confidence methods name the passes they read (`Method.passes`); the `Collector` runs the
+union of what the chosen methods need, caching each pass in its own shards. The cache key
+holds the pass's `version` and a hash of its code, so a changed pass never reuses stale
+shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+import models.canon as canon_module
+from models.canon import canon
+from models.counterfactuals import black_image
+
+if TYPE_CHECKING:
+    from heads.collect import Collector
+    from models.data import Item
+
+K_SAMPLES = 8
+SC_KS = (2, 4, 8)
+PTRUE_PROMPT = ("{question}\nProposed answer: {answer}\n"
+                "Is the proposed answer correct? Answer yes or no.")
+
+PassFn = Callable[["Collector", "list[Item]", dict], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One extra pass: its name, what it computes, and what its cache key depends on."""
+
+    name: str
+    run: PassFn
+    version: int = 1                 # bump when its outputs change meaning
+    helpers: tuple[object, ...] = ()  # code and constants it relies on, hashed into the key
+
+    def code_hash(self) -> str:
+        return source_hash(self.run, *self.helpers)
+
+
+def source_hash(*objs: object) -> str:
+    """Short hash of the source of functions/modules; other objects count by their repr."""
+    h = hashlib.sha256()
+    for obj in objs:
+        try:
+            h.update(inspect.getsource(obj).encode())
+        except (OSError, TypeError):
+            h.update(repr(obj).encode())
+    return h.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- the statistics
+def ptrue_probs(actor, images, questions, answers) -> np.ndarray:
+    """P(Yes) / (P(Yes) + P(No)) for the first token after a yes/no follow-up prompt."""
+    qs = [PTRUE_PROMPT.format(question=q, answer=a) for q, a in zip(questions, answers)]
+    probs = actor.next_token_probs(images, qs)
+    tok = actor.tokenizer
+
+    def ids(words):
+        out = set()
+        for w in words:
+            enc = tok.encode(w, add_special_tokens=False)
+            if enc:
+                out.add(enc[0])
+        return sorted(out)
+    yes, no = ids(["yes", "Yes", " yes", " Yes"]), ids(["no", "No", " no", " No"])
+    py, pn = probs[:, yes].sum(-1), probs[:, no].sum(-1)
+    return (py / (py + pn).clamp_min(1e-12)).numpy()
+
+
+def agreement(greedy: str, samples: list[str]) -> float:
+    """Share of samples whose canonical answer equals the greedy one (invalid disagree)."""
+    return float(np.mean([bool(s) and s == greedy for s in samples])) if samples else 0.0
+
+
+def semantic_entropy(samples: list[str]) -> float:
+    """Entropy of canonical-answer clusters, normalised by log K; invalid ones stay apart."""
+    labels = [s if s else f"<invalid{k}>" for k, s in enumerate(samples)]
+    counts = np.array(list(Counter(labels).values()), float)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum() / math.log(len(samples))) if len(samples) > 1 else 0.0
+
+
+# ---------------------------------------------------------------- the passes
+def run_black_image(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
+    """Teacher-forced replay of the natural response on a black image (BICR, SPEC §7)."""
+    imgs = [black_image(it.image().size) for it in items]
+    res = col.actor.score(imgs, [it.question for it in items], meta["responses"], cue=False)
+    return {"h_close_black": torch.stack([r.readout.h_close for r in res])}
+
+
+def run_follow_up(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
+    """The P(True) follow-up prompt: one pass on image, question and proposed answer;
+    `ptrue` is the normalised first-token P(Yes)."""
+    p = ptrue_probs(col.actor, [it.image() for it in items], [it.question for it in items],
+                    meta["answers"])
+    return {"ptrue": torch.tensor(p)}
+
+
+def run_samples(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
+    """K sampled answers at temperature 1. Statistics, not confidences: `sc{k}` is the
+    agreement of the first k samples with the greedy answer (k in SC_KS), `semantic` the
+    normalised semantic entropy of all K."""
+    rows = col.actor.sample([it.image() for it in items], [it.question for it in items],
+                            K_SAMPLES, temperature=1.0, max_new_tokens=col.max_new_tokens,
+                            seed=0)
+    out: dict[str, list[float]] = {f"sc{k}": [] for k in SC_KS}
+    out["semantic"] = []
+    for greedy, samples in zip(meta["canonical"], rows):
+        canon_s = [canon(s.answer) for s in samples]
+        for k in SC_KS:
+            out[f"sc{k}"].append(agreement(greedy, canon_s[:k]))
+        out["semantic"].append(semantic_entropy(canon_s))
+    return {k: torch.tensor(v) for k, v in out.items()}
+
+
+PASSES: dict[str, Pass] = {}
+# names older callers used for `Collector.run(extras=...)`
+LEGACY_NAMES = {"bicr": "black_image", "ptrue": "follow_up"}
+
+
+def register_pass(p: Pass) -> Pass:
+    if p.name in PASSES and PASSES[p.name] is not p:
+        raise ValueError(f"a pass named {p.name!r} is already registered")
+    PASSES[p.name] = p
+    return p
+
+
+def unregister_pass(name: str) -> None:
+    PASSES.pop(name, None)
+
+
+def resolve(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Canonical pass names, in first-seen order; unknown names are a clear error."""
+    out: list[str] = []
+    for n in names:
+        n = LEGACY_NAMES.get(n, n)
+        if n not in PASSES:
+            raise ValueError(f"unknown pass {n!r}; known: {', '.join(PASSES)}")
+        if n not in out:
+            out.append(n)
+    return tuple(out)
+
+
+register_pass(Pass("black_image", run_black_image, helpers=(black_image,)))
+register_pass(Pass("follow_up", run_follow_up, helpers=(ptrue_probs, PTRUE_PROMPT)))
+register_pass(Pass("samples", run_samples,
+                   helpers=(agreement, semantic_entropy, canon_module, K_SAMPLES, SC_KS)))

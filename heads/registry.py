@@ -1,0 +1,136 @@
+"""The registry of confidence methods: one small unit per method, everything else iterates.
+
+A `Method` declares its canonical name (the key of the evaluation table, the heads card
+and `/answer`'s confidence fields), the extra passes it reads (`heads.passes`), how it is
+fitted on the image-disjoint splits, how it scores a batch of features, and its cost.
+`fit-heads`, `evaluate`, the heads artefact and `Heads.confidence` all loop over the
+registry, and the Collector runs the union of the passes the chosen methods need.
+
+To add a method: write a subclass in a new module under `heads/methods/` and add one
+`register(...)` line to `heads/methods/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from heads.dualread import Heads
+
+Features = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReaderSpec:
+    """A small reader a method trains: input width in units of the hidden size D, MLP sizes."""
+
+    width: int = 1
+    hidden: tuple[int, ...] = ()
+
+
+@dataclass
+class FitData:
+    """What fitting sees: features of every item, labels, and the image-disjoint splits.
+
+    `scoped[split]` holds features collected separately on that split only, for methods
+    whose passes are too costly to run on every item (K samples on the temperature split).
+    """
+
+    feats: Features
+    z: torch.Tensor
+    splits: dict[str, torch.Tensor]     # reader, reader_train, reader_val, temperature, defer
+    scoped: dict[str, Features] = field(default_factory=dict)
+    seed: int = 0
+
+    def x(self, key: str, split: str) -> torch.Tensor:
+        return self.feats[key][self.splits[split]]
+
+    def y(self, split: str) -> torch.Tensor:
+        return self.z[self.splits[split]]
+
+    def on(self, split: str) -> Features:
+        return {k: v[self.splits[split]] for k, v in self.feats.items()}
+
+
+class Method:
+    """Base class. Subclasses set these attributes (on the class, or per instance for a
+    parametrised family such as SC@K) and override `score` (and `fit`)."""
+
+    name: str = ""
+    cost: str = "0"            # forward passes beyond the natural generation
+    passes: tuple[str, ...] = ()
+    # Where fitting needs the passes: None (fitting reads none), "all" (every item) or a
+    # split name (collected on that split only).
+    fit_passes_on: str | None = None
+    pass_share: float = 1.0    # share of its passes' measured time it uses
+    served: bool = False       # a field of `/answer`'s confidence
+    ours: bool = False         # DualRead and its branches: listed after baselines
+    readers: dict[str, ReaderSpec] = {}
+
+    def fit(self, heads: Heads, data: FitData) -> dict | None:
+        """Fit whatever the method owns in `heads`; return a log entry (or None)."""
+        return None
+
+    def score(self, heads: Heads, feats: Features) -> np.ndarray:
+        """Confidence in [0, 1] for each item of a batch of features (float64)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<method {self.name}>"
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if not method.name:
+        raise ValueError("a method needs a name")
+    if method.name in _REGISTRY and _REGISTRY[method.name] is not method:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registered() -> list[Method]:
+    """Every method, in registration order (the order they are fitted in)."""
+    return list(_REGISTRY.values())
+
+
+def names() -> tuple[str, ...]:
+    """Every method in table order: baselines first, DualRead's rows last."""
+    ms = registered()
+    return tuple(m.name for m in ms if not m.ours) + tuple(m.name for m in ms if m.ours)
+
+
+def get(name: str) -> Method:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def select(chosen: tuple[str, ...] | list[str] | None = None) -> list[Method]:
+    """The chosen methods (all by default), in the order given; unknown names fail."""
+    return [get(n) for n in (names() if chosen is None else chosen)]
+
+
+def passes_for(methods: list[Method]) -> tuple[str, ...]:
+    """The union of the passes the methods read, in first-seen order."""
+    return tuple(dict.fromkeys(p for m in methods for p in m.passes))
+
+
+def readers_for(methods: list[Method]) -> dict[str, ReaderSpec]:
+    out: dict[str, ReaderSpec] = {}
+    for m in methods:
+        for name, spec in m.readers.items():
+            if name in out and out[name] != spec:
+                raise ValueError(f"reader {name!r} declared twice with different shapes")
+            out[name] = spec
+    return out

@@ -1,0 +1,189 @@
+"""In-process cost of each way to answer, measured side by side on the same items.
+
+Modes, all on the same images, questions and `max_new_tokens`:
+- `plain`: what a user writes with transformers — processor inputs, then
+  `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
+  then `batch_decode`.
+- `capture`: `Actor.answer(readout="capture")` + the heads + the defer decision (what
+  `/answer` runs).
+- `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
+- `sc8`: eight sampled completions per item at temperature 1 (`Actor.sample`, as the
+  evaluation's SC@K runs it). The greedy answer SC@K also needs is not counted.
+
+Modes are interleaved unit by unit (a unit is one item at batch 1, one batch of 8 at
+batch 8), their order rotated from unit to unit, so drift in machine load falls on all
+modes alike instead of landing in the ratios.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+MODES = ("plain", "capture", "replay", "sc8")
+SC_K = 8
+
+
+@dataclass
+class Timed:
+    """Seconds per item of every mode at every unit, and what each unit generated."""
+
+    batch: int
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
+    # process CPU seconds: on a shared CPU they leave out time spent waiting to be scheduled
+    cpu_seconds: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
+    tokens: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
+    same_tokens: list[bool] = field(default_factory=list)
+    readouts: list = field(default_factory=list)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str],
+                   max_new_tokens: int) -> list[list[int]]:
+    """Greedy `generate` as a transformers user calls it; returns the generated ids."""
+    batch = actor.encode(images, questions)      # the processor call, same inputs as answer
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+              actor.family.type_ids_key: batch.type_ids, **batch.vision}
+    out = actor.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    gen = out[:, batch.prompt_len:]
+    actor.processor.batch_decode(gen, skip_special_tokens=True)
+    return [actor._trim(row) for row in gen.tolist()]
+
+
+def answer_with_dualread(actor, heads, images, questions, max_new_tokens: int,
+                         readout: str) -> list:
+    """`Actor.answer` + confidence + defer for every item, as the service does."""
+    res = actor.answer(images, questions, max_new_tokens, readout=readout)
+    for r in res:
+        heads.defer(heads.confidence(r.readout)["dualread"])
+    return res
+
+
+def sample_k(actor, images, questions, max_new_tokens: int, seed: int) -> list:
+    return actor.sample(images, questions, SC_K, temperature=1.0,
+                        max_new_tokens=max_new_tokens, seed=seed)
+
+
+def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int,
+              max_new_tokens: int, repeats: int = 1, keep_readouts: bool = False,
+              advance: Callable[[], None] | None = None) -> Timed:
+    """Time every mode on every unit of `batch` items, interleaved, `repeats` rounds."""
+    dev = actor.device
+    units = [items[s: s + batch] for s in range(0, len(items) - batch + 1, batch)]
+    if not units:
+        raise ValueError(f"need at least {batch} items for batch {batch}")
+    out = Timed(batch)
+
+    def call(mode: str, imgs, qs, seed: int):
+        if mode == "plain":
+            return plain_generate(actor, imgs, qs, max_new_tokens)
+        if mode == "sc8":
+            return sample_k(actor, imgs, qs, max_new_tokens, seed)
+        return answer_with_dualread(actor, heads, imgs, qs, max_new_tokens, mode)
+
+    # Warm-up: first calls pay for lazy initialisation (kernels, caches, allocator).
+    imgs, qs = zip(*units[0])
+    for mode in MODES:
+        call(mode, list(imgs), list(qs), 0)
+    n = 0
+    for rep in range(repeats):
+        for unit in units:
+            imgs, qs = [it[0] for it in unit], [it[1] for it in unit]
+            order = MODES[n % len(MODES):] + MODES[: n % len(MODES)]
+            got = {}
+            for mode in order:
+                sync(dev)
+                t, c = time.perf_counter(), time.process_time()
+                got[mode] = call(mode, imgs, qs, seed=n)
+                sync(dev)
+                out.seconds[mode].append((time.perf_counter() - t) / batch)
+                out.cpu_seconds[mode].append((time.process_time() - c) / batch)
+            plain = got["plain"]
+            out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
+            for mode in ("capture", "replay"):
+                ids = [r.token_ids for r in got[mode]]
+                out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
+                out.same_tokens.append(ids == plain)
+            out.tokens["sc8"].append(float(np.mean([len(s.token_ids) for row in got["sc8"]
+                                                    for s in row])))
+            if keep_readouts and rep == 0:
+                out.readouts += [r.readout for r in got["capture"]]
+            n += 1
+            if advance:
+                advance()
+    return out
+
+
+# ------------------------------------------------------------------ statistics
+def ratio_ci(num: Sequence[float], den: Sequence[float], n_boot: int = 2000,
+             seed: int = 0) -> tuple[float, float, float]:
+    """median(num) / median(den) and a percentile bootstrap 95% CI.
+
+    `num[i]` and `den[i]` were measured on the same unit, so units are resampled in
+    pairs.
+    """
+    a, b = np.asarray(num, float), np.asarray(den, float)
+    point = float(np.median(a) / np.median(b))
+    if len(a) < 2:
+        return point, point, point
+    idx = np.random.default_rng(seed).integers(0, len(a), (n_boot, len(a)))
+    boots = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def summarise(t: Timed, n_boot: int = 2000) -> dict:
+    """The `in_process.bN` block of bench.json."""
+    plain = t.seconds["plain"]
+    out: dict = {"batch": t.batch, "units": len(plain),
+                 "seconds_per_item": {m: float(np.median(t.seconds[m])) for m in MODES},
+                 "cpu_seconds_per_item": {m: float(np.median(t.cpu_seconds[m])) for m in MODES},
+                 "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in MODES},
+                 "greedy_tokens_identical": bool(all(t.same_tokens))}
+    for m in ("capture", "replay", "sc8"):
+        r, lo, hi = ratio_ci(t.seconds[m], plain, n_boot)
+        out[f"{m}_ratio"] = r
+        out[f"{m}_ratio_ci"] = [lo, hi]
+        r, lo, hi = ratio_ci(t.cpu_seconds[m], t.cpu_seconds["plain"], n_boot)
+        out[f"{m}_ratio_cpu"] = r
+        out[f"{m}_ratio_cpu_ci"] = [lo, hi]
+    r, lo, hi = ratio_ci(t.seconds["capture"], t.seconds["sc8"], n_boot)
+    out["capture_over_sc8"] = r
+    out["capture_over_sc8_ci"] = [lo, hi]
+    return out
+
+
+# ------------------------------------------------------------------ heads alone
+def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
+    """Microseconds per item for features + every reader + fusion + defer.
+
+    Each call is timed alone and the median is the headline: on a shared CPU a call of
+    half a millisecond is often descheduled mid-way, and that wait (in the mean and p90)
+    is the machine's, not the heads'.
+    """
+    if not readouts:
+        raise ValueError("no readouts to time the heads on")
+
+    def one(ro) -> None:
+        heads.defer(heads.confidence(ro)["dualread"])
+
+    for ro in readouts[:4]:
+        one(ro)
+    calls = []
+    for _ in range(rounds):
+        for ro in readouts:
+            t = time.perf_counter()
+            one(ro)
+            calls.append((time.perf_counter() - t) * 1e6)
+    return {"median_us": float(np.median(calls)), "mean_us": float(np.mean(calls)),
+            "p90_us": float(np.percentile(calls, 90)), "items": len(readouts),
+            "calls": len(calls)}

@@ -1,0 +1,145 @@
+"""`dualread bench`: its statistics by hand, the in-process run's keys, the 2B-sized actor
+builder, and the fast token-span path that the capture path's speed rests on.
+
+No timing thresholds here: performance claims live in bench.json, not in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from clients.bench import Load
+from models.bench import Plan, ratio_ci, run_bench
+from models.bench.gpu import (
+    build_random_actor,
+    build_random_heads,
+    count_parameters_meta,
+    embedded_tokenizer,
+    qwen3vl_2b_config,
+)
+from models.readout import token_spans
+from tests.helpers import random_heads
+
+
+def test_ratio_of_medians_and_paired_bootstrap_by_hand():
+    # capture = 2 × plain on every unit: every paired resample gives exactly 2
+    assert ratio_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0, 2.0)
+    # one slow outlier does not move a ratio of medians: median([1, 1, 10]) / 1 = 1
+    point, lo, hi = ratio_ci([1.0, 1.0, 10.0], [1.0, 1.0, 1.0])
+    assert point == 1.0 and lo == 1.0 and hi == 10.0
+
+
+def test_load_summary_by_hand():
+    s = Load(4, [k / 10 for k in range(1, 11)], wall_s=2.0, errors=1).summary()
+    # 10 answered in 2 s; latencies 100..1000 ms, linear-interpolated percentiles
+    assert s["rps"] == 5.0 and s["requests"] == 11 and s["errors"] == 1
+    assert s["p50_ms"] == pytest.approx(550.0)
+    assert s["p95_ms"] == pytest.approx(955.0)
+    assert s["p99_ms"] == pytest.approx(991.0)
+
+
+def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
+    actor_dir = actor_dirs["qwen3_vl"]
+    heads_dir = random_heads(tmp_path / "heads", actors["qwen3_vl"])
+    threads = torch.get_num_threads()
+    plan = Plan(items=8, b8_repeats=1, max_new_tokens=6, http=False, threads=1)
+    res = run_bench(tmp_path / "out", plan, actor_dir, heads_dir, command="test")
+    assert torch.get_num_threads() == threads      # the rest of the session is unaffected
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert (tmp_path / "out" / "bench.md").read_text().startswith("Command: `test`")
+    assert saved["in_process"].keys() == {"b1", "b8"}
+    for b, units in (("b1", 8), ("b8", 1)):
+        blk = saved["in_process"][b]
+        assert blk["units"] == units
+        for key in ("capture_ratio", "replay_ratio", "sc8_ratio"):
+            assert math.isfinite(blk[key]) and blk[key] > 0, (b, key)
+        # greedy decoding from the same inputs must give the same tokens in every mode
+        assert blk["greedy_tokens_identical"] is True
+    assert math.isfinite(saved["heads_us"]) and saved["heads_us"] > 0
+    assert "http" not in saved
+    names = [t["target"] for t in res["targets"]]
+    assert "capture / plain generate, b1" in names and "heads alone (µs per item)" in names
+
+
+def test_2b_config_has_the_published_size():
+    tok = embedded_tokenizer()
+    config = qwen3vl_2b_config(tok)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (2048, 28, 151_936)
+    assert (vision.depth, vision.hidden_size, vision.patch_size) == (24, 1024, 16)
+    # the embedded tokenizer's ids are valid and its image markers are the config's
+    assert len(tok) <= text.vocab_size
+    assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    # Parameters counted by hand from the architecture's sizes:
+    d, inter, layers, vocab, kv = 2048, 6144, 28, 151_936, 8 * 128
+    per_layer = 2 * d * d + 2 * d * kv + 2 * 128 + 3 * d * inter + 2 * d
+    text_n = vocab * d + layers * per_layer + d                       # tied LM head
+    v, vi, merged = 1024, 4096, 4 * 1024
+    block = 4 * v + (3 * v * v + 3 * v) + (v * v + v) + (v * vi + vi) + (vi * v + v)
+    vision_n = (3 * 2 * 16 * 16 * v + v) + 2304 * v + 24 * block \
+        + (2 * v + merged * merged + merged + merged * d + d) \
+        + 3 * (2 * merged + merged * merged + merged + merged * d + d)
+    assert count_parameters_meta(config) == text_n + vision_n == 2_127_532_032
+
+
+def test_random_actor_builder_forces_length_and_448_images(tmp_path):
+    """The builder end to end on the CPU with the sizes shrunk (the real ones need a GPU)."""
+    from heads.dualread import Heads
+    from models.loading import load_actor
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, deepstack_visual_indexes=[0])
+    folder = build_random_actor(tmp_path / "a", device="cpu", dtype="float32", new_tokens=5,
+                                text=text, vision=vision)
+    actor = load_actor(folder)
+    heads = Heads.load(build_random_heads(tmp_path / "h", folder, actor.hidden_size),
+                       actor.fingerprint)
+    img = Image.new("RGB", (448, 448), (200, 30, 30))
+    res = actor.answer([img, img], ["what colour is it?", "what shape is it?"], 5)
+    for r in res:
+        assert len(r.token_ids) == 5
+        # (448 / 16)^2 patches, merged 2 × 2
+        assert len(r.readout.positions["V"]) == (448 // 16) ** 2 // 4 == 196
+        assert 0.0 <= heads.confidence(r.readout)["dualread"] <= 1.0
+    assert [len(s.token_ids) for s in actor.sample([img], ["q"], 3, max_new_tokens=5,
+                                                   seed=0)[0]] == [5, 5, 5]
+
+
+def _prefix_spans(tok, ids):
+    out, prev = [], 0
+    for k in range(len(ids)):
+        cur = len(tok.decode(ids[: k + 1], skip_special_tokens=False,
+                             clean_up_tokenization_spaces=False))
+        out.append((prev, cur))
+        prev = cur
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_token_spans_equal_prefix_decoding(actors, family):
+    tok = actors[family].tokenizer
+    rng = random.Random(0)
+    cases = [tok.encode("<think>héllo wörld € 10</think><answer>red</answer>",
+                        add_special_tokens=False), []]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 25))]
+              for _ in range(300)]
+    for ids in cases:
+        assert token_spans(tok, ids) == _prefix_spans(tok, ids), ids
+
+
+def test_token_spans_embedded_tokenizer_on_random_ids():
+    tok = embedded_tokenizer()
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        assert token_spans(tok, ids) == _prefix_spans(tok, ids), ids

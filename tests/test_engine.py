@@ -1,0 +1,239 @@
+"""The micro-batcher alone, driven by fake handlers (no model, milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from app.engine import Batcher, BatcherHooks
+from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
+
+FAR = 3600.0   # a deadline no test reaches
+
+
+class Recorder:
+    """A handler that records each batch it is given and echoes payloads doubled."""
+
+    def __init__(self, fail_on=None, gate: threading.Event | None = None) -> None:
+        self.batches: list[list] = []
+        self.deadlines: list[list[float]] = []
+        self.fail_on = fail_on
+        self.gate = gate
+
+    def __call__(self, payloads: list, deadlines: list[float]) -> list:
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.batches.append(list(payloads))
+        self.deadlines.append(list(deadlines))
+        if self.fail_on is not None and self.fail_on in payloads:
+            raise ValueError("bad item")
+        return [2 * p for p in payloads]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with(batcher: Batcher, body):
+    batcher.start()
+    try:
+        return await body()
+    finally:
+        await batcher.stop()
+
+
+def deadline() -> float:
+    return time.monotonic() + FAR
+
+
+def test_one_result_per_job_in_order():
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=50, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    assert run(body()) == [2, 4, 6]
+    assert h.batches == [[1, 2, 3]]
+
+
+def test_mixed_kinds_never_share_a_batch():
+    a, s = Recorder(), Recorder()
+
+    async def body():
+        b = Batcher({"answer": a, "score": s}, max_batch=8, wait_ms=50, queue_limit=32)
+        jobs = [b.submit("answer", 1, deadline(), key=8), b.submit("score", 10, deadline()),
+                b.submit("answer", 2, deadline(), key=16), b.submit("answer", 3, deadline(), key=8),
+                b.submit("score", 20, deadline())]
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    assert run(body()) == [2, 20, 4, 6, 40]
+    # handler and key both separate batches: answer@8 {1, 3}, answer@16 {2}, score {10, 20}
+    assert sorted(a.batches) == [[1, 3], [2]]
+    assert s.batches == [[10, 20]]
+
+
+def test_batch_is_capped_at_max_batch():
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=2, wait_ms=50, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3, 4, 5], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    assert run(body()) == [2, 4, 6, 8, 10]
+    assert h.batches == [[1, 2], [3, 4], [5]]
+
+
+def test_queue_full_is_refused_whole():
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=3)
+        b.submit_many("x", [1, 2], deadline())
+        with pytest.raises(QueueFull):
+            b.submit_many("x", [3, 4], deadline())     # would need 4 slots of 3
+        assert b.depth == 2                             # nothing of the refused request queued
+        b.submit("x", 3, deadline())
+        with pytest.raises(QueueFull):
+            b.submit("x", 4, deadline())
+        await b.stop()
+
+    run(body())
+
+
+def test_one_failing_item_fails_alone():
+    h = Recorder(fail_on=3)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=50, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3, 4], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs),
+                                                     return_exceptions=True))
+
+    out = run(body())
+    assert out[0] == 2 and out[1] == 4 and out[3] == 8
+    assert isinstance(out[2], ValueError)
+    # the batch failed once, then each item ran alone
+    assert h.batches == [[1, 2, 3, 4], [1], [2], [3], [4]]
+
+
+def test_handler_can_fail_one_item_by_returning_an_exception():
+    def handler(payloads, deadlines):
+        return [KeyError("no") if p == 2 else p for p in payloads]
+
+    async def body():
+        b = Batcher({"x": handler}, max_batch=8, wait_ms=50, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs),
+                                                     return_exceptions=True))
+
+    out = run(body())
+    assert out[0] == 1 and out[2] == 3 and isinstance(out[1], KeyError)
+
+
+@pytest.mark.parametrize("returned", [lambda p: p[:-1], lambda p: p + p, lambda p: None])
+def test_wrong_number_of_results_fails_the_batch(returned):
+    def handler(payloads, deadlines):
+        return returned(list(payloads))
+
+    async def body():
+        b = Batcher({"x": handler}, max_batch=8, wait_ms=50, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs),
+                                                     return_exceptions=True))
+
+    out = run(body())
+    assert all(isinstance(o, EngineError) for o in out), out
+
+
+def test_cancelled_jobs_are_skipped():
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=1, wait_ms=0, queue_limit=16)
+        b.start()
+        first = b.submit("x", 1, deadline())
+        while not b.inflight:                    # the worker holds job 1 at the gate
+            await asyncio.sleep(0.001)
+        gone = b.submit("x", 2, deadline())
+        kept = b.submit("x", 3, deadline())
+        gone.future.cancel()                     # its caller timed out
+        gate.set()
+        out = await asyncio.gather(first.future, kept.future)
+        await b.stop()
+        return out
+
+    assert run(body()) == [2, 6]
+    assert h.batches == [[1], [3]]
+
+
+def test_expired_jobs_are_not_run():
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=0, queue_limit=16)
+        late = b.submit("x", 1, time.monotonic() - 1)
+        ok = b.submit("x", 2, deadline())
+        return await _with(b, lambda: asyncio.gather(late.future, ok.future,
+                                                     return_exceptions=True))
+
+    late, ok = run(body())
+    assert isinstance(late, DeadlineExceeded) and ok == 4
+    assert h.batches == [[2]]
+
+
+def test_deadlines_reach_the_handler():
+    h = Recorder()
+    when = time.monotonic() + 123.0
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=20, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2], when)
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    run(body())
+    assert h.deadlines == [[when, when]]
+
+
+def test_stop_refuses_queued_and_new_jobs():
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=1, wait_ms=0, queue_limit=16)
+        b.start()
+        running = b.submit("x", 1, deadline())
+        while not b.inflight:
+            await asyncio.sleep(0.001)
+        queued = b.submit("x", 2, deadline())
+        stopping = asyncio.ensure_future(b.stop())
+        await asyncio.sleep(0)
+        gate.set()
+        await stopping
+        with pytest.raises(ShuttingDown):
+            b.submit("x", 3, deadline())
+        return await asyncio.gather(running.future, queued.future, return_exceptions=True)
+
+    done, refused = run(body())
+    assert done == 2                                   # the running batch finished
+    assert isinstance(refused, ShuttingDown)
+
+
+def test_hooks_see_every_batch():
+    seen = []
+
+    class Hooks(BatcherHooks):
+        def batch_started(self, handler, jobs):
+            seen.append((handler, [j.payload for j in jobs], [j.batch for j in jobs]))
+
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=2, wait_ms=20, queue_limit=16, hooks=Hooks())
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    run(body())
+    assert seen == [("x", [1, 2], [2, 2]), ("x", [3], [1])]

@@ -1,0 +1,491 @@
+"""Regression tests of the hardening issue: each hostile request from the attack report,
+answered as documented (no 500s, no echo of request content, bounded work)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import io
+import logging
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.errors import DeadlineExceeded
+from app.main import create_app
+from app.service import Service
+from app.serving import AnswerItem
+from app.settings import Settings
+from models.actor import Answers, StageTimings
+from models.images import MAX_ASPECT_RATIO, ImageInvalid, ImageTooLarge, open_image
+from models.parse import parse_response
+from models.quality import repeated_run, response_problem, uses_answer_tag
+from tests.conftest import random_image
+from tests.helpers import b64, png_bytes, random_heads
+
+Q = "what color is the shape?"
+ROOT = Path(__file__).resolve().parent.parent
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@pytest.fixture(scope="module")
+def service(actor_dirs, actors, tmp_path_factory):
+    heads = random_heads(tmp_path_factory.mktemp("heads"), actors["qwen3_vl"])
+    return Service(actor_dirs["qwen3_vl"], heads)
+
+
+def make(service, **kw) -> TestClient:
+    base = dict(max_new_tokens=8, batch_wait_ms=5, max_image_bytes=200_000,
+                max_image_pixels=1_000_000)
+    return TestClient(create_app(Settings(**{**base, **kw}), service))
+
+
+@pytest.fixture(scope="module")
+def api(service):
+    with make(service) as c:
+        yield c
+
+
+IMG = b64(png_bytes(random_image(0)))
+WIDE = b64(png_bytes(Image.new("RGB", (300, 1), (200, 10, 10))))
+
+
+def assert_error(r, status: int, *needles: str) -> dict:
+    """The one error shape: JSON detail + request id, header equal to the body's id."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"detail", "request_id"}, body
+    assert isinstance(body["detail"], str) and HEX32.match(body["request_id"])
+    assert r.headers["x-request-id"] == body["request_id"]
+    for n in needles:
+        assert n in body["detail"], (n, body["detail"])
+    return body
+
+
+def metric(api, name: str, labels: dict | None = None) -> float:
+    for fam in text_string_to_metric_families(api.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == name and (labels is None or s.labels == labels):
+                return s.value
+    return 0.0
+
+
+# ------------------------------------------------------------------ 1. aspect ratio
+def test_extreme_aspect_ratio_is_422_everywhere(api):
+    assert_error(api.post("/answer", json={"image": WIDE, "question": Q}), 422, "aspect ratio")
+    raw = png_bytes(Image.new("RGB", (1, 300)))
+    assert_error(api.post("/answer", files={"file": ("x.png", raw, "image/png")},
+                          data={"question": Q}), 422, "aspect ratio")
+    r = api.post("/probe/counterfactual", json={"question": Q, "image": IMG,
+                                                "counterfactual": WIDE})
+    assert_error(r, 422, "counterfactual", "aspect ratio")
+
+
+def test_aspect_ratio_bound_is_the_processors():
+    ok = Image.new("RGB", (MAX_ASPECT_RATIO, 1))
+    assert open_image(png_bytes(ok)).size == (MAX_ASPECT_RATIO, 1)
+    with pytest.raises(ImageInvalid):
+        open_image(png_bytes(Image.new("RGB", (MAX_ASPECT_RATIO + 1, 1))))
+
+
+# ------------------------------------------------------------------ 2. reserved tokens
+@pytest.mark.parametrize("marker", ["<|image_pad|>", "<|im_start|>", "<|vision_start|>"])
+def test_reserved_token_in_question_is_422(api, marker):
+    q = f"what color is {marker}?"
+    assert_error(api.post("/answer", json={"image": IMG, "question": q}), 422, "reserved")
+    assert_error(api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
+                          data={"question": q}), 422, "reserved")
+    assert_error(api.post("/probe/counterfactual", json={
+        "question": q, "image": IMG, "counterfactual": "blank"}), 422, "reserved")
+    assert_error(api.post("/probe/score", json={"image": IMG, "question": q,
+                                                "response": "<answer>red</answer>"}), 422)
+
+
+def test_reserved_token_in_trajectory_is_422(api):
+    bad = "<think>x<|image_pad|></think><answer>red</answer>"
+    assert_error(api.post("/probe/score", json={"image": IMG, "question": Q, "response": bad}),
+                 422, "response", "reserved")
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q, "trajectories": [
+        {"response": "<answer>red</answer>"}, {"response": bad}]})
+    assert_error(r, 422, "trajectories.1", "reserved")
+
+
+# ------------------------------------------------------------------ 3. one bad item
+def test_a_failing_item_fails_alone(service, monkeypatch):
+    """The model raising on one item of a batch fails that request only (500 JSON)."""
+    real = service.actor.answer
+
+    def answer(images, questions, *a, **kw):
+        if "poison" in " ".join(questions):
+            raise RuntimeError("model fault")
+        return real(images, questions, *a, **kw)
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+    with make(service, max_batch_size=8, batch_wait_ms=300) as c:
+        with cf.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(c.post, "/answer", json={
+                "image": IMG, "question": "poison?" if i == 3 else Q}) for i in range(8)]
+            rs = [f.result() for f in futs]
+        sizes = metric(c, "dualread_batch_size_sum"), metric(c, "dualread_batch_size_count")
+    codes = [r.status_code for r in rs]
+    assert codes == [200, 200, 200, 500, 200, 200, 200, 200], codes
+    assert_error(rs[3], 500, "internal error")
+    assert "model fault" not in rs[3].text
+    assert sizes[0] > sizes[1]          # at least one real batch held several requests
+
+
+# ------------------------------------------------------------------ 4. max_new_tokens
+@pytest.mark.parametrize("value", ["-1", "0", "abc", "1025", "1.5"])
+def test_multipart_max_new_tokens_bounds(api, value):
+    r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
+                 data={"question": Q, "max_new_tokens": value})
+    assert_error(r, 422, "max_new_tokens")
+
+
+def test_multipart_max_new_tokens_ok(api):
+    r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
+                 data={"question": Q, "max_new_tokens": "4"})
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ 5, 7. DICOM
+def _dicom(rows, cols, photometric="MONOCHROME2", bits=16, frames=None, pixels=None,
+           rle=False, extra=()) -> bytes:
+    import pydicom
+    from pydicom.dataelem import DataElement
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import ExplicitVRLittleEndian, RLELossless, generate_uid
+
+    meta = FileMetaDataset()
+    meta.TransferSyntaxUID = RLELossless if rle else ExplicitVRLittleEndian
+    meta.MediaStorageSOPClassUID = generate_uid()
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    ds = FileDataset("x.dcm", {}, file_meta=meta, preamble=b"\0" * 128)
+    spp = 3 if photometric == "RGB" else 1
+    ds.Rows, ds.Columns, ds.BitsAllocated, ds.BitsStored = rows, cols, bits, bits
+    ds.HighBit, ds.SamplesPerPixel, ds.PhotometricInterpretation = bits - 1, spp, photometric
+    ds.PixelRepresentation = 0
+    if spp == 3:
+        ds.PlanarConfiguration = 0
+    if frames:
+        ds.NumberOfFrames = frames
+    if rle:
+        ds.PixelData = encapsulate([b"\0" * 64])
+        ds["PixelData"].VR = "OB"
+    else:
+        ds.PixelData = pixels.tobytes()
+    for tag, vr, value in extra:
+        ds.add(DataElement(tag, vr, value))
+    buf = io.BytesIO()
+    pydicom.dcmwrite(buf, ds, enforce_file_format=True)
+    return buf.getvalue()
+
+
+MONO = (np.arange(32 * 32).reshape(32, 32) * 3).astype(np.uint16)
+
+
+def test_dicom_malformed_tag_is_422(api):
+    raw = _dicom(32, 32, pixels=MONO, extra=[(0x00281053, "LO", "abc")])   # RescaleSlope
+    assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 422,
+                 "RescaleSlope")
+
+
+def test_dicom_multiframe_is_refused_and_colour_accepted(api):
+    two = _dicom(32, 32, "RGB", 8, frames=2, pixels=np.zeros((2, 32, 32, 3), np.uint8))
+    assert_error(api.post("/answer", json={"image": b64(two), "question": Q}), 422,
+                 "multi-frame")
+    rgb = np.zeros((32, 40, 3), np.uint8)
+    rgb[..., 0] = 200
+    one = _dicom(32, 40, "RGB", 8, pixels=rgb)
+    assert open_image(one).getpixel((5, 5)) == (200, 0, 0)   # colour kept, not windowed
+    assert api.post("/answer", json={"image": b64(one), "question": Q}).status_code == 200
+
+
+def test_dicom_pixel_limit_before_decoding(api):
+    # The header claims 16000x16000; the RLE payload is garbage. Decoding would fail with
+    # 422, so a 413 shows the limit was checked first.
+    raw = _dicom(16000, 16000, rle=True)
+    with pytest.raises(ImageTooLarge):
+        open_image(raw, 40_000_000)
+    assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 413, "pixels")
+    frames = _dicom(600, 600, frames=4, rle=True)
+    assert_error(api.post("/answer", json={"image": b64(frames), "question": Q}), 413,
+                 "frames")   # 4 x 600 x 600 > 1M: frames count towards the limit
+
+
+# ------------------------------------------------------------------ 6. token budgets
+def test_huge_trajectory_is_refused_before_queueing(api):
+    before = metric(api, "dualread_batch_size_count")
+    emoji = "\U0001F600" * 20000
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": emoji})
+    assert_error(r, 422, "tokens, over the limit")
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q, "trajectories": [
+        {"response": "<answer>red</answer>"}, {"response": emoji}]})
+    assert_error(r, 422, "trajectories.1")
+    assert metric(api, "dualread_batch_size_count") == before     # nothing reached the model
+
+
+def test_question_token_budget(service):
+    with make(service, max_question_tokens=5) as c:
+        r = c.post("/answer", json={"image": IMG, "question": "red " * 40})
+        assert_error(r, 422, "tokens")
+
+
+# ------------------------------------------------------------------ 8. deadlines
+def test_deadline_stops_decoding(qwen3):
+    img = random_image(4)
+    free = qwen3.answer([img], [Q], max_new_tokens=24, readout="none")
+    assert len(free[0].token_ids) > 1        # precondition: it would decode on
+    cut = qwen3.answer([img, img], [Q, Q], max_new_tokens=24, readout="none",
+                       deadlines=[time.monotonic() - 1, time.monotonic() + 3600])
+    assert len(cut[0].token_ids) == 1        # stopped after the first step
+    assert cut[1].token_ids == free[0].token_ids   # the other row went on untouched
+    assert isinstance(cut, Answers) and isinstance(cut.timings, StageTimings)
+
+
+def test_expired_item_is_a_deadline_error(service):
+    img = random_image(5)
+    out = service.answer_batch([AnswerItem(img, Q, 8), AnswerItem(img, Q, 8)],
+                               [time.monotonic() - 1, time.monotonic() + 3600])
+    assert isinstance(out[0], DeadlineExceeded)
+    assert out[1].answer is not None and 0 <= out[1].confidence.dualread <= 1
+
+
+# ------------------------------------------------------------------ 9. feedback off the loop
+def test_feedback_does_not_recompute_statistics(service, monkeypatch):
+    with make(service) as c:
+        monitor = c.app.state.hooks.monitor
+        calls = []
+        real = monitor.stats
+        monkeypatch.setattr(monitor, "stats", lambda: calls.append(1) or real())
+        names = {f.name for f in text_string_to_metric_families(c.get("/metrics").text)}
+        assert "dualread_feedback_ece" not in names       # absent, not 0, before feedback
+        ids = [c.post("/answer", json={"image": b64(png_bytes(random_image(30 + i))),
+                                       "question": Q}).json()["request_id"] for i in range(4)]
+        n0 = len(calls)
+        for i, rid in enumerate(ids):
+            assert c.post("/feedback", json={"request_id": rid, "correct": i < 2}).json()[
+                "accepted"]
+        assert len(calls) == n0                           # feedback did no window maths
+        text = c.get("/metrics").text
+        c.get("/metrics")
+        assert len(calls) == n0 + 1                       # once per change, at scrape
+    fams = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+    assert fams["dualread_feedback_window"] == 4
+
+
+# ------------------------------------------------------------------ 10. body size
+def test_oversized_body_is_413(service):
+    with make(service, max_body_bytes=4096) as c:
+        r = c.post("/answer", content=b"x" * 10_000, headers={"content-type": "application/json"})
+        assert_error(r, 413, "body over the limit")
+
+
+# ------------------------------------------------------------------ 11. no echo in 422s
+QUESTION_MARK = "patient 4711 left breast"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/probe/counterfactual", {"question": QUESTION_MARK, "image": IMG}),
+    ("/probe/score", {"question": QUESTION_MARK, "image": IMG}),
+    ("/probe/score", {"question": QUESTION_MARK, "image": IMG, "response": 5}),
+    ("/probe/score_batch", {"question": QUESTION_MARK, "image": IMG, "trajectories": []}),
+    ("/feedback", {"request_id": QUESTION_MARK}),
+    ("/feedback", {"request_id": QUESTION_MARK, "correct": "perhaps"}),
+    ("/answer", {"question": QUESTION_MARK, "image": 5}),
+])
+def test_validation_errors_never_echo_the_request(api, path, body):
+    r = api.post(path, json=body)
+    b = assert_error(r, 422)
+    assert IMG[:40] not in r.text and QUESTION_MARK not in r.text and "perhaps" not in r.text
+    assert "input" not in b
+
+
+def test_unknown_field_name_is_not_echoed_when_odd(api):
+    r = api.post("/answer", json={"image": IMG, "question": Q, "MRN 1234567": "x"})
+    b = assert_error(r, 422, "unexpected field")
+    assert "1234567" not in b["detail"]
+
+
+# ------------------------------------------------------------------ 12. request ids
+def test_request_ids_are_server_generated(api, caplog):
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: seen.append(rec.getMessage())
+    log = logging.getLogger("dualread.access")
+    log.addHandler(handler)
+    try:
+        huge = "a" * 50_000
+        r = api.post("/answer", json={"image": IMG, "question": Q}, headers={"x-request-id": huge})
+        assert r.status_code == 200
+        assert HEX32.match(r.headers["x-request-id"]) and r.json()["request_id"] == \
+            r.headers["x-request-id"]
+        assert "x-correlation-id" not in r.headers          # too long: dropped, not echoed
+        mrn = "MRN-0012345"
+        a = api.post("/answer", json={"image": IMG, "question": Q}, headers={"x-request-id": mrn})
+        b = api.post("/answer", json={"image": IMG, "question": Q}, headers={"x-request-id": mrn})
+    finally:
+        log.removeHandler(handler)
+    assert a.headers["x-correlation-id"] == mrn == b.headers["x-correlation-id"]
+    ra, rb = a.json()["request_id"], b.json()["request_id"]
+    assert ra != rb and mrn not in (ra, rb)
+    # feedback keys are the server's ids: a reused client id cannot overwrite anything
+    assert not api.post("/feedback", json={"request_id": mrn, "correct": True}).json()["accepted"]
+    assert api.post("/feedback", json={"request_id": ra, "correct": True}).json()["accepted"]
+    assert api.post("/feedback", json={"request_id": rb, "correct": False}).json()["accepted"]
+    assert seen and not any(mrn in line or huge[:100] in line for line in seen)
+
+
+# ------------------------------------------------------------------ 13. garbled responses
+def test_response_problems_by_hand():
+    tagged = parse_response("<think>a red circle</think><answer>red</answer><confidence>9"
+                            "</confidence>")
+    plain = parse_response("red")
+    empty = parse_response("<think>x</think><answer> </answer>")
+    assert response_problem(tagged, [1, 2, 3, 4], True, True) is None
+    assert response_problem(plain, [1], True, True) == "no answer tag"
+    assert response_problem(plain, [1], True, False) is None        # card says plain
+    assert response_problem(empty, [1, 2], True, True) == "empty answer"
+    assert response_problem(tagged, [7, 8, 7, 8, 7, 8, 7, 8], True, True) == \
+        "degenerate repetition"
+    assert response_problem(tagged, [1, 2, 3], False, True).startswith("truncated")
+    assert repeated_run([5, 5, 5, 5]) and not repeated_run([5, 5, 5, 6])
+    assert repeated_run([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3])
+    assert not repeated_run([1, 2, 3, 1, 2, 3, 1, 2, 3, 4])
+    assert uses_answer_tag("<think>{o}</think><answer>{a}</answer>")
+    assert not uses_answer_tag(None) and not uses_answer_tag("{answer}")
+
+
+def stub_answers(monkeypatch, service, texts: list[str], finished: bool = True) -> None:
+    """Make the actor 'generate' the given texts: readouts come from teacher forcing them."""
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        rs = service.actor.score(list(images), list(questions), texts[: len(images)], cue=False)
+        for r in rs:
+            r.finished = finished
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+
+
+def test_unparseable_response_is_deferred_with_reason(service, monkeypatch):
+    monkeypatch.setattr(service, "needs_tag", True)
+    monkeypatch.setattr(service.heads, "policy",
+                        dataclasses.replace(service.heads.policy, tau=0.0))   # trust anything
+    stub_answers(monkeypatch, service, ["red red blue", "<think>a</think><answer>red</answer>"])
+    with make(service) as c:
+        r = c.post("/answer", json={"image": IMG, "question": Q})
+    body = r.json()
+    assert body["defer"] is True and body["defer_reason"] == "no answer tag"
+    assert body["confidence"]["dualread"] >= body["defer_threshold"]   # confidence alone: keep
+
+
+# ------------------------------------------------------------------ 14. docs, auth, metrics
+def test_docs_need_the_key_and_use_local_assets(service):
+    with make(service, api_key="s3cret", metrics_require_key=True) as c:
+        for path in ("/docs", "/redoc", "/openapi.json", "/metrics"):
+            assert_error(c.get(path), 401)
+        auth = {"Authorization": "Bearer s3cret"}
+        spec = c.get("/openapi.json", headers=auth).json()
+        assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+        assert {"HTTPBearer": []} in spec["paths"]["/answer"]["post"]["security"]
+        assert "/probe/score_batch" in spec["paths"]
+        for page in ("/docs", "/redoc"):
+            html = c.get(page, headers=auth).text
+            assert "http://" not in html and "https://" not in html.replace(
+                "https://fastapi", "")      # no CDN: every asset URL is local
+        assert c.get("/docs/assets/swagger-ui-bundle.js").status_code == 200
+        assert c.get("/docs/assets/redoc.standalone.js").status_code == 200
+        assert c.get("/docs/assets/../settings.py").status_code == 404
+        assert c.get("/metrics", headers=auth).status_code == 200
+        assert c.get("/health/live").status_code == 200
+        text = c.get("/metrics", headers=auth).text
+    assert 'dualread_requests_total{route="/docs",status="401"}' in text   # not "unmatched"
+
+
+def test_docs_open_without_a_key(api):
+    assert api.get("/docs").status_code == 200 and api.get("/openapi.json").status_code == 200
+
+
+# ------------------------------------------------------------------ 15. formats and bodies
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "TIFF", "BMP"])
+def test_other_formats_are_refused_with_the_policy(api, fmt):
+    raw = png_bytes(random_image(1), fmt)
+    assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 422,
+                 "PNG, JPEG or DICOM")
+
+
+def test_extra_fields_and_content_types(api):
+    assert_error(api.post("/answer", json={"image": IMG, "question": Q, "foo": 1}), 422,
+                 "foo: unexpected field")
+    assert_error(api.post("/probe/score", json={"image": IMG, "question": Q,
+                                                "response": "x", "mask": {"bogus": 1}}),
+                 422, "unexpected field")
+    for path in ("/answer", "/probe/score", "/probe/counterfactual", "/feedback",
+                 "/probe/score_batch"):
+        r = api.post(path, content=b'{"request_id": "x", "correct": true}')
+        assert_error(r, 415)
+        r = api.post(path, content=b"{}", headers={"content-type": "text/plain"})
+        assert_error(r, 415)
+    files = {"file": ("x.png", png_bytes(random_image(0)))}
+    assert_error(api.post("/answer", files=files, data={"question": Q, "extra": "1"}), 422,
+                 "unexpected")
+
+
+def test_unknown_route_and_method_are_json(api):
+    assert_error(api.get("/nope"), 404)
+    assert_error(api.get("/answer"), 405)
+
+
+# ------------------------------------------------------------------ score_batch contract
+def test_score_batch_matches_single_scores(api):
+    t1 = "<think>I see a red circle.</think><answer>red</answer>"
+    t2 = "<think>I see a blue square.</think><answer>blue</answer>"
+    mask = {"target": "think", "ratio": 1.0, "seed": 0}
+    singles = [api.post("/probe/score", json={"image": IMG, "question": Q, "response": t,
+                                              "mask": m}).json()
+               for t, m in [(t1, None), (t2, None), (t1, mask)]]
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q, "trajectories": [
+        {"response": t1}, {"response": t2}, {"response": t1, "mask": mask}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"results", "request_id"} and len(body["results"]) == 3
+    for got, want in zip(body["results"], singles):
+        assert got["answer"] == want["answer"] and got["masked_tokens"] == want["masked_tokens"]
+        for k in ("dualread", "psr", "per", "verbalized"):
+            assert got["confidence"][k] == pytest.approx(want["confidence"][k], abs=1e-4)
+    assert [x["answer"] for x in body["results"]] == ["red", "blue", "red"]
+    assert body["results"][0]["masked_tokens"] == 0 < body["results"][2]["masked_tokens"]
+
+
+def test_score_batch_bounds(api):
+    t = {"response": "<answer>red</answer>"}
+    assert_error(api.post("/probe/score_batch", json={"image": IMG, "question": Q,
+                                                      "trajectories": [t] * 65}), 422)
+    bad_span = {"response": "<answer>red</answer>", "mask": {"target": [3, 999]}}
+    assert_error(api.post("/probe/score_batch", json={"image": IMG, "question": Q,
+                                                      "trajectories": [t, bad_span]}),
+                 422, "trajectories.1", "outside")
+
+
+# ------------------------------------------------------------------ newcomer friction
+def test_sample_image_is_in_the_repo():
+    img = open_image((ROOT / "docs" / "sample.png").read_bytes())
+    assert img.size == (64, 64)
+
+
+def test_serve_help_shows_defaults():
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
+    flat = " ".join(out.split())
+    for needle in ("8000", "127.0.0.1", "64", "30", "max-response-tokens"):
+        assert needle in flat, needle

@@ -1,0 +1,103 @@
+"""Novelty scores and their conformal p-values (SPEC §8)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import binom
+from sklearn.covariance import LedoitWolf
+from sklearn.neighbors import NearestNeighbors
+
+from heads.novelty import Novelty, p_values
+
+
+def gaussian(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.linspace(0.5, 3.0, d)
+    return torch.randn(n, d, generator=g, dtype=torch.float64) * scales + 2.0
+
+
+def test_p_value_formula_on_a_hand_computed_case():
+    cal = np.array([0.5, 1.0, 2.0, 3.0])                 # n = 4
+    got = p_values(cal, np.array([1.5, 2.0, 0.0, 9.0, 3.0]))
+    # #{s_i >= s}: 1.5 -> 2, 2.0 -> 2 (ties count), 0.0 -> 4, 9.0 -> 0, 3.0 -> 1
+    assert np.allclose(got, [3 / 5, 3 / 5, 5 / 5, 1 / 5, 2 / 5])
+
+
+def test_p_value_through_a_fitted_score_on_a_hand_case():
+    # 1-D Mahalanobis is monotone in |x - mean|; fit data symmetric around 0.
+    nov = Novelty("mahalanobis", "h_pre").fit(torch.tensor([[-1.0], [1.0], [-2.0], [2.0]]))
+    nov.calibrate(torch.tensor([[0.5], [-1.0], [2.0], [-3.0]]))
+    got = nov.p_value(torch.tensor([[1.5], [-2.0], [0.0], [10.0]]))
+    assert np.allclose(got, [3 / 5, 3 / 5, 5 / 5, 1 / 5])
+
+
+@pytest.mark.parametrize("kind", ["mahalanobis", "knn"])
+def test_clean_p_values_are_valid_and_near_uniform(kind):
+    nov = Novelty(kind, "h_pre").fit(gaussian(400, 6, 0)).calibrate(gaussian(400, 6, 1))
+    p = nov.p_value(gaussian(4000, 6, 2))
+    for alpha in (0.01, 0.05, 0.1, 0.3):
+        # P[p <= α] <= α for exchangeable data; slack: binomial 99.9% quantile over 4000
+        # test draws, on top of the calibration draw's own spread (≈ 1/sqrt(n) scale).
+        slack = binom.ppf(0.999, 4000, alpha) / 4000 - alpha + 0.02
+        share = float((p <= alpha).mean())
+        assert share <= alpha + slack, (alpha, share)
+        assert share >= alpha - slack, (alpha, share)    # near uniform, not just valid
+
+
+@pytest.mark.parametrize("kind", ["mahalanobis", "knn"])
+def test_far_points_get_the_smallest_p_value(kind):
+    nov = Novelty(kind, "h_pre").fit(gaussian(300, 4, 0)).calibrate(gaussian(199, 4, 1))
+    far = gaussian(10, 4, 3) + 100.0
+    assert np.allclose(nov.p_value(far), 1 / 200)
+    assert nov.novel(far, 0.01).all()
+
+
+def test_mahalanobis_matches_sklearn_ledoit_wolf():
+    x, q = gaussian(300, 5, 0), gaussian(20, 5, 1)
+    nov = Novelty("mahalanobis", "h_pre").fit(x)
+    mean, sd = x.mean(0).numpy(), x.std(0).numpy()     # unbiased std, as the scorer uses
+    lw = LedoitWolf().fit((x.numpy() - mean) / sd)
+    want = np.sqrt(lw.mahalanobis((q.numpy() - mean) / sd))
+    assert np.allclose(nov.score(q), want, rtol=1e-6)
+
+
+def test_knn_matches_sklearn_neighbours():
+    x, q = gaussian(200, 3, 0), gaussian(15, 3, 1)
+    nov = Novelty("knn", "h_pre", k=3).fit(x)
+    mean, sd = x.mean(0).numpy(), x.std(0).numpy()
+    nn = NearestNeighbors(n_neighbors=3).fit((x.numpy() - mean) / sd)
+    want = nn.kneighbors((q.numpy() - mean) / sd)[0][:, -1]
+    assert np.allclose(nov.score(q), want, rtol=1e-6)
+
+
+def test_token_knn_is_the_worst_token():
+    bank = torch.zeros(50, 4, 2, dtype=torch.float64)
+    bank[:, :, 0] = torch.linspace(-1, 1, 200).reshape(50, 4)
+    bank[:, :, 1] = torch.linspace(1, -1, 200).reshape(50, 4)
+    nov = Novelty("token_knn", "img_token_set").fit(bank)
+    query = bank[:2].clone()
+    query[1, 3] = torch.tensor([5.0, 5.0])            # one odd token
+    s = nov.score(query)
+    flat = bank.reshape(-1, 2).numpy()
+    mean, sd = flat.mean(0), flat.std(0, ddof=1)
+    odd = (query[1, 3].numpy() - mean) / sd
+    want = np.linalg.norm((flat - mean) / sd - odd, axis=1).min()   # brute force
+    assert s[0] == pytest.approx(0.0, abs=1e-9) and s[1] == pytest.approx(want, rel=1e-6)
+
+
+def test_save_load_roundtrip(tmp_path):
+    nov = Novelty("knn", "img_mean").fit(gaussian(100, 3, 0)).calibrate(gaussian(50, 3, 1))
+    nov.save(tmp_path)
+    back = Novelty.load(tmp_path)
+    q = gaussian(30, 3, 2)
+    assert back.to_dict() == nov.to_dict()
+    assert np.array_equal(back.p_value(q), nov.p_value(q))
+
+
+def test_wrong_use_is_an_error():
+    with pytest.raises(ValueError, match="kind"):
+        Novelty("lof")
+    with pytest.raises(RuntimeError, match="calibrate"):
+        Novelty().fit(gaussian(10, 2, 0)).p_value(gaussian(2, 2, 1))
+    with pytest.raises(ValueError, match=r"\[N, M, D\]"):
+        Novelty("token_knn").fit(gaussian(10, 2, 0))

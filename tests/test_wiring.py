@@ -1,0 +1,250 @@
+"""Wiring between the parts, each against an expectation computed here by hand in numpy.
+
+Every temperature, prior offset, Platt pair and κ is given a distinct value, so a swapped
+or dropped parameter changes some output.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from heads.defer import DeferPolicy
+from heads.dualread import Heads
+from heads.features import extract
+from heads.metrics import METRICS, ece
+from models.readout import Readout
+
+DIM = 6
+
+
+# ------------------------------------------------------------------ independent references
+def sigmoid(x):
+    return 1 / (1 + np.exp(-np.asarray(x, float)))
+
+
+def np_reader(reader, x) -> np.ndarray:
+    """A Reader's logits computed from its parameters: standardise, Linear/ReLU..., Linear."""
+    x = (np.asarray(x, float) - reader.norm.mean.numpy()) / reader.norm.std.numpy()
+    linears = [m for m in reader.net if isinstance(m, torch.nn.Linear)]
+    for k, lin in enumerate(linears):
+        x = x @ lin.weight.detach().double().numpy().T + lin.bias.detach().double().numpy()
+        if k < len(linears) - 1:
+            x = np.maximum(x, 0)
+    return x[:, 0]
+
+
+def np_phi(h_ans, v, kappa) -> np.ndarray:
+    h_ans, v = np.asarray(h_ans, float), np.asarray(v, float)
+    cos = v @ h_ans / (np.linalg.norm(v, axis=1) * np.linalg.norm(h_ans))
+    a = np.exp(cos / kappa - (cos / kappa).max())
+    a /= a.sum()
+    h_evid = a @ v
+    return np.concatenate([v.mean(0), h_evid, h_ans * h_evid, np.abs(h_ans - h_evid)])
+
+
+def ece_reference(c, z, bins):
+    """ECE with explicit edges [k/B, (k+1)/B), the last bin closed (SPEC §6)."""
+    c, z = np.asarray(c, float), np.asarray(z, float)
+    total = 0.0
+    for k in range(bins):
+        lo, hi = k / bins, (k + 1) / bins
+        m = (c >= lo) & ((c < hi) if k < bins - 1 else (c <= hi))
+        if m.any():
+            total += m.sum() * abs(z[m].mean() - c[m].mean())
+    return total / len(c)
+
+
+# ------------------------------------------------------------------ ECE binning
+def test_ece_truncates_into_bins_not_rounds():
+    # 15 bins: 0.10 and 0.12 share bin 1 ([1/15, 2/15)), 0.14 is in bin 2, 0.30 in bin 4.
+    # Rounding c·B instead would put 0.10, 0.12 and 0.14 together in bin 2.
+    c = np.array([0.10, 0.12, 0.14, 0.30])
+    z = np.array([1, 0, 0, 1])
+    by_hand = (2 * abs(0.5 - 0.11) + abs(0 - 0.14) + abs(1 - 0.30)) / 4
+    assert by_hand == pytest.approx(0.405)
+    assert ece(c, z, 15) == pytest.approx(by_hand)
+    assert METRICS["ece"](c, z) == pytest.approx(by_hand)
+    # 10 bins: 0.10, 0.12, 0.14 share [0.1, 0.2); 0.30 alone.
+    by_hand10 = (3 * abs(1 / 3 - 0.12) + abs(1 - 0.30)) / 4
+    assert METRICS["ece10"](c, z) == pytest.approx(by_hand10)
+    # c = 1 belongs to the last bin, c = 0 to the first.
+    assert ece(np.array([1.0, 0.0]), np.array([1, 0]), 15) == pytest.approx(0.0)
+
+
+def test_ece_matches_explicit_edges_on_random_data():
+    rng = np.random.default_rng(3)
+    c = rng.uniform(size=400)
+    z = (rng.uniform(size=400) < c ** 2).astype(int)
+    for bins in (10, 15):
+        assert ece(c, z, bins) == pytest.approx(ece_reference(c, z, bins), abs=1e-12)
+
+
+# ------------------------------------------------------------------ Heads.score wiring
+def _heads() -> Heads:
+    torch.manual_seed(0)
+    h = Heads.new(DIM)
+    g = torch.Generator().manual_seed(5)
+    for reader in (h.psr, h.state, h.visual, h.saplma, h.bicr):
+        d = reader.norm.mean.shape[0]
+        reader.norm.mean.copy_(torch.randn(d, generator=g) * 0.3)
+        reader.norm.std.copy_(torch.rand(d, generator=g) + 0.5)
+        for lin in (m for m in reader.net if isinstance(m, torch.nn.Linear)):
+            # scaled so the log-odds stay moderate: the fusion's clamp never bites
+            scale = 1.5 / math.sqrt(lin.in_features)
+            lin.weight.data.copy_(torch.randn(lin.weight.shape, generator=g) * scale)
+            lin.bias.data.copy_(torch.randn(lin.bias.shape, generator=g) * 0.3)
+        reader.eval()
+    h.t_pre, h.t_post, h.t_state, h.t_saplma, h.t_bicr, h.t_msp = 1.7, 0.6, 2.3, 1.3, 0.8, 3.1
+    h.offsets = {"psr": -0.7, "saplma": 0.45, "bicr": -1.2}
+    h.platt = {"mean_token_logprob": (2.0, 0.5), "predictive_entropy": (1.5, -0.25)}
+    h.kappa = 0.35
+    return h
+
+
+def _features(n: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {"h_pre": torch.randn(n, DIM, generator=g), "h_close": torch.randn(n, DIM, generator=g),
+            "phi": torch.randn(n, 4 * DIM, generator=g),
+            "h_mid": torch.randn(n, DIM, generator=g),
+            "msp": torch.rand(n, 1, generator=g) * 0.9 + 0.05,
+            "mean_logprob": -torch.rand(n, 1, generator=g) * 2,
+            "entropy": torch.rand(n, 1, generator=g) * 3, "mu": torch.rand(n, 1, generator=g)}
+
+
+def _expected(h: Heads, f: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    x = {k: v.double().numpy() for k, v in f.items()}
+    l_pre = np_reader(h.psr, x["h_pre"]) - 0.7
+    l_state = np_reader(h.state, x["h_close"])
+    l_post = l_state + np_reader(h.visual, x["phi"])
+    msp = x["msp"][:, 0]
+    return {
+        "psr": sigmoid(l_pre / 1.7),
+        "p_state": sigmoid(l_state / 2.3),
+        "per": sigmoid(l_post / 0.6),
+        # logit(σ(a)) = a: the fusion is the mean of the two scaled log-odds
+        "dualread": sigmoid(0.5 * l_pre / 1.7 + 0.5 * l_post / 0.6),
+        "verbalized": x["mu"][:, 0],
+        "max_sequence_probability": sigmoid(np.log(msp / (1 - msp)) / 3.1),
+        "saplma": sigmoid((np_reader(h.saplma, x["h_mid"]) + 0.45) / 1.3),
+        "mean_token_logprob": sigmoid(2.0 * x["mean_logprob"][:, 0] + 0.5),
+        "predictive_entropy": sigmoid(1.5 * -x["entropy"][:, 0] - 0.25),
+    }
+
+
+def test_score_applies_each_temperature_offset_and_platt_map():
+    h, f = _heads(), _features()
+    got, want = h.score(f), _expected(h, f)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    # the branches are not trivially equal (each check above could fail on a swap)
+    assert np.abs(got["psr"] - got["per"]).max() > 0.05
+    assert 0.02 < got["dualread"].min() and got["dualread"].max() < 0.98
+
+
+def test_logits_add_the_psr_offset_and_the_visual_residual():
+    h, f = _heads(), _features()
+    lg = h.logits(f)
+    x = {k: v.double().numpy() for k, v in f.items()}
+    l_state = np_reader(h.state, x["h_close"])
+    np.testing.assert_allclose(lg["pre"].numpy(), np_reader(h.psr, x["h_pre"]) - 0.7, rtol=1e-5)
+    np.testing.assert_allclose(lg["state"].numpy(), l_state, rtol=1e-5)
+    np.testing.assert_allclose(lg["post"].numpy(), l_state + np_reader(h.visual, x["phi"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_bicr_uses_the_difference_offset_and_temperature():
+    h = _heads()
+    g = torch.Generator().manual_seed(2)
+    real, black = torch.randn(5, DIM, generator=g), torch.randn(5, DIM, generator=g)
+    x = np.concatenate([real.numpy(), real.numpy() - black.numpy()], 1)
+    want = sigmoid((np_reader(h.bicr, x) - 1.2) / 0.8)
+    np.testing.assert_allclose(h.score_bicr(real, black), want, rtol=1e-5)
+
+
+def test_platt_defaults_to_identity_slope():
+    h, f = _heads(), _features()
+    h.platt = {}
+    got = h.score(f)
+    np.testing.assert_allclose(got["mean_token_logprob"],
+                               sigmoid(f["mean_logprob"].double().numpy()[:, 0]), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ Heads.defer
+def _policy(tau: float) -> DeferPolicy:
+    return DeferPolicy(tau=tau, target_risk=0.1, delta=0.1, coverage=0.5, empirical_risk=0.05,
+                       risk_upper_bound=0.09, n_calibration=100, feasible=True)
+
+
+def test_heads_defer_flips_at_tau():
+    h = _heads()
+    h.policy = _policy(0.6)
+    assert h.defer(0.59) is True
+    assert h.defer(0.6) is False            # defer when confidence < τ, strictly
+    assert h.defer(0.61) is False and h.defer(1.0) is False
+    assert h.defer(0.0) is True
+    h.policy = None                         # no policy: nothing is answered unchecked
+    assert h.defer(0.99) is True
+
+
+# ------------------------------------------------------------------ features.extract
+def _readout(digits: torch.Tensor | None = None) -> Readout:
+    g = torch.Generator().manual_seed(4)
+    h_answer = torch.randn(3, DIM, generator=g)
+    return Readout(
+        h_pre=torch.randn(DIM, generator=g),
+        # h_close far from the answer span's mean, so using one for the other shows
+        h_close=-3 * h_answer.mean(0) + torch.randn(DIM, generator=g),
+        h_answer=h_answer, h_image=torch.randn(5, DIM, generator=g),
+        h_mid=torch.randn(DIM, generator=g),
+        token_logprobs=torch.tensor([-0.1, -0.5, -1.0, -2.0, -0.3]),
+        token_entropy=torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0]),
+        answer_index=torch.tensor([1, 2]), digit_probs=digits)
+
+
+def test_extract_builds_phi_from_the_answer_span_and_span_statistics():
+    ro = _readout()
+    f = extract(ro, kappa=0.35)
+    h_ans = ro.h_answer.double().numpy().mean(0)
+    want_phi = np_phi(h_ans, ro.h_image.double().numpy(), 0.35)
+    np.testing.assert_allclose(f["phi"].numpy(), want_phi, rtol=1e-5, atol=1e-6)
+    wrong = np_phi(ro.h_close.double().numpy(), ro.h_image.double().numpy(), 0.35)
+    assert np.abs(want_phi - wrong).max() > 0.1
+    torch.testing.assert_close(f["h_pre"], ro.h_pre)
+    torch.testing.assert_close(f["h_close"], ro.h_close)
+    torch.testing.assert_close(f["h_mid"], ro.h_mid)
+    # answer tokens are response tokens 1 and 2: log-probs -0.5, -1.0; entropies .4, .6
+    assert float(f["msp"]) == pytest.approx(math.exp(-0.75))
+    assert float(f["mean_logprob"]) == pytest.approx((-0.1 - 0.5 - 1.0 - 2.0 - 0.3) / 5)
+    assert float(f["entropy"]) == pytest.approx(0.5)
+    assert float(f["mu"]) == 0.5                      # no cue: μ kept at 0.5 (SPEC)
+    for k in ("msp", "mean_logprob", "entropy", "mu"):
+        assert f[k].shape == (1,), k
+
+
+def test_extract_mu_and_default_kappa():
+    digits = torch.zeros(11)
+    digits[7], digits[9] = 0.25, 0.75
+    ro = _readout(digits)
+    f = extract(ro)
+    assert float(f["mu"]) == pytest.approx(0.25 * 0.7 + 0.75 * 0.9)
+    want = np_phi(ro.h_answer.double().numpy().mean(0), ro.h_image.double().numpy(), 0.1)
+    np.testing.assert_allclose(f["phi"].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_confidence_of_one_readout_uses_the_heads_kappa():
+    h, ro = _heads(), _readout()
+    x = {"h_pre": ro.h_pre.double().numpy()[None], "h_close": ro.h_close.double().numpy()[None],
+         "phi": np_phi(ro.h_answer.double().numpy().mean(0), ro.h_image.double().numpy(),
+                       0.35)[None]}
+    l_pre = np_reader(h.psr, x["h_pre"])[0] - 0.7
+    l_post = np_reader(h.state, x["h_close"])[0] + np_reader(h.visual, x["phi"])[0]
+    got = h.confidence(ro)
+    assert set(got) == {"dualread", "psr", "per", "verbalized"}
+    assert got["psr"] == pytest.approx(float(sigmoid(l_pre / 1.7)), rel=1e-5)
+    assert got["per"] == pytest.approx(float(sigmoid(l_post / 0.6)), rel=1e-5)
+    assert got["dualread"] == pytest.approx(
+        float(sigmoid(0.5 * l_pre / 1.7 + 0.5 * l_post / 0.6)), rel=1e-5)
+    assert got["verbalized"] == 0.5
