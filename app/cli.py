@@ -79,6 +79,8 @@ def train_actor(
         "--hard-share", help="share of GRPO prompts the parent answers wrong")] = 0.0,
     scan: Annotated[int, typer.Option(
         "--scan", help="training items answered to find those misses")] = 6000,
+    split_credit: Annotated[bool, typer.Option(
+        "--split-credit", help="the confidence digit gets the Brier advantage alone")] = False,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card.
 
@@ -103,11 +105,12 @@ def train_actor(
                f"--group {group} --prompts {prompts} --grpo-lr {grpo_lr} "
                f"--temperature {temperature} --scale-rewards {scale_rewards}"
                + (f" --hard-share {hard_share} --scan {scan}" if hard_share else "")
+               + (" --split-credit" if split_credit else "")
                + (f" --seed {seed}" if seed else "") + (" --smoke" if smoke else "")
                + (f" --eval-limit {eval_limit}" if eval_limit else ""))
         card = calibrate_actor(continue_from, out, recipe, command=cmd,
                                eval_limit=eval_limit or 1000, smoke=smoke, threads=threads,
-                               hard_share=hard_share, scan=scan)
+                               hard_share=hard_share, scan=scan, split_credit=split_credit)
         console.print_json(json.dumps(card["metrics"]))
         return
     recipe = replace(SMOKE if smoke else Recipe(), seed=seed)   # never mutate the preset

@@ -32,9 +32,9 @@ def check_key(settings: Settings, creds: HTTPAuthorizationCredentials | None) ->
     key = settings.api_key
     if not key:
         return
+    # HTTPBearer checked the scheme; an absent header compares as empty (constant time)
     given = creds.credentials.encode() if creds is not None else b""
-    # constant-time either way; the scheme was checked by HTTPBearer
-    if not hmac.compare_digest(given, key.encode()) or creds is None:
+    if not hmac.compare_digest(given, key.encode()):
         raise Unauthorized()
 
 

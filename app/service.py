@@ -45,9 +45,8 @@ class Service:
 
     @property
     def threshold(self) -> float:
-        policy = self.heads.policy
-        # With no policy every answer is deferred; report a threshold no confidence reaches.
-        return policy.tau if policy is not None else 1.5
+        """τ of the heads' defer policy (above any probability when there is none)."""
+        return self.heads.defer_threshold
 
     def _actor_card(self) -> dict[str, Any]:
         card = Path(self.actor.folder) / "actor_card.json"

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from app.engine import Batcher, BatcherHooks, Job
 from app.errors import DeadlineExceeded, InvalidInput, NotReady, ShuttingDown, TrajectoryInvalid
 from app.settings import Settings
-from models.images import ImageTooLarge, open_image
+from models.images import ImageError, ImageTooLarge, open_image
 from models.masking import MaskSpec, char_span
 
 
@@ -127,14 +127,17 @@ class Serving:
         self.batcher: Batcher | None = None
         self.load_error: str | None = None
         self.draining = False
+        # What queues and batches jobs; a Ray Serve replica swaps in its @serve.batch
+        # version (app.ray_deploy) before the model is attached.
+        self.new_batcher: type[Batcher] = Batcher
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, backend: Backend) -> None:
         s = self.settings
         self.backend = backend
-        self.batcher = Batcher({"answer": backend.answer_batch, "score": backend.score_batch},
-                               s.max_batch_size, s.batch_wait_ms, s.queue_limit,
-                               self.batcher_hooks)
+        self.batcher = self.new_batcher(
+            {"answer": backend.answer_batch, "score": backend.score_batch},
+            s.max_batch_size, s.batch_wait_ms, s.queue_limit, self.batcher_hooks)
         self.batcher.start()
 
     @property
@@ -168,7 +171,7 @@ class Serving:
             raise ImageTooLarge(f"{what}: {len(raw)} bytes, over the limit of {limit}")
         try:
             return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
-        except ValueError as e:   # ImageTooLarge / ImageInvalid keep their type
+        except ImageError as e:   # ImageTooLarge / ImageInvalid keep their type
             raise type(e)(f"{what}: {e}") from None
 
     async def image_b64(self, b64: str, what: str = "image") -> Image.Image:

@@ -167,6 +167,12 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
           for key, nov in scorers.items()}
     report["novelty_flagged"] = {key: {n: float((p[n] < ALPHAS[0]).mean()) for n in cells}
                                  for key, p in pv.items()}
+    # pairs of scorers, Bonferroni-combined (p = min(1, 2·min(p1, p2)) stays valid)
+    singles = list(pv)
+    for i, a in enumerate(singles):
+        for b in singles[i + 1:]:
+            pv[f"{a} + {b}"] = {n: np.minimum(1.0, 2 * np.minimum(pv[a][n], pv[b][n]))
+                                for n in tensors}
 
     def pool_power(p: dict, fam: str, alpha: float) -> float:
         """Share flagged at α among a family's pool items off the reader images."""
@@ -205,7 +211,7 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
         a0 = ALPHAS[0]
         # (a) the unsupervised scorer with the most power at α on the other families
         power = {key: float(np.mean([pool_power(pv[key], f, a0) for f in others]))
-                 for key in scorers}
+                 for key in pv}
         best = max(power, key=power.get)
         p_sup = supervised(held)
         row["a_choice"] = {"unsupervised": best, "pool_power": power[best],

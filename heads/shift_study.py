@@ -61,18 +61,23 @@ class StateCollector(Collector):
         return tensors, meta
 
 
-def item_sets(n_fit: int, n_pool: int, n_test: int) -> dict[str, list[Item]]:
+def item_sets(n_fit: int, n_pool: int, n_test: int, n_fit2: int = 0) -> dict[str, list[Item]]:
     """Every item set of the study, deterministic."""
     heldout = load("easyvqa:heldout")
     fit = sample(heldout, n_fit, seed=0)
     taken = {it.id for it in fit}
     rest = [it for it in heldout if it.id not in taken]
     sets: dict[str, list[Item]] = {"fit": fit}
+    pooled: set[str] = set()
     for k, fam in enumerate(FAMILIES):
         # severities 1..5 in turn over the family's own sample
         base = sample(rest, n_pool, seed=100 + k)
+        pooled |= {it.id for it in base}
         sets[f"pool~{fam}"] = [shift_items([it], fam, SEVERITIES[j % 5])[0]
                                for j, it in enumerate(base)]
+    # more clean fitting data, clear of the pool (collected after the first part; merged)
+    if n_fit2:
+        sets["fit2"] = sample([it for it in rest if it.id not in pooled], n_fit2, seed=7)
     test = sample(load("easyvqa:test"), n_test, seed=1)
     sets["test"] = test
     for sev in TEST_SEVERITIES:
@@ -84,6 +89,7 @@ def item_sets(n_fit: int, n_pool: int, n_test: int) -> dict[str, list[Item]]:
 def collection_order(sets: dict[str, list[Item]]) -> list[str]:
     """Clean data, then the worst severity, then the pool, then milder severities."""
     first = ["fit", "test"] + [f"test~{f}:{TEST_SEVERITIES[0]}" for f in FAMILIES]
+    first += ["fit2"] if "fit2" in sets else []
     pool = [k for k in sets if k.startswith("pool~")]
     return first + pool + [k for k in sets if k not in first and k not in pool]
 
@@ -110,7 +116,7 @@ def collect(sets: dict[str, list[Item]], cache: Path, available: bool = False
             continue
         if available:
             continue
-        col = col or StateCollector(load_actor(), cache / "shards")
+        col = col or StateCollector(load_actor(), cache)
         t0 = time.perf_counter()
         feats, meta = col.run(sets[name], label=name)
         keep = {k: meta[k] for k in ("ids", "image_ids", "answers")}
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="docs/shift-study")
     ap.add_argument("--cache", default="cache/shift-study")
     ap.add_argument("--n-fit", type=int, default=2000)
+    ap.add_argument("--n-fit2", type=int, default=1500, help="more clean heldout items")
     ap.add_argument("--n-pool", type=int, default=250, help="corrupted heldout items per family")
     ap.add_argument("--n-test", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
@@ -136,10 +143,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="analyse the sets already cached, collect nothing")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    sets = item_sets(args.n_fit, args.n_pool, args.n_test)
+    sets = item_sets(args.n_fit, args.n_pool, args.n_test, args.n_fit2)
     data = collect(sets, Path(args.cache), args.available)
     if args.collect_only:
         return
+    if "fit2" in data:
+        sets["fit"] = sets["fit"] + sets.pop("fit2")
+        (f1, m1), (f2, m2) = data["fit"], data.pop("fit2")
+        data["fit"] = ({k: torch.cat([f1[k], f2[k]]) for k in f1},
+                       {k: m1[k] + m2[k] for k in m1})
+    else:
+        sets.pop("fit2", None)
     from heads.shift_analysis import analyse
 
     analyse(data, sets, Path(args.out), command="python -m heads.shift_study " +

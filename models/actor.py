@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,39 +55,6 @@ class DeadlineCriteria(StoppingCriteria):
             if stop:
                 self.cut.setdefault(b, input_ids.shape[1])
         return torch.tensor(late, device=input_ids.device)
-
-
-class StateTap:
-    """Keeps the final-norm output and one decoder layer's output of every forward run
-    while it is entered, from the calling thread only.
-
-    That is what `output_hidden_states` returns at those two depths (`hidden_states[-1]`
-    is the final norm's output, `hidden_states[k]` decoder layer k-1's), without building
-    every layer's states at every decode step: the capture path then costs generate
-    almost nothing extra. Re-entering keeps appending.
-    """
-
-    def __init__(self, model, mid_layer: int) -> None:
-        decoder = model.get_decoder()
-        self.modules = {"last": decoder.norm, "mid": decoder.layers[mid_layer - 1]}
-        self.states: dict[str, list[torch.Tensor]] = {"last": [], "mid": []}
-        self.handles: list = []
-        self.thread = threading.get_ident()
-
-    def _keep(self, key: str):
-        def hook(module, args, output) -> None:
-            if threading.get_ident() == self.thread:
-                self.states[key].append(output[0] if isinstance(output, tuple) else output)
-        return hook
-
-    def __enter__(self) -> StateTap:
-        self.handles = [m.register_forward_hook(self._keep(k)) for k, m in self.modules.items()]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
 
 @dataclass
@@ -320,14 +285,12 @@ class Actor:
         batch = self.encode(images, questions)
         kwargs = self._vision_kwargs(batch)
         stop = DeadlineCriteria(deadlines) if deadlines is not None else None
-        tap = StateTap(self.model, self.mid_layer) if readout == "capture" else None
-        with tap or nullcontext():
-            out = self.model.generate(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, top_p=None,
-                top_k=None, temperature=None,
-                stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
+        out = self.model.generate(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids), output_hidden_states=readout == "capture",
+            return_dict_in_generate=True, top_p=None, top_k=None, temperature=None,
+            stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
         # a row stopped at its deadline is padded afterwards: cut the padding off
@@ -343,7 +306,7 @@ class Actor:
             res = [self._response(r, last[b], mid[b], full.input_ids[b], lp)
                    for b, r in enumerate(resp_ids)]
         else:
-            last, mid = self._captured(out, batch, gen, resp_ids, tap)
+            last, mid = self._captured(out, batch, gen, resp_ids)
             res = [self._response(r, last[b], mid[b], out.sequences[b], lp)
                    for b, r in enumerate(resp_ids)]
         return Answers(res, StageTimings(t1 - t0, time.perf_counter() - t1))
@@ -353,24 +316,27 @@ class Actor:
         eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
         return ids[: eos_at + 1] if eos_at is not None else ids
 
-    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]],
-                  tap: StateTap) -> tuple[torch.Tensor, torch.Tensor]:
-        """States over [prompt ; generated], as `tap` kept them during `generate`.
+    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """States over [prompt ; generated] from generate's own hidden states.
 
-        Forward 0 (prefill) holds the prompt; forward k holds the token fed at step k,
-        i.e. generated token k-1. The last generated token is never fed back, so when an
-        item needs it (truncated without EOS) one more cached decode step supplies its state.
+        Step 0 holds the prompt; step k holds the token fed at step k, i.e. generated
+        token k-1. The last generated token is never fed back, so when an item needs it
+        (truncated without EOS) one more cached decode step supplies its state.
         """
+        hs = out.hidden_states
+        last = [hs[0][-1]] + [s[-1] for s in hs[1:]]
+        mid = [hs[0][self.mid_layer]] + [s[self.mid_layer] for s in hs[1:]]
         n = gen.shape[1]
         if any(len(r) == n and r[-1] not in self.eos_ids for r in resp_ids):
             mask = torch.cat([batch.attention_mask,
                               torch.ones_like(gen, dtype=batch.attention_mask.dtype)], 1)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            with tap:
-                self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
-                           position_ids=decode_position_ids(self.model, self.family, mask),
-                           use_cache=True, logits_to_keep=1)
-        last, mid = tap.states["last"], tap.states["mid"]
+            step = self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
+                              position_ids=decode_position_ids(self.model, self.family, mask),
+                              output_hidden_states=True, use_cache=True, logits_to_keep=1)
+            last.append(step.hidden_states[-1])
+            mid.append(step.hidden_states[self.mid_layer])
         return torch.cat(last, 1).float(), torch.cat(mid, 1).float()
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from rich.progress import Progress
 from models.canon import is_correct
 from models.data import Item
 from models.evaluate import run_items, summarise
+from models.train import grpo, reward_brier, split_train
 
 MU_BINS = tuple(round(0.1 * k, 1) for k in range(11))
 
@@ -99,6 +100,51 @@ def confidence_report(actor, items: list[Item], batch: int = 64) -> dict:
             "confidence": confidence_summary(rows)}
 
 
+def split_credit_trainer(brier_weight: float):
+    """A GRPOTrainer whose confidence digit is credited with the Brier term alone.
+
+    Plain GRPO sums correctness and Brier into one advantage for every token, so the
+    Brier differences of all-correct groups (most groups here) reach the answer tokens as
+    noise, and the digit's credit is drowned by correctness. Here every token but the
+    digit gets the correctness + format advantage, and the digit gets W times the
+    group-centred Brier reward (RLCR's calibration term, credited where it is decided).
+    """
+    from trl import GRPOTrainer
+
+    class SplitCreditGRPO(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            ids, mask = out["completion_ids"], out["completion_mask"]
+            tok = self.processing_class.tokenizer
+            texts = [tok.decode(r[m.bool()], skip_special_tokens=True)
+                     for r, m in zip(ids, mask)]
+            brier = torch.tensor(reward_brier(texts, [x["answer"] for x in inputs]))
+            g = self.num_generations
+            centred = (brier.view(-1, g) - brier.view(-1, g).mean(1, keepdim=True)).flatten()
+            adv = out["advantages"][:, None].repeat(1, ids.shape[1])
+            digit = digit_positions(tok, ids, mask)
+            rows = torch.arange(len(digit))[digit >= 0]
+            adv[rows, digit[rows]] = brier_weight * centred[rows].to(adv)
+            out["advantages"] = adv
+            return out
+
+    return SplitCreditGRPO
+
+
+def digit_positions(tok, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Index of the confidence digit in each completion (the token after the first
+    `<confidence>`), -1 where there is none."""
+    cue = tok.convert_tokens_to_ids("<confidence>")
+    digits = {tok.convert_tokens_to_ids(str(c)) for c in range(11)}
+    out = torch.full((ids.shape[0],), -1, dtype=torch.long)
+    for b in range(ids.shape[0]):
+        row = ids[b][mask[b].bool()].tolist()
+        k = row.index(cue) + 1 if cue in row else -1
+        if 0 < k < len(row) and row[k] in digits:
+            out[b] = k
+    return out
+
+
 def hard_pool(actor, items: list[Item], n: int, share: float, seed: int, scan: int
               ) -> tuple[list[Item], dict]:
     """`n` GRPO prompts, a `share` of them items the actor answers wrong (greedy).
@@ -124,19 +170,20 @@ def hard_pool(actor, items: list[Item], n: int, share: float, seed: int, scan: i
 
 def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
                     eval_limit: int | None = 1000, smoke: bool = False,
-                    threads: int = 1, hard_share: float = 0.0, scan: int = 6000) -> dict:
+                    threads: int = 1, hard_share: float = 0.0, scan: int = 6000,
+                    split_credit: bool = False) -> dict:
     """Continue GRPO on the actor in `src` with correctness + format + W·Brier (RLCR) and
     write the new actor, with a card that names its parent, to `out`. Resumable: an
     interrupted run restarts from the last checkpoint under `<out>/_grpo_tmp`.
 
     `hard_share` > 0 makes that share of the GRPO prompts items the parent answers wrong
-    (greedy, found among `scan` training items; see `hard_pool`)."""
+    (greedy, found among `scan` training items; see `hard_pool`). `split_credit` credits
+    the digit with the Brier term alone (see `split_credit_trainer`)."""
     import shutil
 
     from models.data import load, sample
     from models.evaluate import git_commit
     from models.loading import fingerprint, load_actor
-    from models.train import grpo, split_train
 
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
@@ -158,7 +205,13 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
         items, mined = hard_pool(load_actor(src), items, n, hard_share, recipe.seed + 3, scan)
         log.append({"stage": "mine", **mined, "elapsed_s": round(time.time() - t0, 1)})
     # A pool seed apart from the first GRPO stage's, so the continuation sees new prompts.
-    grpo(src, items, recipe, out, log, pool_seed=recipe.seed + 2, gradient_checkpointing=False)
+    extra = {}
+    if split_credit:
+        # Brier weight 0 in the shared advantage: the digit alone carries it.
+        extra = {"trainer_cls": split_credit_trainer(recipe.brier_weight),
+                 "reward_weights": [1.0, 1.0, 0.0]}
+    grpo(src, items, recipe, out, log, pool_seed=recipe.seed + 2, gradient_checkpointing=False,
+         **extra)
     grpo_s = time.time() - t0
     test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
     metrics = confidence_report(load_actor(out), test)
@@ -176,7 +229,8 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
                                                    f"{len(test)})" if eval_limit else "")},
         "recipe": {**{k: v for k, v in asdict(recipe).items() if k.startswith("grpo")
                       or k in ("seed", "brier_weight", "max_images")},
-                   "hard_share": hard_share, "scan": scan if hard_share > 0 else None},
+                   "hard_share": hard_share, "scan": scan if hard_share > 0 else None,
+                   "split_credit": split_credit},
         "mined": mined,
         "seconds": {"grpo": round(grpo_s, 1), "total": round(time.time() - t0, 1)},
         "command": command,

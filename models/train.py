@@ -261,12 +261,12 @@ def reward_brier(completions, answer, **_) -> list[float]:
 
 
 def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[dict],
-         pool_seed: int | None = None, **config) -> None:
+         pool_seed: int | None = None, trainer_cls=None, **config) -> None:
     """Stage 2: TRL GRPOTrainer on the actor saved in `folder`; result saved to `out`.
 
     Checkpoints go to `<out>/_grpo_tmp` every `grpo_save_steps`; a run that finds one
     there resumes from it (weights, optimizer, RNG and data position). `config` overrides
-    GRPOConfig fields.
+    GRPOConfig fields; `trainer_cls` replaces GRPOTrainer (a subclass).
     """
     from datasets import Dataset
     from transformers.trainer_utils import get_last_checkpoint
@@ -283,7 +283,7 @@ def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[d
     ds = Dataset.from_dict(rows)
     tmp = out / "_grpo_tmp"
     save = recipe.grpo_save_steps > 0
-    cfg = GRPOConfig(
+    cfg = dict(
         output_dir=str(tmp), num_generations=recipe.grpo_group,
         per_device_train_batch_size=recipe.grpo_prompts * recipe.grpo_group,
         max_steps=recipe.grpo_steps, learning_rate=recipe.grpo_lr,
@@ -293,12 +293,13 @@ def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[d
         save_total_limit=1, report_to=[], seed=recipe.seed, dataloader_num_workers=0,
         disable_tqdm=False, remove_unused_columns=False,
         reward_weights=[1.0, 1.0, recipe.brier_weight],
-        scale_rewards=recipe.grpo_scale_rewards, **config)
+        scale_rewards=recipe.grpo_scale_rewards)
     actor.model.requires_grad_(True)
     actor.model.train()
-    trainer = GRPOTrainer(model=actor.model, processing_class=actor.processor,
-                          reward_funcs=[reward_correct, reward_format, reward_brier],
-                          args=cfg, train_dataset=ds)
+    trainer = (trainer_cls or GRPOTrainer)(
+        model=actor.model, processing_class=actor.processor,
+        reward_funcs=[reward_correct, reward_format, reward_brier],
+        args=GRPOConfig(**{**cfg, **config}), train_dataset=ds)
     last = get_last_checkpoint(str(tmp)) if save and tmp.is_dir() else None
     if last:
         console.log(f"resuming GRPO from {Path(last).name}")

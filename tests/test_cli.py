@@ -41,20 +41,35 @@ QS = ["what color is the shape?", "what shape is it?", "is there a red circle?",
 ANSWERABLE = {"what color is the shape?", "how many shapes?"}
 
 
+def _image_ids(per_split: dict[str, int]) -> list[str]:
+    """Image ids that give each fitting split the stated number of images."""
+    from heads.fit import image_split
+
+    out, left = [], dict(per_split)
+    for k in range(1000):
+        name = f"img{k}"
+        if left.get(image_split(name), 0) > 0:
+            left[image_split(name)] -= 1
+            out.append(name)
+    return out
+
+
 @pytest.fixture(scope="module")
 def labelled(actors, tmp_path_factory):
     """Correctness is a function of the question: the reference is the actor's own
     (default-length) answer for two questions and a wrong one for the other two."""
     actor = actors["gemma3"]           # random Qwen tiny actors answer blanks
     root = tmp_path_factory.mktemp("cli-data")
-    imgs = [random_image(300 + i, 32, 32) for i in range(24)]
-    rows = []
-    for i, img in enumerate(imgs):
+    ids = _image_ids({"reader": 6, "temperature": 3, "defer": 3})
+    pairs = [(i, q) for i in ids for q in QS]
+    imgs = {i: random_image(300 + k, 32, 32) for k, i in enumerate(ids)}
+    for i, img in imgs.items():
         img.save(root / f"{i}.png")
-        for j, r in enumerate(actor.answer([img] * len(QS), QS, readout="none")):
-            ref = r.answer if QS[j] in ANSWERABLE else "definitely wrong"
-            rows.append({"id": f"{i}-{j}", "image": f"{i}.png", "question": QS[j],
-                         "answer": ref})
+    # one batched call: the default 64 new tokens are the expensive part
+    res = actor.answer([imgs[i] for i, _ in pairs], [q for _, q in pairs], readout="none")
+    rows = [{"id": f"{i}-{k}", "image": f"{i}.png", "image_id": i, "question": q,
+             "answer": r.answer if q in ANSWERABLE else "definitely wrong"}
+            for k, ((i, q), r) in enumerate(zip(pairs, res))]
     (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return f"jsonl:{root / 'd.jsonl'}"
 
@@ -65,25 +80,25 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
 
     actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
-                                   "--limit", "80", "--risk", "0.3", "--out", str(heads_dir),
+                                   "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
                                    "--cache", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())
     assert card["actor_fingerprint"] == load_actor(actor_dir).fingerprint
-    assert card["limit"] == 80 and card["data"] == labelled
-    assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 80
+    assert card["limit"] == 48 and card["data"] == labelled
+    assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 48
     assert card["defer"]["target_risk"] == 0.3 and card["defer"]["n_calibration"] > 0
 
     res = CliRunner().invoke(app, ["evaluate", "--actor", actor_dir, "--heads", str(heads_dir),
-                                   "--data", labelled, "--limit", "40", "--bootstrap", "5",
+                                   "--data", labelled, "--limit", "16", "--bootstrap", "5",
                                    "--methods", "dualread,psr,per", "--out", str(report_dir)])
     assert res.exit_code == 0, res.output
     report = json.loads((report_dir / "report.json").read_text())
     d = report["datasets"][labelled]
-    assert d["n"] == 40 and set(d["methods"]) == {"dualread", "psr", "per"}
+    assert d["n"] == 16 and set(d["methods"]) == {"dualread", "psr", "per"}
     # the same seeded sample, labelled here from the references alone
-    items = sample(load(labelled), 40)
+    items = sample(load(labelled), 16)
     expected = np.mean([it.answer != "definitely wrong" for it in items])
     assert d["accuracy"] == pytest.approx(expected)
     # heads fitted through the CLI carry the label: the question decides correctness

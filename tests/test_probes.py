@@ -4,6 +4,7 @@ every probe against a live tiny service (a real uvicorn process)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -278,6 +279,26 @@ def test_store_resumes_and_drops_a_half_written_line(tmp_path):
     assert Store(path, {"a": 2}).done == {}            # other parameters: nothing reused
 
 
+def test_probes_send_computed_pixels_of_corrupted_items(tmp_path):
+    from dataclasses import dataclass
+
+    from clients.probes.runner import pixels
+    from models.data import Item
+
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "a.png")
+    plain = Item("1", str(tmp_path / "a.png"), "q", "a", "img")
+    assert pixels(plain)() == tmp_path / "a.png"           # the file's own bytes
+
+    @dataclass(frozen=True)
+    class Dark(Item):
+        def image(self) -> Image.Image:
+            return Image.new("RGB", (8, 8), (0, 0, 0))
+
+    sent = pixels(Dark("1", str(tmp_path / "a.png"), "q", "a", "img"))()
+    assert isinstance(sent, bytes)
+    assert np.asarray(Image.open(io.BytesIO(sent))).max() == 0
+
+
 def _score_body(x: float) -> dict:
     return {"confidence": conf(x), "mu_c": x, "answer": "red", "masked_tokens": 0}
 
@@ -375,7 +396,7 @@ def service(actor_dirs, actors, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--actor", actor_dirs["qwen3_vl"],
-         "--heads", heads, "--port", str(port), "--max-new-tokens", "12",
+         "--heads", heads, "--port", str(port), "--max-new-tokens", "8",
          "--max-batch-size", "16", "--batch-wait-ms", "20", "--queue-limit", "64"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)

@@ -77,6 +77,15 @@ def server(actor_dirs, heads_dir):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def roomy(actor_dirs, heads_dir):
+    """A queue that holds a burst of 8: for tests that must not see 429s."""
+    s = Server(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=8, queue_limit=32,
+               max_batch_size=8, batch_wait_ms=50)
+    yield s
+    s.stop()
+
+
 def body(seed: int = 0) -> dict:
     return {"image": b64(png_bytes(random_image(seed))), "question": Q}
 
@@ -109,7 +118,7 @@ def test_overload_gives_429_and_loses_nothing(server):
 FUZZ_REQUESTS = 1000
 
 
-def test_openapi_fuzz_finds_no_5xx(server):
+def test_openapi_fuzz_finds_no_5xx(roomy):
     """Valid and invalid requests generated from the spec: never a server error, and
     every error in the one JSON shape."""
     schemathesis = pytest.importorskip("schemathesis")
@@ -117,6 +126,7 @@ def test_openapi_fuzz_finds_no_5xx(server):
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
+    server = roomy
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [op.ok() for op in schema.get_all_operations()]
     # routes without inputs yield a single case; the five with bodies carry the count
@@ -157,8 +167,9 @@ def test_openapi_fuzz_finds_no_5xx(server):
     assert 200 in statuses and 422 in statuses       # both paths were exercised
 
 
-def test_one_bad_request_does_not_fail_its_batch(server):
+def test_one_bad_request_does_not_fail_its_batch(roomy):
     """7 good requests sent together with an unusable one: 7 answers and one 422."""
+    server = roomy
     wide = {"image": b64(png_bytes(Image.new("RGB", (300, 1)))), "question": Q}
     reserved = {**body(1), "question": "what color is <|image_pad|>?"}
     for bad in (wide, reserved):
@@ -176,9 +187,15 @@ def test_oversized_body_refused_before_it_is_read(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 200000000\r\n\r\n")
-        head = sock.recv(65536).decode("latin-1")
-    assert head.startswith("HTTP/1.1 413"), head[:200]
-    assert '"request_id"' in head and "x-request-id" in head.lower()
+        data = b""
+        while not data.rstrip().endswith(b"}"):   # headers, then the JSON body
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    reply = data.decode("latin-1")
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert '"request_id"' in reply and "x-request-id" in reply.lower()
 
 
 def _sample(text: str, prefix: str) -> float:

@@ -12,7 +12,7 @@ import numpy as np
 from clients.ccg import Pair
 from clients.ccg import summarise as ccg_summary
 from clients.grounding import classify_pair
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, short
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, short
 from models.data import Item
 
 NAME = "ccg"
@@ -28,7 +28,7 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     if donor is None:
         return {"eligible": False, "image_id": item.image_id}
     real = await memo.real()
-    hn = await memo.answer(f"donor:{donor.id}", lambda: Path(donor.image_path), reference=donor)
+    hn = await memo.answer(f"donor:{donor.id}", pixels(donor), reference=donor)
     return {"eligible": True, "image_id": item.image_id, "donor": donor.id,
             "donor_image": donor.image_id, "real": short(real), "hn": short(hn)}
 

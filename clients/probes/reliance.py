@@ -18,7 +18,7 @@ import numpy as np
 
 from clients.probes import text
 from clients.probes.images import blank, png
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, short
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, short
 from clients.probes.stats import cluster_bootstrap, mean, reliance, sign_flip_p
 from models.data import Item
 
@@ -37,10 +37,10 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     shuf = ctx.shuffle_image(item)
     if shuf is None:
         return {"skipped": "one image only", "image_id": item.image_id}
-    shuf_id, shuf_path = shuf
+    shuf_id, shown = shuf
     real, bl, sh = await asyncio.gather(
         memo.real(), memo.answer("blank", lambda: BLANK_PNG),
-        memo.answer(f"shuffle:{shuf_id}", lambda: Path(shuf_path)))
+        memo.answer(f"shuffle:{shuf_id}", pixels(shown)))
     return {"image_id": item.image_id, "shuffle_image": shuf_id,
             "nvc": text.novel_visual_claim(text.rationale(real["response"]), item.question),
             "real": short(real), "blank": short(bl), "shuffle": short(sh)}

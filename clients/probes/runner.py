@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from clients.http import AsyncDualReadClient
+from clients.probes.images import png
 from models.canon import canon, is_correct
 from models.data import HardNegativeIndex, Item
 
@@ -108,10 +109,10 @@ class Context:
         self.client, self.pool, self.cfg = client, pool, cfg
         self._index: HardNegativeIndex | None = None
         self.donors: dict[str, Item | None] = {}
-        self.images: dict[str, str] = {}
+        self.images: dict[str, Item] = {}           # one item per image: its pixels
         self.boxes: dict[str, set[tuple[int, int, int, int]]] = {}
         for it in pool:
-            self.images.setdefault(it.image_id, it.image_path)
+            self.images.setdefault(it.image_id, it)
             if it.box:
                 self.boxes.setdefault(it.image_id, set()).add(tuple(it.box))
         self._image_ids = sorted(self.images)
@@ -127,8 +128,9 @@ class Context:
             self.assign_donors([item])
         return self.donors[item.id]
 
-    def shuffle_image(self, item: Item) -> tuple[str, str] | None:
-        """(image id, path) of a different image from the same data, seeded per item."""
+    def shuffle_image(self, item: Item) -> tuple[str, Item] | None:
+        """(image id, an item showing it) for a different image of the same data, seeded
+        per item."""
         others = [i for i in self._image_ids if i != item.image_id]
         if not others:
             return None
@@ -164,7 +166,15 @@ class Memo:
                 "confidence": r.confidence.model_dump()}
 
     async def real(self) -> dict:
-        return await self.answer("real", lambda: Path(self.item.image_path))
+        return await self.answer("real", pixels(self.item))
+
+
+def pixels(item: Item) -> Callable[[], bytes | Path]:
+    """What to send for an item's image: the file itself (its own bytes, DICOM included),
+    unless the item's pixels are computed (a corrupted copy, `models.shift`)."""
+    if type(item).image is Item.image:
+        return lambda: Path(item.image_path)
+    return lambda: png(item.image())
 
 
 def short(run: dict) -> dict:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from clients.maths import resample_clusters
+
 Interval = tuple[float, float]
 NAN_CI: Interval = (float("nan"), float("nan"))
 
@@ -93,13 +95,11 @@ def bootstrap(n: int, stat: Callable[[np.ndarray], float], resamples: int = 1000
 
 def cluster_bootstrap(clusters: Sequence[str], stat: Callable[[np.ndarray], float],
                       resamples: int = 1000, seed: int = 42) -> Interval:
-    """Percentile 95% CI resampling clusters (images) with all their items."""
+    """Percentile 95% CI resampling clusters (images) with all their items; the one
+    image-cluster bootstrap of `clients.maths`."""
     if not len(clusters) or resamples <= 0:
         return NAN_CI
-    keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
-    members = [np.nonzero(inv == k)[0] for k in range(len(keys))]
-    return bootstrap(len(keys), lambda idx: stat(np.concatenate([members[i] for i in idx])),
-                     resamples, seed)
+    return resample_clusters(clusters, stat, resamples, seed)
 
 
 def sign_flip_p(d: Sequence[float] | np.ndarray, resamples: int = 10000, seed: int = 42

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from clients.probes import text
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels
 from clients.probes.stats import NAN_CI, cluster_bootstrap, mean, share_close
 from models.data import Item
 
@@ -71,7 +71,7 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
                 "variants": {}, "hesitations": 0}
     labels, trajs, masks, variants = plan(real["response"], item.question,
                                           f"{ctx.cfg.seed}:{item.id}", ctx.cfg)
-    scores = await ctx.client.score_batch(Path(item.image_path), item.question, trajs, masks)
+    scores = await ctx.client.score_batch(pixels(item)(), item.question, trajs, masks)
     full = f"mask:{max(ctx.cfg.mask_ratios):g}:0"
     by = dict(zip(labels, scores))
     return {"image_id": item.image_id, "z": real["z"],
