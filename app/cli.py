@@ -154,23 +154,36 @@ def fit_heads(
         "--cache", "--cache-dir", help="readout cache folder")] = None,
     device: DeviceOpt = "cpu",
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    allow_dirty: Annotated[bool, typer.Option(
+        "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
 ) -> None:
     """Fit PSR, P-State, P-Visual, temperatures, baselines and the defer threshold."""
+    from heads.fit import DirtyTree, WorseThanPrior, check_tree, refuse_worse_than_prior
     from heads.fit import fit_heads as run
     from heads.fit import summary_table
     from models.data import load, sample
-    from models.evaluate import git_commit
     from models.loading import load_actor
 
+    try:    # before any work: a card must name the code that fitted it
+        tree = check_tree(allow_dirty)
+    except DirtyTree as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from e
     act = load_actor(actor, device=device)
     items = sample(load(data), limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
                       seed=seed)
-    cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
-    card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
-            "git_commit": git_commit(), **info}
-    heads.save(out, card)
     console.print(summary_table(info["defer_split_metrics"]))
+    try:
+        refuse_worse_than_prior(info)
+    except WorseThanPrior as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(3) from e
+    cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
+    cmd += " --allow-dirty" if allow_dirty else ""
+    card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
+            "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
+    heads.save(out, card)
     pol = heads.policy
     console.print(f"defer below tau={pol.tau:.4f}: coverage {pol.coverage:.3f}, risk "
                   f"{pol.empirical_risk:.3f} (bound {pol.risk_upper_bound:.3f} <= r="
@@ -242,6 +255,18 @@ def serve(
         "metrics_require_key", "--metrics-require-key/--metrics-open")] = None,
     docs_require_key: Annotated[bool | None, _serve_opt(
         "docs_require_key", "--docs-require-key/--docs-open")] = None,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="run on Ray Serve: a local Ray instance, or the one at --ray-address")
+                   ] = False,
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="with --ray: replicas (one GPU each with --device cuda)")
+                        ] = 1,
+    max_replicas: Annotated[int | None, typer.Option(
+        "--max-replicas", help="with --ray: autoscale from --replicas up to this many")
+                            ] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="with --ray: join this cluster (e.g. auto, or ray://host:10001)"
+    )] = None,
 ) -> None:
     """Run the HTTP service. Every flag also reads DUALREAD_<FLAG> from the environment."""
     import uvicorn
@@ -260,6 +285,24 @@ def serve(
         metrics_require_key=metrics_require_key,
         docs_require_key=docs_require_key).items() if v is not None}
     settings = Settings(**given)
+    if ray:
+        try:
+            from app.ray_deploy import serve_forever
+        except ImportError as e:
+            raise typer.BadParameter(f"needs ray[serve] ({e}): pip install 'ray[serve]'",
+                                     param_hint="--ray") from None
+        if replicas < 1:
+            raise typer.BadParameter("must be at least 1", param_hint="--replicas")
+        if max_replicas is not None and max_replicas < replicas:
+            raise typer.BadParameter("must be at least --replicas", param_hint="--max-replicas")
+        Console(stderr=True).print(
+            f"dualread: Ray Serve, {replicas} replica(s)"
+            + (f" (autoscaling to {max_replicas})" if max_replicas else "")
+            + f", on http://{settings.host}:{settings.port} once every replica is up")
+        serve_forever(settings, replicas, max_replicas, ray_address)
+        return
+    if replicas != 1 or max_replicas is not None or ray_address is not None:
+        raise typer.BadParameter("--replicas, --max-replicas and --ray-address need --ray")
     api = create_app(settings)
 
     class Server(uvicorn.Server):
@@ -279,7 +322,9 @@ def serve(
 @app.command()
 def probe(
     name: Annotated[str, typer.Argument(help="ccg, tgs, emvr, reliance or all")],
-    url: Annotated[str, typer.Option("--url", help="the deployment")] = "http://127.0.0.1:8000",
+    url: Annotated[list[str] | None, typer.Option(
+        "--url", help="the deployment; repeat to split the items across several endpoints "
+                      "of it (default http://127.0.0.1:8000)")] = None,
     data: Annotated[str, typer.Option("--data", help="data spec")] = "easyvqa:test",
     out: Annotated[Path, typer.Option("--out", help="report folder (and resumable results)")
                    ] = Path("out/probe"),
@@ -298,8 +343,9 @@ def probe(
     names = list(PROBES) if name == "all" else [name]
     if any(n not in PROBES for n in names):
         raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
-    report = run(names, url, data, out, limit, concurrency, api_key, seed, bootstrap,
-                 progress=progress)
+    urls = url or ["http://127.0.0.1:8000"]
+    report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
+                 api_key, seed, bootstrap, progress=progress)
     console.print((out / "report.md").read_text().split("![")[0], markup=False)
     run_info = json.loads((out / "run.json").read_text())
     console.print(f"wrote {out}/report.json, report.md and figures; {run_info['items_run']} "

@@ -49,10 +49,19 @@ class ServeProcess:
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
 
+    def start(self) -> ServeProcess:
+        """Spawn the process; `wait_ready` blocks until it serves (start several, then wait)."""
+        if self.proc is None:
+            # The access log goes to stderr; it is discarded so the pipe never fills.
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+        return self
+
     def __enter__(self) -> ServeProcess:
-        # The access log goes to stderr; it is discarded so the pipe never fills.
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        return self.start().wait_ready()
+
+    def wait_ready(self) -> ServeProcess:
+        self.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             try:
@@ -167,34 +176,38 @@ def http_bench(bodies: Sequence[bytes], server_flags: dict[str, object],
     seconds of an in-process batch-8 pass): overhead and ceiling come from the same window.
     """
     labels = {"batching": batch_size, "no_batching": 1}
-    top = max(requests)
-    with ServeProcess({**server_flags, "max_batch_size": batch_size}, threads) as on, \
-            ServeProcess({**server_flags, "max_batch_size": 1}, threads) as off:
-        servers = {"batching": on, "no_batching": off}
-        for srv in servers.values():                     # warm-up, not counted
-            drive(srv.url, bodies, 1, 2)
-            drive(srv.url, bodies, top, top)
-        out: dict[str, dict] = {}
-        for c, n in requests.items():
-            total = n * len(labels)
-            adv = progress(f"HTTP, {c} client(s), batching on and off", total) \
-                if progress else None
-            if c == 1:
-                out["c1"] = _paired_single(servers, bodies, n, in_process_b1, adv)
-                continue
-            parts: dict[str, list[Load]] = {k: [] for k in labels}
-            inproc: list[tuple[int, float]] = []
-            for r in range(rounds):
-                order = list(labels) if r % 2 == 0 else list(labels)[::-1]
-                for label in order:
-                    parts[label].append(drive(servers[label].url, bodies, c, n // rounds,
-                                              advance=adv))
-                if c == top and in_process_b8:
-                    inproc.append(in_process_b8())
-            out[f"c{c}"] = {k: _merge(v).summary() for k, v in parts.items()}
-            if inproc:
-                out[f"c{c}"]["in_process_b8_rps"] = sum(i for i, _ in inproc) / \
-                    sum(s for _, s in inproc)
+    servers = {k: ServeProcess({**server_flags, "max_batch_size": mbs}, threads).start()
+               for k, mbs in labels.items()}          # both load at once
+    try:
+        for label, srv in servers.items():
+            srv.wait_ready()
+            drive(srv.url, bodies, labels[label], 2 * labels[label])   # warm-up, not counted
+        return {f"c{c}": _at(c, n, c == max(requests), servers, bodies, rounds,
+                             in_process_b1, in_process_b8, progress)
+                for c, n in requests.items()}
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def _at(c: int, n: int, top: bool, servers: dict[str, ServeProcess], bodies: Sequence[bytes],
+        rounds: int, in_process_b1, in_process_b8, progress) -> dict:
+    """One concurrency level against both servers (and the in-process reference)."""
+    adv = progress(f"HTTP, {c} client(s), batching on and off", n * len(servers)) \
+        if progress else None
+    if c == 1:
+        return _paired_single(servers, bodies, n, in_process_b1, adv)
+    parts: dict[str, list[Load]] = {k: [] for k in servers}
+    inproc: list[tuple[int, float]] = []
+    for r in range(rounds):
+        order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+        for label in order:
+            parts[label].append(drive(servers[label].url, bodies, c, n // rounds, advance=adv))
+        if top and in_process_b8:
+            inproc.append(in_process_b8())
+    out: dict = {k: _merge(v).summary() for k, v in parts.items()}
+    if inproc:
+        out["in_process_b8_rps"] = sum(i for i, _ in inproc) / sum(s for _, s in inproc)
     return out
 
 

@@ -6,6 +6,7 @@ way), so an evaluator needs no model stack to recompute a number.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,22 +50,40 @@ def ccg_auc(pairs: Sequence[Pair], strict: bool = False) -> float:
     return float(phi(np.array([p.c_real - p.c_hn for p in e])).mean())
 
 
-def resample_clusters(clusters: Sequence[str], stat: Callable[[np.ndarray], float],
-                      n: int = 1000, seed: int = 42) -> tuple[float, float]:
-    """95% percentile CI of `stat(item indices)`, resampling whole clusters (images)."""
+def resample_clusters_counted(clusters: Sequence[str], stat: Callable[[np.ndarray], float],
+                              n: int = 1000, seed: int = 42) -> tuple[float, float, int]:
+    """95% percentile CI of `stat(item indices)`, resampling whole clusters (images), and
+    the number of resamples whose statistic was NaN (e.g. one class only), which the CI
+    leaves out: a caller reports it rather than trusting a CI of fewer resamples."""
     keys, inv = np.unique(np.asarray(clusters), return_inverse=True)
     members = [np.nonzero(inv == k)[0] for k in range(len(keys))]
     rng = np.random.default_rng(seed)
-    stats = []
-    for _ in range(n):
+    stats, nan = [], 0
+    for _ in range(n if len(keys) else 0):
         idx = np.concatenate([members[k] for k in rng.integers(len(keys), size=len(keys))])
         v = stat(idx)
-        if not np.isnan(v):
+        if np.isnan(v):
+            nan += 1
+        else:
             stats.append(v)
     if not stats:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), nan
     lo, hi = np.percentile(stats, [2.5, 97.5])
-    return float(lo), float(hi)
+    return float(lo), float(hi), nan
+
+
+def resample_clusters(clusters: Sequence[str], stat: Callable[[np.ndarray], float],
+                      n: int = 1000, seed: int = 42) -> tuple[float, float]:
+    """95% percentile CI of `stat(item indices)`, resampling whole clusters (images).
+
+    NaN resamples are left out of the CI, with a warning that counts them
+    (`resample_clusters_counted` returns the count).
+    """
+    lo, hi, nan = resample_clusters_counted(clusters, stat, n, seed)
+    if nan:
+        warnings.warn(f"{nan} of {n} bootstrap resamples gave NaN and are left out of the CI",
+                      RuntimeWarning, stacklevel=2)
+    return lo, hi
 
 
 def cluster_bootstrap(c: np.ndarray, z: np.ndarray, clusters: Sequence[str],

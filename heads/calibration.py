@@ -30,16 +30,50 @@ def fit_temperature(logits: torch.Tensor, z: torch.Tensor, steps: int = 200) -> 
     return float(log_t.detach().exp().clamp(0.05, 100.0))
 
 
-def fit_platt(score: np.ndarray, z: np.ndarray) -> tuple[float, float]:
-    """(a, b) of p = σ(a·s + b), by logistic regression on a validation split."""
-    from sklearn.linear_model import LogisticRegression
+def fit_platt(score: np.ndarray, z: np.ndarray, nonneg: bool = True) -> tuple[float, float]:
+    """(a, b) of p = σ(a·s + b), by logistic regression on a validation split.
 
-    s = np.asarray(score, float).reshape(-1, 1)
-    z = np.asarray(z, int)
-    if z.min() == z.max():
-        return 0.0, float(np.log((z.mean() + EPS) / (1 - z.mean() + EPS)))
-    lr = LogisticRegression(C=1e4, max_iter=1000).fit(s, z)
-    return float(lr.coef_[0, 0]), float(lr.intercept_[0])
+    With `nonneg` (the default) the slope is constrained to a ≥ 0: every statistic is
+    oriented so that higher means more confident, and a negative slope would silently
+    invert it. When the data want a < 0 the fit stops at a = 0 (the base rate, no
+    ranking) and `platt_inverted` says so.
+    """
+    from scipy.optimize import minimize
+
+    s = np.asarray(score, float).ravel()
+    z = np.asarray(z, float).ravel()
+    if len(z) == 0 or z.min() == z.max():
+        rate = z.mean() if len(z) else 0.5
+        return 0.0, float(np.log((rate + EPS) / (1 - rate + EPS)))
+    # centre and scale for the optimiser; mapped back below
+    mu, sd = s.mean(), s.std() if s.std() > 0 else 1.0
+    x = (s - mu) / sd
+
+    def loss(w: np.ndarray) -> tuple[float, np.ndarray]:
+        t = w[0] * x + w[1]
+        # mean BCE with logits, numerically stable; tiny ridge as sklearn's C=1e4
+        val = np.mean(np.logaddexp(0, t) - z * t) + 0.5e-4 * w[0] ** 2 / len(z)
+        g = 1 / (1 + np.exp(-t)) - z
+        return val, np.array([np.mean(g * x) + 1e-4 * w[0] / len(z), np.mean(g)])
+
+    rate = z.mean()
+    w0 = np.array([0.0, np.log(rate / (1 - rate))])
+    bounds = [(0.0, None) if nonneg else (None, None), (None, None)]
+    w = minimize(loss, w0, jac=True, method="L-BFGS-B", bounds=bounds).x
+    a = w[0] / sd
+    return float(a), float(w[1] - a * mu)
+
+
+def platt_inverted(score: np.ndarray, z: np.ndarray) -> bool:
+    """True when an unconstrained Platt fit wants a negative slope: the statistic ranks
+    the wrong way round on this split."""
+    return fit_platt(score, z, nonneg=False)[0] < 0
+
+
+def platt_log(score: np.ndarray, z: np.ndarray, ab: tuple[float, float]) -> dict:
+    """What the card records about a fitted Platt map."""
+    return {"slope": round(ab[0], 6), "intercept": round(ab[1], 6),
+            "inverted": platt_inverted(score, z)}
 
 
 def platt(score: np.ndarray | float, ab: tuple[float, float]) -> np.ndarray:

@@ -48,16 +48,35 @@ def clopper_pearson_upper(errors: int, n: int, delta: float) -> float:
     return float(beta.ppf(1 - delta, errors + 1, n - errors))
 
 
+def min_kept(target_risk: float, level: float) -> int:
+    """k_min = ⌈log(level) / log(1 − r)⌉: the fewest kept items whose Clopper–Pearson bound
+    with zero errors can be ≤ r."""
+    if target_risk <= 0:
+        return 10 ** 12
+    if target_risk >= 1:
+        return 1
+    return max(1, math.ceil(math.log(level) / math.log(1 - target_risk) - 1e-12))
+
+
 def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target_risk: float = 0.05,
                      delta: float = 0.1) -> DeferPolicy:
     c = np.asarray(confidence, float)
     err = 1 - np.asarray(correct, int)
     n = len(c)
     order = np.sort(c)
-    tests = max(1, math.ceil(math.log2(max(n, 2))))
+    # A threshold keeping fewer than k_min items cannot pass even with no error at all
+    # (the bound with 0 errors of k is 1 − level^(1/k)); the search only visits thresholds
+    # that keep at least k_min, so it never walks into the top tail. k_min uses the level
+    # of the full search (smaller level, larger k_min); the search over fewer candidates
+    # then spends fewer tests, each at a larger level, which keeps the union bound.
+    k_min = min_kept(target_risk, delta / max(1, math.ceil(math.log2(max(n, 2)))))
+    m = n - k_min + 1                      # candidate thresholds order[0 .. n - k_min]
+    tests = max(1, math.ceil(math.log2(max(m, 2))))
     level = delta / tests
-    lo, hi = 0, n - 1
+    lo, hi = 0, n - k_min
     best = None
+    if m < 1:
+        tests = 0
     for _ in range(tests):
         mid = math.ceil((lo + hi) / 2)
         tau = float(order[mid])

@@ -13,7 +13,7 @@ KAPPA = 0.1
 # Bump when what `extract` returns changes meaning (names, shapes, definitions): cached
 # readouts carry this version in their key, so old shards are not reused. The cache key
 # also hashes this module's source, which catches edits nobody remembered to version.
-FEATURE_SCHEMA = 2
+FEATURE_SCHEMA = 3   # 3: μ in float64, mean log-prob over the answer span, SAPLMA's state
 
 
 def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA
@@ -45,8 +45,9 @@ def extract(ro: Readout, kappa: float = KAPPA) -> dict[str, torch.Tensor]:
         "h_mid": ro.h_mid.float(),
         # sequence statistics over the answer span (SPEC §7)
         "msp": ans_lp.mean().exp().reshape(1) if len(ans_lp) else torch.zeros(1),
-        "mean_logprob": ro.token_logprobs.mean().reshape(1) if len(ro.token_logprobs)
-        else torch.zeros(1),
+        # over the answer span, like the other sequence scores (SPEC §7)
+        "mean_logprob": ans_lp.mean().reshape(1) if len(ans_lp) else torch.zeros(1),
         "entropy": ans_ent.mean().reshape(1) if len(ans_ent) else torch.zeros(1),
-        "mu": torch.tensor([0.5 if mu is None else mu]),
+        # float64: a stated 9 must stay 0.9 (HCE@0.9, ECE bins)
+        "mu": torch.tensor([0.5 if mu is None else mu], dtype=torch.float64),
     }

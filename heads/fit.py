@@ -4,8 +4,12 @@ artefact."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import warnings
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 
@@ -15,7 +19,7 @@ from heads.defer import choose_threshold
 from heads.dualread import DEFER_METHOD, Heads
 from heads.metrics import METRICS
 from heads.registry import FitData, Method
-from models.data import Item
+from models.data import Item, normalise_question
 
 console = Console(stderr=True)
 SPLITS = {"reader": 0.6, "temperature": 0.8, "defer": 1.0}   # cumulative shares of images
@@ -92,6 +96,9 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
     held = {}
     for name, c in scores.items():
         held[name] = {m: round(fn(c, z[df].numpy()), 4) for m, fn in METRICS.items()}
+        held[name]["bce"] = round(bce(c, z[df].numpy()), 5)
+    reader_rate = float(z[splits["reader"]].float().mean())
+    prior = prior_check(scores, z[df].numpy(), reader_rate)
     info = {
         "splits": {"reader": len(splits["reader"]), "reader_train": len(splits["reader_train"]),
                    "reader_val": len(splits["reader_val"]),
@@ -100,12 +107,104 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         "accuracy": round(float(z.mean()), 4),
         "fit_log": log,
         "defer_split_metrics": held,
+        "prior_check": prior,
+        # the question-only baseline of `evaluate`: accuracy of each normalised question
+        # form on the fitting data
+        "question_prior": question_prior(items, z.numpy()),
         "seconds": dict(col.seconds),
     }
     console.log(f"fitted heads: AUROC on defer split {held[DEFER_METHOD]['auroc']}, "
                 f"ECE-15 {held[DEFER_METHOD]['ece']}, tau {heads.policy.tau:.3f}, "
                 f"coverage {heads.policy.coverage:.3f}")
     return heads, info
+
+
+def bce(c: np.ndarray, z: np.ndarray) -> float:
+    c = np.clip(np.asarray(c, float), 1e-6, 1 - 1e-6)
+    z = np.asarray(z, float)
+    return float(-np.mean(z * np.log(c) + (1 - z) * np.log(1 - c)))
+
+
+def prior_check(scores: dict[str, np.ndarray], z: np.ndarray, rate: float) -> dict:
+    """BCE of each method that trains a reader, on the defer split (images no reader or
+    temperature saw), against predicting the reader split's base rate there."""
+    from heads.modules import prior_bce
+
+    base = prior_bce(rate, float(np.mean(z)))
+    out = {"prior_rate": round(rate, 5), "prior_bce": round(base, 5), "worse": []}
+    for m in registry.registered():
+        if m.readers and m.name in scores:
+            b = bce(scores[m.name], z)
+            out[m.name] = round(b, 5)
+            if not b < base:
+                out["worse"].append(m.name)
+    return out
+
+
+class WorseThanPrior(ValueError):
+    """A fitted reader predicts held-out correctness worse than the base rate does."""
+
+
+def refuse_worse_than_prior(info: dict) -> None:
+    """`fit-heads` ships no reader whose held-out BCE is not below the prior's."""
+    pc = info["prior_check"]
+    if pc["worse"]:
+        rows = ", ".join(f"{m} {pc[m]:.4f}" for m in pc["worse"])
+        raise WorseThanPrior(
+            f"refusing to ship: on the defer-calibration images these readers are no better "
+            f"than predicting the base rate {pc['prior_rate']:.3f} (BCE {pc['prior_bce']:.4f}):"
+            f" {rows}. Give more fitting data or check the fitting.")
+
+
+def question_prior(items: list[Item], z: np.ndarray) -> dict[str, list[int]]:
+    """[correct, total] per normalised question on the fitting data."""
+    right, total = Counter(), Counter()
+    for it, ok in zip(items, z):
+        q = normalise_question(it.question)
+        total[q] += 1
+        right[q] += int(ok)
+    return {q: [right[q], total[q]] for q in sorted(total)}
+
+
+def question_only(table: dict[str, list[int]], questions: list[str]) -> np.ndarray:
+    """The question-only confidence: Laplace-smoothed accuracy of the question's normalised
+    form on the fitting data; the overall accuracy for a form never seen."""
+    k = sum(v[0] for v in table.values())
+    n = sum(v[1] for v in table.values())
+    overall = (k + 1) / (n + 2)
+    out = []
+    for q in questions:
+        r = table.get(normalise_question(q))
+        out.append((r[0] + 1) / (r[1] + 2) if r else overall)
+    return np.asarray(out, float)
+
+
+def git_describe(cwd: str | Path | None = None) -> dict:
+    """`git describe --always --dirty` of the tree the code runs from, and whether it is
+    dirty (a card naming a commit must be reproducible from that commit)."""
+    cwd = Path(cwd) if cwd else Path(__file__).parent
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, cwd=cwd, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return {"describe": "unknown", "dirty": None}
+    return {"describe": out, "dirty": out.endswith("-dirty")}
+
+
+class DirtyTree(RuntimeError):
+    """Heads would be fitted from uncommitted code."""
+
+
+def check_tree(allow_dirty: bool = False, cwd: str | Path | None = None) -> dict:
+    """The tree's description; refuses a dirty tree unless allowed (then warns)."""
+    g = git_describe(cwd)
+    if g["dirty"]:
+        msg = (f"the working tree is dirty ({g['describe']}): the card could not name the code "
+               "that fitted it")
+        if not allow_dirty:
+            raise DirtyTree(msg + "; commit first, or pass --allow-dirty")
+        warnings.warn(msg, stacklevel=2)
+    return g
 
 
 def summary_table(held: dict) -> str:

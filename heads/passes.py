@@ -30,8 +30,12 @@ if TYPE_CHECKING:
 
 K_SAMPLES = 8
 SC_KS = (2, 4, 8)
-PTRUE_PROMPT = ("{question}\nProposed answer: {answer}\n"
-                "Is the proposed answer correct? Answer yes or no.")
+# Kadavath et al. (2022)'s template, appended after the actor's own full response (the
+# proposed answer is the one it just gave), read at the token after "(": "A" = True.
+PTRUE_PROMPT = ("\n\nQuestion: {question}\nProposed Answer: {answer}\n"
+                "Is the proposed answer:\n (A) True\n (B) False\nThe proposed answer is: (")
+PTRUE_YES = ("A", " A", "True", " True")
+PTRUE_NO = ("B", " B", "False", " False")
 
 PassFn = Callable[["Collector", "list[Item]", dict], dict[str, torch.Tensor]]
 
@@ -61,22 +65,47 @@ def source_hash(*objs: object) -> str:
 
 
 # ---------------------------------------------------------------- the statistics
-def ptrue_probs(actor, images, questions, answers) -> np.ndarray:
-    """P(Yes) / (P(Yes) + P(No)) for the first token after a yes/no follow-up prompt."""
-    qs = [PTRUE_PROMPT.format(question=q, answer=a) for q, a in zip(questions, answers)]
-    probs = actor.next_token_probs(images, qs)
-    tok = actor.tokenizer
+def ptrue_text(response: str, question: str, answer: str) -> str:
+    """What the P(True) pass feeds after the prompt: the full response, then the template."""
+    return response + PTRUE_PROMPT.format(question=question, answer=answer)
 
-    def ids(words):
+
+def answer_token_sets(tokenizer) -> tuple[list[int], list[int]]:
+    """First-token ids of the True and False spellings, made disjoint: a token both sets
+    reach (a bare space that starts " A" and " B") says nothing and is dropped."""
+    def first(words):
         out = set()
         for w in words:
-            enc = tok.encode(w, add_special_tokens=False)
+            enc = tokenizer.encode(w, add_special_tokens=False)
             if enc:
                 out.add(enc[0])
-        return sorted(out)
-    yes, no = ids(["yes", "Yes", " yes", " Yes"]), ids(["no", "No", " no", " No"])
+        return out
+    yes, no = first(PTRUE_YES), first(PTRUE_NO)
+    return sorted(yes - no), sorted(no - yes)
+
+
+def ptrue_from_probs(probs: torch.Tensor, yes: list[int], no: list[int]) -> np.ndarray:
+    """P(True) / (P(True) + P(False)) from next-token distributions [B, V]."""
     py, pn = probs[:, yes].sum(-1), probs[:, no].sum(-1)
-    return (py / (py + pn).clamp_min(1e-12)).numpy()
+    return (py / (py + pn).clamp_min(1e-12)).double().numpy()
+
+
+@torch.no_grad()
+def continuation_probs(actor, images, questions, continuations: list[str]) -> torch.Tensor:
+    """Next-token distribution after prompt + each continuation (teacher-forced), [B, V]."""
+    ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in continuations]
+    batch = actor.encode(images, questions, ids)
+    last, _ = actor.forward_states(batch)
+    at = torch.tensor([batch.prompt_len + len(r) - 1 for r in ids], device=last.device)
+    h = last[torch.arange(len(ids), device=last.device), at]
+    return torch.softmax(actor._logits(h), -1).cpu()
+
+
+def ptrue_probs(actor, images, questions, responses, answers) -> np.ndarray:
+    """P(True) read after the actor's own full response and the follow-up template."""
+    texts = [ptrue_text(r, q, a) for r, q, a in zip(responses, questions, answers)]
+    return ptrue_from_probs(continuation_probs(actor, images, questions, texts),
+                            *answer_token_sets(actor.tokenizer))
 
 
 def agreement(greedy: str, samples: list[str]) -> float:
@@ -101,10 +130,10 @@ def run_black_image(col: Collector, items: list[Item], meta: dict) -> dict[str, 
 
 
 def run_follow_up(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
-    """The P(True) follow-up prompt: one pass on image, question and proposed answer;
-    `ptrue` is the normalised first-token P(Yes)."""
+    """The P(True) follow-up: one teacher-forced pass on image, question, the actor's full
+    response and the template; `ptrue` is the normalised P(True) at the next token."""
     p = ptrue_probs(col.actor, [it.image() for it in items], [it.question for it in items],
-                    meta["answers"])
+                    meta["responses"], meta["answers"])
     return {"ptrue": torch.tensor(p)}
 
 
@@ -154,6 +183,8 @@ def resolve(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 register_pass(Pass("black_image", run_black_image, helpers=(black_image,)))
-register_pass(Pass("follow_up", run_follow_up, helpers=(ptrue_probs, PTRUE_PROMPT)))
+register_pass(Pass("follow_up", run_follow_up, version=2,
+                   helpers=(ptrue_probs, ptrue_text, answer_token_sets, ptrue_from_probs,
+                            continuation_probs, PTRUE_PROMPT, PTRUE_YES, PTRUE_NO)))
 register_pass(Pass("samples", run_samples,
                    helpers=(agreement, semantic_entropy, canon_module, K_SAMPLES, SC_KS)))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,11 +17,16 @@ from models.canon import canon
 from models.families import Family, decode_position_ids, position_ids
 from models.masking import MaskSpec, attention_mask_4d, masked_token_indices
 from models.parse import parse_response
-from models.readout import Readout, Response, locate, token_spans
+from models.readout import Readout, Response, StateTap, locate, token_spans
 
 ReadoutMode = Literal["capture", "replay", "none"]
 CONFIDENCE_CUE = "<confidence>"
 SAPLMA_DEPTH = 0.625
+
+
+def saplma_layer(num_layers: int) -> int:
+    """Index into `hidden_states` at SAPLMA_DEPTH of the model, rounded half up."""
+    return min(num_layers, max(1, math.floor(SAPLMA_DEPTH * num_layers + 0.5)))
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,9 @@ class Actor:
         self.image_token_id = int(cfg.image_token_id)
         text_cfg = cfg.get_text_config()
         self.num_layers = int(text_cfg.num_hidden_layers)
-        self.mid_layer = max(1, round(SAPLMA_DEPTH * self.num_layers))
+        # 0.625 of depth, rounded half up: Python's round(2.5) is 2, which on a 4-layer
+        # model reads half depth instead of the layer SAPLMA asks for.
+        self.mid_layer = saplma_layer(self.num_layers)
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.hidden_size = int(text_cfg.hidden_size)
         eos = model.generation_config.eos_token_id
@@ -197,12 +206,11 @@ class Actor:
         then `pos` must be the explicit position ids.
         """
         kwargs = self._vision_kwargs(batch)
-        out = self.model(input_ids=batch.input_ids,
-                         attention_mask=batch.attention_mask if attn is None else attn,
-                         position_ids=pos, output_hidden_states=True, use_cache=False,
-                         logits_to_keep=1, **kwargs)
-        hs = out.hidden_states
-        return hs[-1].float(), hs[self.mid_layer].float()
+        with StateTap(self.model, self.mid_layer) as tap:
+            self.model(input_ids=batch.input_ids,
+                       attention_mask=batch.attention_mask if attn is None else attn,
+                       position_ids=pos, use_cache=False, logits_to_keep=1, **kwargs)
+        return tap.states["last"][0].float(), tap.states["mid"][0].float()
 
     # ---------------------------------------------------------------- readout assembly
     def _response(self, ids: list[int], last: torch.Tensor, mid: torch.Tensor | None,
@@ -224,6 +232,9 @@ class Actor:
         t_prompt = lp - 1
         close_pos = lp + t_close if t_close >= 0 else t_prompt
         ans_pos = [lp + k for k in answer_idx] or [close_pos]
+        # SAPLMA reads the last token of the completion (the EOS is never fed back, so
+        # the last body token; t_prompt for an empty one), not t_close.
+        last_pos = lp + len(body) - 1 if body else t_prompt
         img_pos = (input_ids[:lp] == self.image_token_id).nonzero().flatten()
         n = len(ids)
         logits = self._logits(last[lp - 1: lp - 1 + n])
@@ -235,7 +246,7 @@ class Actor:
         ro = Readout(
             h_pre=last[t_prompt].cpu(), h_close=last[close_pos].cpu(),
             h_answer=last[ans_pos].cpu(), h_image=last[img_pos].cpu(),
-            h_mid=mid[close_pos].cpu() if mid is not None else last[close_pos].cpu(),
+            h_mid=(mid if mid is not None else last)[last_pos].cpu(),
             token_logprobs=tok_lp.cpu(), token_entropy=ent.cpu(),
             answer_index=torch.tensor(answer_idx, dtype=torch.long),
             digit_probs=digits,
@@ -285,12 +296,14 @@ class Actor:
         batch = self.encode(images, questions)
         kwargs = self._vision_kwargs(batch)
         stop = DeadlineCriteria(deadlines) if deadlines is not None else None
-        out = self.model.generate(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids), output_hidden_states=readout == "capture",
-            return_dict_in_generate=True, top_p=None, top_k=None, temperature=None,
-            stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
+        tap = StateTap(self.model, self.mid_layer)
+        with tap if readout == "capture" else nullcontext():
+            out = self.model.generate(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, top_p=None,
+                top_k=None, temperature=None,
+                stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
         # a row stopped at its deadline is padded afterwards: cut the padding off
@@ -306,7 +319,7 @@ class Actor:
             res = [self._response(r, last[b], mid[b], full.input_ids[b], lp)
                    for b, r in enumerate(resp_ids)]
         else:
-            last, mid = self._captured(out, batch, gen, resp_ids)
+            last, mid = self._captured(out, batch, gen, resp_ids, tap)
             res = [self._response(r, last[b], mid[b], out.sequences[b], lp)
                    for b, r in enumerate(resp_ids)]
         return Answers(res, StageTimings(t1 - t0, time.perf_counter() - t1))
@@ -316,28 +329,24 @@ class Actor:
         eos_at = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
         return ids[: eos_at + 1] if eos_at is not None else ids
 
-    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """States over [prompt ; generated] from generate's own hidden states.
+    def _captured(self, out, batch: Batch, gen: torch.Tensor, resp_ids: list[list[int]],
+                  tap: StateTap) -> tuple[torch.Tensor, torch.Tensor]:
+        """States over [prompt ; generated], as `tap` kept them during `generate`.
 
-        Step 0 holds the prompt; step k holds the token fed at step k, i.e. generated
-        token k-1. The last generated token is never fed back, so when an item needs it
-        (truncated without EOS) one more cached decode step supplies its state.
+        Forward 0 (prefill) holds the prompt; forward k holds the token fed at step k,
+        i.e. generated token k-1. The last generated token is never fed back, so when an
+        item needs it (truncated without EOS) one more cached decode step supplies its state.
         """
-        hs = out.hidden_states
-        last = [hs[0][-1]] + [s[-1] for s in hs[1:]]
-        mid = [hs[0][self.mid_layer]] + [s[self.mid_layer] for s in hs[1:]]
         n = gen.shape[1]
         if any(len(r) == n and r[-1] not in self.eos_ids for r in resp_ids):
             mask = torch.cat([batch.attention_mask,
                               torch.ones_like(gen, dtype=batch.attention_mask.dtype)], 1)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            step = self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
-                              position_ids=decode_position_ids(self.model, self.family, mask),
-                              output_hidden_states=True, use_cache=True, logits_to_keep=1)
-            last.append(step.hidden_states[-1])
-            mid.append(step.hidden_states[self.mid_layer])
-        return torch.cat(last, 1).float(), torch.cat(mid, 1).float()
+            with tap:
+                self.model(input_ids=gen[:, -1:], attention_mask=mask, cache=cache,
+                           position_ids=decode_position_ids(self.model, self.family, mask),
+                           use_cache=True, logits_to_keep=1)
+        return torch.cat(tap.states["last"], 1).float(), torch.cat(tap.states["mid"], 1).float()
 
     @torch.no_grad()
     def score(self, images: Sequence[Image.Image], questions: Sequence[str],

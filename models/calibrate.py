@@ -22,7 +22,7 @@ from rich.progress import Progress
 from models.canon import is_correct
 from models.data import Item
 from models.evaluate import run_items, summarise
-from models.train import grpo, reward_brier, split_train
+from models.train import grpo, reward_correct, split_train
 
 MU_BINS = tuple(round(0.1 * k, 1) for k in range(11))
 
@@ -101,13 +101,18 @@ def confidence_report(actor, items: list[Item], batch: int = 64) -> dict:
 
 
 def split_credit_trainer(brier_weight: float):
-    """A GRPOTrainer whose confidence digit is credited with the Brier term alone.
+    """A GRPOTrainer that credits the confidence digit with the Brier term alone, in
+    expectation over the 11 levels.
 
-    Plain GRPO sums correctness and Brier into one advantage for every token, so the
-    Brier differences of all-correct groups (most groups here) reach the answer tokens as
-    noise, and the digit's credit is drowned by correctness. Here every token but the
-    digit gets the correctness + format advantage, and the digit gets W times the
-    group-centred Brier reward (RLCR's calibration term, credited where it is decided).
+    Plain GRPO sums correctness and Brier into one advantage for every token. Measured
+    consequences (see the README): the Brier differences of all-correct groups (most
+    groups) reach the answer tokens as noise, the digit of a wrong answer is pushed down
+    whatever its value (the group baseline blames it for the answer), and the digit
+    collapses to one level for every input. Here the answer tokens keep the correctness
+    + format advantage, the digit's policy-gradient term is dropped, and the loss adds
+    W · E_{c~p}[(c/10 − z)²] at the digit position of every sampled trajectory, z its
+    correctness: the exact gradient of RLCR's expected Brier reward for the one-step
+    digit action, where a sampled digit gives one noisy draw of it.
     """
     from trl import GRPOTrainer
 
@@ -118,15 +123,41 @@ def split_credit_trainer(brier_weight: float):
             tok = self.processing_class.tokenizer
             texts = [tok.decode(r[m.bool()], skip_special_tokens=True)
                      for r, m in zip(ids, mask)]
-            brier = torch.tensor(reward_brier(texts, [x["answer"] for x in inputs]))
-            g = self.num_generations
-            centred = (brier.view(-1, g) - brier.view(-1, g).mean(1, keepdim=True)).flatten()
-            adv = out["advantages"][:, None].repeat(1, ids.shape[1])
+            z = torch.tensor(reward_correct(texts, [x["answer"] for x in inputs]))
             digit = digit_positions(tok, ids, mask)
-            rows = torch.arange(len(digit))[digit >= 0]
-            adv[rows, digit[rows]] = brier_weight * centred[rows].to(adv)
-            out["advantages"] = adv
+            adv = out["advantages"][:, None].repeat(1, ids.shape[1])
+            rows = (digit >= 0).nonzero().flatten()
+            adv[rows, digit[rows]] = 0.0
+            out.update(advantages=adv, digit_pos=digit, digit_z=z)
             return out
+
+        def _compute_loss(self, model, inputs):
+            states = []
+            norm = model.model.language_model.norm
+            hook = norm.register_forward_hook(lambda m, a, o: states.append(o))
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                hook.remove()
+            pos, z = inputs["digit_pos"], inputs["digit_z"]
+            rows = (pos >= 0).nonzero().flatten()
+            if not len(rows) or not states:
+                return loss
+            h = torch.cat(states)          # final-layer states over [prompt ; completion]
+            at = inputs["prompt_ids"].shape[1] + pos[rows] - 1   # predicts the digit
+            tok = self.processing_class.tokenizer
+            digit_ids = [tok.convert_tokens_to_ids(str(c)) for c in range(11)]
+            w = model.get_output_embeddings().weight[digit_ids]
+            p = torch.softmax(h[rows, at] @ w.T, -1)              # P(C=c), renormalised
+            levels = torch.arange(11, dtype=p.dtype, device=p.device) / 10
+            brier = (p * (levels[None] - z[rows, None].to(p)) ** 2).sum(-1)
+            self._metrics["train"]["calib/expected_brier"].append(float(brier.detach().mean()))
+            mu = (p * levels).sum(-1).detach()
+            for v, name in ((1.0, "right"), (0.0, "wrong")):
+                sel = z[rows] == v
+                if sel.any():
+                    self._metrics["train"][f"calib/mu_{name}"].append(float(mu[sel].mean()))
+            return loss + brier_weight * brier.mean()
 
     return SplitCreditGRPO
 

@@ -17,16 +17,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EMBEDDED_ACTOR = Path(__file__).parent / "embedded" / "actor"
 
 
+# Files besides the weights that every state depends on: how text becomes ids (tokenizer,
+# chat template), how images become patches (processor), how decoding stops.
+BEHAVIOUR_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json", "processor_config.json", "preprocessor_config.json",
+                   "video_preprocessor_config.json")
+
+
+def system_prompt_of(folder: str | Path) -> str | None:
+    card = Path(folder) / "actor_card.json"
+    return json.loads(card.read_text()).get("system_prompt") if card.exists() else None
+
+
 def fingerprint(folder: str | Path) -> str:
-    """A cheap identity of an actor's weights: config + safetensors headers + edge bytes.
+    """A cheap identity of an actor: weights, tokenizer, chat template, processor config
+    and system prompt (every state the heads read depends on all of them).
 
     Hashing every byte of a multi-GB checkpoint on each start would cost seconds; the
     header (names, shapes, offsets) plus the first and last MiB of each shard change
-    whenever the weights do in practice.
+    whenever the weights do in practice. The small files are hashed whole, by name.
     """
     folder = Path(folder)
     h = hashlib.sha256()
-    h.update((folder / "config.json").read_bytes())
+    for name in BEHAVIOUR_FILES:
+        f = folder / name
+        if f.exists():
+            h.update(f"<{name}>".encode())
+            h.update(f.read_bytes())
+    h.update(f"<system>{system_prompt_of(folder)!r}".encode())
     for f in sorted(folder.glob("*.safetensors")):
         with open(f, "rb") as fh:
             n = struct.unpack("<Q", fh.read(8))[0]
@@ -57,6 +77,5 @@ def load_actor(folder: str | Path | None = None, device: str = "cpu",
     model = AutoModelForImageTextToText.from_pretrained(folder, **kwargs).to(device).eval()
     model.requires_grad_(False)
     processor = load_processor(str(folder), model_type)
-    card = folder / "actor_card.json"
-    system = json.loads(card.read_text()).get("system_prompt") if card.exists() else None
+    system = system_prompt_of(folder)
     return Actor(model, processor, family, str(folder), fingerprint(folder), system)

@@ -6,6 +6,7 @@ every confidence method is a cheap function of it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -13,6 +14,40 @@ import torch
 from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from models.parse import Parsed
+
+
+class StateTap:
+    """Keeps, for every forward run while entered (calling thread only), the output of
+    the decoder's final norm and of decoder layer `mid_layer - 1`.
+
+    These are `hidden_states[-1]` and `hidden_states[mid_layer]` of `output_hidden_states`,
+    which is not used: the first such call installs a hook on every decoder layer that
+    then stays for every later forward, and plain generation in the same process pays
+    for it (measured ~2% on the embedded actor). These two hooks exist only while entered.
+    Re-entering keeps appending.
+    """
+
+    def __init__(self, model, mid_layer: int) -> None:
+        decoder = model.get_decoder()
+        self.modules = {"last": decoder.norm, "mid": decoder.layers[mid_layer - 1]}
+        self.states: dict[str, list[torch.Tensor]] = {"last": [], "mid": []}
+        self.handles: list = []
+        self.thread = threading.get_ident()
+
+    def _keep(self, key: str):
+        def hook(module, args, output) -> None:
+            if threading.get_ident() == self.thread:
+                self.states[key].append(output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    def __enter__(self) -> StateTap:
+        self.handles = [m.register_forward_hook(self._keep(k)) for k, m in self.modules.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 @dataclass
@@ -54,7 +89,9 @@ class Readout:
 
 
 def mu_from_digit_probs(probs: torch.Tensor) -> torch.Tensor:
-    """Expected verbalized confidence from P(C=0..10) (renormalised here too)."""
+    """Expected verbalized confidence from P(C=0..10) (renormalised here too), in float64:
+    in float32 a stated 9 is 0.8999999, below HCE@0.9 and one ECE-10 bin down."""
+    probs = probs.double()
     p = probs / probs.sum(-1, keepdim=True)
     return (p * torch.arange(11, dtype=p.dtype, device=p.device) / 10).sum(-1)
 

@@ -143,3 +143,51 @@ def test_token_spans_embedded_tokenizer_on_random_ids():
     for _ in range(300):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
         assert token_spans(tok, ids) == _prefix_spans(tok, ids), ids
+
+
+def test_http_bench_against_real_servers(actor_dirs, actors, tmp_path):
+    """Both `dualread serve` processes start, answer every request, and are stopped."""
+    from clients.bench import http_bench
+    from models.bench.run import request_bodies
+    from tests.conftest import QUESTIONS, random_image
+
+    heads_dir = random_heads(tmp_path / "heads", actors["qwen3_vl"])
+    bodies = request_bodies([(random_image(i), QUESTIONS[i]) for i in range(4)], 4)
+    calls = {"b1": 0, "b8": 0}
+
+    def b1(i: int) -> float:
+        calls["b1"] += 1
+        return 0.01
+
+    def b8() -> tuple[int, float]:
+        calls["b8"] += 1
+        return 16, 0.5
+
+    flags = {"actor": actor_dirs["qwen3_vl"], "heads": heads_dir, "max_new_tokens": 4}
+    res = http_bench(bodies, flags, {1: 3, 4: 4, 16: 16}, threads=1, in_process_b1=b1,
+                     in_process_b8=b8)
+    assert res.keys() == {"c1", "c4", "c16"}
+    for c, n in (("c1", 3), ("c4", 4), ("c16", 16)):
+        for label in ("batching", "no_batching"):
+            s = res[c][label]
+            assert s["requests"] == n and s["errors"] == 0, (c, label, s)
+            assert s["rps"] > 0 and s["p50_ms"] <= s["p99_ms"]
+    # one in-process call per one-client step, one batch-8 pass per 16-client round
+    assert calls == {"b1": 3, "b8": 2}
+    assert res["c1"]["in_process_b1_ms"] == pytest.approx(10.0)
+    assert res["c16"]["in_process_b8_rps"] == pytest.approx(32.0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])
+def test_state_tap_equals_output_hidden_states(actors, images, family):
+    """The capture path reads states through two hooks instead of `output_hidden_states`;
+    they must be the very states the model reports itself (final layer and mid layer)."""
+    from tests.conftest import QUESTIONS
+
+    actor = actors[family]
+    batch = actor.encode(images[:3], QUESTIONS[:3])
+    last, mid = actor.forward_states(batch)
+    out = actor.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      output_hidden_states=True, use_cache=False, **actor._vision_kwargs(batch))
+    torch.testing.assert_close(last, out.hidden_states[-1].float(), rtol=0, atol=0)
+    torch.testing.assert_close(mid, out.hidden_states[actor.mid_layer].float(), rtol=0, atol=0)

@@ -81,7 +81,7 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
                                    "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
-                                   "--cache", str(tmp_path / "cache")])
+                                   "--cache", str(tmp_path / "cache"), "--allow-dirty"])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())

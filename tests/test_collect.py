@@ -11,49 +11,49 @@ import pytest
 import torch
 from PIL import Image
 
-from heads.collect import Collector, agreement, ptrue_probs, semantic_entropy
+from heads.collect import Collector
+from heads.passes import (
+    agreement,
+    answer_token_sets,
+    ptrue_from_probs,
+    ptrue_text,
+    semantic_entropy,
+)
 from models.data import Item
 from models.parse import parse_response
 from models.readout import Readout, Response
 
 DIM = 8
+SHIFT = 1.2
 
 
 # ------------------------------------------------------------------ P(True)
 class _Tok:
-    """First token of each yes/no variant; ' yes' shares its first id with 'yes'."""
+    """First tokens of the True/False spellings; " A" and " B" both start with a bare
+    space (id 9), which therefore tells nothing."""
 
-    table = {"yes": [5], "Yes": [6], " yes": [5, 9], " Yes": [7],
-             "no": [8], "No": [8], " no": [], " No": [10]}
+    table = {"A": [5], " A": [9, 5], "True": [6], " True": [7],
+             "B": [8], " B": [9, 8], "False": [10], " False": []}
 
     def encode(self, word, add_special_tokens=False):
         return list(self.table[word])
 
 
-class _ProbActor:
-    tokenizer = _Tok()
-
-    def __init__(self, probs: torch.Tensor) -> None:
-        self.probs = probs
-        self.seen: list[str] = []
-
-    def next_token_probs(self, images, questions):
-        self.seen = list(questions)
-        return self.probs
-
-
-def test_ptrue_normalises_yes_against_no():
+def test_ptrue_token_sets_and_normalisation():
+    yes, no = answer_token_sets(_Tok())
+    assert (yes, no) == ([5, 6, 7], [8, 10])
     probs = torch.zeros(2, 12)
     probs[0, [5, 6, 7, 8, 10, 9]] = torch.tensor([0.10, 0.05, 0.05, 0.15, 0.05, 0.6])
     probs[1, [5, 8]] = torch.tensor([0.02, 0.18])
-    act = _ProbActor(probs)
-    p = ptrue_probs(act, [None, None], ["q1", "q2"], ["red", "no"])
-    # row 0: yes ids {5, 6, 7} = .20, no ids {8, 10} = .20 -> .5; id 9 (2nd token) ignored
+    # row 0: True ids {5, 6, 7} = .20, False ids {8, 10} = .20 -> .5; the space (9) ignored
     # row 1: .02 / (.02 + .18)
-    np.testing.assert_allclose(p, [0.5, 0.1], rtol=1e-6)
-    assert act.seen[0] == ("q1\nProposed answer: red\n"
-                           "Is the proposed answer correct? Answer yes or no.")
-    assert act.seen[1].startswith("q2\nProposed answer: no\n")
+    np.testing.assert_allclose(ptrue_from_probs(probs, yes, no), [0.5, 0.1], rtol=1e-6)
+
+
+def test_ptrue_text_follows_the_response():
+    assert ptrue_text("<answer>red</answer>", "what color?", "red") == (
+        "<answer>red</answer>\n\nQuestion: what color?\nProposed Answer: red\n"
+        "Is the proposed answer:\n (A) True\n (B) False\nThe proposed answer is: (")
 
 
 # ------------------------------------------------------------------ SC@K and semantic entropy
@@ -75,8 +75,12 @@ def test_semantic_entropy_on_constructed_clusters():
 
 
 # ------------------------------------------------------------------ the cache
-class _StandIn:
-    """Answers "red" for a red image; every readout is a function of (image, question)."""
+class StandIn:
+    """Answers "red" for a red image; every readout is a function of (image, question).
+
+    The states of a red image are shifted by SHIFT on their first three coordinates, so
+    they carry the label as a real readout would.
+    """
 
     def __init__(self, fingerprint: str = "fp-1") -> None:
         self.fingerprint = fingerprint
@@ -92,9 +96,13 @@ class _StandIn:
         parsed = parse_response(text)
         seed = int(np.asarray(img).sum()) * 31 + sum(map(ord, question + text))
         g = torch.Generator().manual_seed(seed % (2 ** 31))
-        ro = Readout(h_pre=torch.randn(DIM, generator=g), h_close=torch.randn(DIM, generator=g),
-                     h_answer=torch.randn(2, DIM, generator=g),
-                     h_image=torch.randn(3, DIM, generator=g), h_mid=torch.randn(DIM, generator=g),
+        shift = torch.zeros(DIM)
+        shift[:3] = SHIFT * float(np.asarray(img)[..., 0].mean() > 127)
+
+        def h(*shape):
+            return torch.randn(*shape, DIM, generator=g) + shift
+
+        ro = Readout(h_pre=h(), h_close=h(), h_answer=h(2), h_image=h(3), h_mid=h(),
                      token_logprobs=-torch.rand(4, generator=g),
                      token_entropy=torch.rand(4, generator=g),
                      answer_index=torch.tensor([1, 2]), digit_probs=None)
@@ -103,7 +111,8 @@ class _StandIn:
 
     @staticmethod
     def _text(img) -> str:
-        return "<answer>red</answer>" if np.asarray(img)[..., 0].mean() > 127 else "<answer>blue</answer>"
+        red = np.asarray(img)[..., 0].mean() > 127
+        return "<answer>red</answer>" if red else "<answer>blue</answer>"
 
     def answer(self, images, questions, max_new_tokens=64, readout="capture"):
         self._tick()
@@ -135,7 +144,7 @@ EXTRAS = ("bicr", "samples")
 
 
 def test_cache_hit_returns_identical_features_without_running_the_actor(items, tmp_path):
-    actor = _StandIn()
+    actor = StandIn()
     cache = tmp_path / "cache"
     first, meta1 = Collector(actor, cache, max_new_tokens=6, batch=4).run(items, EXTRAS)
     assert actor.calls == 3 * 3                     # 3 chunks x (base, bicr, samples)
@@ -154,17 +163,17 @@ def test_cache_hit_returns_identical_features_without_running_the_actor(items, t
 
 def test_cache_is_keyed_by_actor_and_generation_length(items, tmp_path):
     cache = tmp_path / "cache"
-    Collector(_StandIn("fp-1"), cache, max_new_tokens=6, batch=4).run(items)
-    other = _StandIn("fp-2")
+    Collector(StandIn("fp-1"), cache, max_new_tokens=6, batch=4).run(items)
+    other = StandIn("fp-2")
     Collector(other, cache, max_new_tokens=6, batch=4).run(items)
     assert other.calls == 3                          # another actor never reads fp-1's shards
-    longer = _StandIn("fp-1")
+    longer = StandIn("fp-1")
     Collector(longer, cache, max_new_tokens=7, batch=4).run(items)
     assert longer.calls == 3
 
 
 def test_no_cache_dir_always_computes(items):
-    actor = _StandIn()
+    actor = StandIn()
     a, _ = Collector(actor, None, batch=4).run(items)
     b, _ = Collector(actor, None, batch=4).run(items)
     assert actor.calls == 6

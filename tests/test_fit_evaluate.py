@@ -16,19 +16,21 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def dataset(actors, tmp_path_factory):
-    """Two questions per image: the reference is the actor's own answer for one and a
-    wrong one for the other, so every split holds both classes."""
+    """Two questions per image: the reference is the actor's own answer for the first and
+    a wrong one for the second. Every split holds both classes, and the label is a
+    function of the question, which the readout carries, so fitted heads can learn it."""
     actor = actors["gemma3"]
     root = tmp_path_factory.mktemp("ds")
     qs = ["what color is the shape?", "is there a red circle?"]
-    rows = []
-    for i in range(60):
-        img = random_image(100 + i, 32, 32)
+    imgs = [random_image(100 + i, 32, 32) for i in range(60)]
+    for i, img in enumerate(imgs):
         img.save(root / f"{i}.png")
-        res = actor.answer([img, img], qs, MAX_NEW, readout="none")
-        for j, (q, r) in enumerate(zip(qs, res)):
-            ans = r.answer if (i + j) % 2 == 0 else "definitely wrong"
-            rows.append({"id": f"{i}-{j}", "image": f"{i}.png", "question": q, "answer": ans})
+    pairs = [(i, j) for i in range(60) for j in range(2)]
+    res = actor.answer([imgs[i] for i, _ in pairs], [qs[j] for _, j in pairs], MAX_NEW,
+                       readout="none")
+    rows = [{"id": f"{i}-{j}", "image": f"{i}.png", "question": qs[j],
+             "answer": r.answer if j == 0 else "definitely wrong"}
+            for (i, j), r in zip(pairs, res)]
     (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return f"jsonl:{root / 'd.jsonl'}"
 
@@ -62,6 +64,9 @@ def test_fit_save_load_and_evaluate(actors, dataset, tmp_path):
                       max_new_tokens=MAX_NEW)
     d = report["datasets"][dataset]
     assert d["n"] == 120 and set(d["methods"]) == set(METHODS)
+    # the question decides correctness: heads that learnt it rank right answers first
+    for m in ("dualread", "psr", "per", "p_state"):
+        assert d["methods"][m]["auroc"] >= 0.9, (m, d["methods"][m]["auroc"])
     for m, row in d["methods"].items():
         assert {"auroc", "ece", "ece10", "brier", "aurc", "n"} <= set(row), m
         assert 0 <= row["ece"] <= 1 and 0 <= row["brier"] <= 1

@@ -3,11 +3,11 @@
 The reference answer is the actor's own answer for two of four questions and a wrong one
 for the other two, each flipped with probability 0.1, so P(correct) is a known function of
 the question (0.9 or 0.1), which the prompt states (h_pre) and every later state attends
-to. The flips keep the confidences off 0 and 1, so τ is not a tie. (A label carried by image brightness is
-not learnable here: the tiny random Gemma 3 tower normalises it away.) Fitted heads must
-beat the prior by a stated margin on fresh images, τ must be the Clopper–Pearson
-threshold of the served confidences on the defer split, and the served `defer` must flip
-across τ.
+to. The flips keep the confidences off 0 and 1, so τ is not a tie. (A label carried by
+image brightness was tried first and not learnt: defer-split AUROC 0.50 on this actor.)
+Fitted heads must beat the prior by a stated margin on fresh images, τ must be the
+Clopper–Pearson threshold of the served confidences on the defer split, and the served
+`defer` must flip across τ.
 """
 
 import json

@@ -167,3 +167,25 @@ def test_two_replicas_share_load_and_a_killed_one_loses_no_request(cluster):
     assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
     with pytest.raises((LookupError, ValueError, ray.exceptions.RayActorError)):
         ray.get(_replica_actor(killed[0]).__ray_ready__.remote(), timeout=30)
+
+
+def test_application_options_replicas_autoscaling_and_gpus():
+    """The deployment options Serve receives (no Ray instance needed)."""
+    from app.ray_deploy import application
+    from app.settings import Settings
+
+    def config(app):
+        d = app._bound_deployment
+        return d._deployment_config, d.ray_actor_options, d.init_args
+
+    cfg, actor, args = config(application(Settings(queue_limit=32, max_batch_size=4), 3))
+    assert cfg.num_replicas == 3 and cfg.autoscaling_config is None
+    assert cfg.max_ongoing_requests == 32 + 4 and actor["num_cpus"] == 1
+    cfg, actor, args = config(application(Settings(device="cuda", api_key="k"), 2, 5))
+    auto = cfg.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (2, 2, 5)
+    assert actor["num_gpus"] == 1
+    assert actor["runtime_env"]["env_vars"] == {"DUALREAD_API_KEY": "k"}
+    assert "api_key" not in args[0]          # never a visible deployment argument
+    with pytest.raises(ValueError):
+        application(Settings(), 3, 2)

@@ -79,6 +79,7 @@ def test_locate_tagged_answer_closes_on_the_tag():
 
 def test_locate_untagged_answer_closes_on_its_last_token():
     assert _locate(["re", "d", " "]) == ([0, 1], 1)
+    assert _locate(["red", " "]) == ([0], 0)            # t_close 0 is a real position
     assert _locate([" ", "blue", " ", "circle"]) == ([1, 2, 3], 3)
 
 
@@ -91,6 +92,8 @@ def test_locate_empty_answer_falls_back_to_the_last_usable_token():
     assert _locate(["<answer>", "</answer>"]) == ([1], 1)
     # an untagged blank response: the last token that is not special
     assert _locate([" ", "\n", "<eos>"], special={2}) == ([1], 1)
+    assert _locate([" ", "\n", "\t"]) == ([2], 2)
+    assert _locate([" "]) == ([0], 0)
     # only special tokens: nothing usable
     assert _locate(["<eos>"], special={0}) == ([], -1)
 

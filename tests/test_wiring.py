@@ -81,6 +81,45 @@ def test_ece_matches_explicit_edges_on_random_data():
         assert ece(c, z, bins) == pytest.approx(ece_reference(c, z, bins), abs=1e-12)
 
 
+def test_brier_and_risk_coverage_by_hand():
+    from heads.metrics import brier, risk_coverage
+
+    c, z = np.array([0.9, 0.2, 0.6]), np.array([1, 0, 0])
+    assert METRICS["brier"](c, z) == pytest.approx((0.01 + 0.04 + 0.36) / 3)
+    assert brier(c, z) == pytest.approx((0.01 + 0.04 + 0.36) / 3)
+    # high to low: .9 right, .6 wrong, .3 wrong, .1 right
+    cov, risk = risk_coverage(np.array([0.3, 0.9, 0.6, 0.1]), np.array([0, 1, 0, 1]))
+    np.testing.assert_allclose(cov, [0.25, 0.5, 0.75, 1.0])
+    np.testing.assert_allclose(risk, [0.0, 0.5, 2 / 3, 0.5])
+    # ties keep the input order (stable)
+    _, risk = risk_coverage(np.array([0.5, 0.5]), np.array([0, 1]))
+    np.testing.assert_allclose(risk, [1.0, 0.5])
+
+
+def test_fit_platt_recovers_a_known_map_and_handles_one_class():
+    from scipy.optimize import minimize
+
+    from heads.calibration import fit_platt
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=3000)
+    z = (rng.uniform(size=3000) < sigmoid(2.0 * s - 0.5)).astype(int)
+    a, b = fit_platt(s, z)
+
+    def nll(p):          # the unregularised logistic loss, minimised by scipy
+        t = p[0] * s + p[1]
+        return np.mean(np.logaddexp(0, t) - z * t)
+
+    ref = minimize(nll, [0.0, 0.0], method="BFGS").x
+    assert (a, b) == pytest.approx(tuple(ref), abs=2e-3)
+    assert (a, b) == pytest.approx((2.0, -0.5), abs=0.25)
+    # one class only: slope 0, intercept the (clamped) log-odds of the base rate
+    a1, b1 = fit_platt(np.arange(4.0), np.ones(4, int))
+    assert a1 == 0.0 and b1 == pytest.approx(math.log((1 + 1e-6) / 1e-6))
+    a0, b0 = fit_platt(np.arange(4.0), np.zeros(4, int))
+    assert a0 == 0.0 and b0 == pytest.approx(math.log(1e-6 / (1 + 1e-6)))
+
+
 # ------------------------------------------------------------------ Heads.score wiring
 def _heads() -> Heads:
     torch.manual_seed(0)
@@ -164,6 +203,17 @@ def test_bicr_uses_the_difference_offset_and_temperature():
     np.testing.assert_allclose(h.score_bicr(real, black), want, rtol=1e-5)
 
 
+def test_saplma_and_bicr_logits_add_their_offsets():
+    h = _heads()
+    g = torch.Generator().manual_seed(8)
+    mid, real, black = (torch.randn(4, DIM, generator=g) for _ in range(3))
+    np.testing.assert_allclose(h.saplma_logits(mid).numpy(),
+                               np_reader(h.saplma, mid.numpy()) + 0.45, rtol=1e-5, atol=1e-6)
+    x = np.concatenate([real.numpy(), real.numpy() - black.numpy()], 1)
+    np.testing.assert_allclose(h.bicr_logits(real, black).numpy(), np_reader(h.bicr, x) - 1.2,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_platt_defaults_to_identity_slope():
     h, f = _heads(), _features()
     h.platt = {}
@@ -217,7 +267,8 @@ def test_extract_builds_phi_from_the_answer_span_and_span_statistics():
     torch.testing.assert_close(f["h_mid"], ro.h_mid)
     # answer tokens are response tokens 1 and 2: log-probs -0.5, -1.0; entropies .4, .6
     assert float(f["msp"]) == pytest.approx(math.exp(-0.75))
-    assert float(f["mean_logprob"]) == pytest.approx((-0.1 - 0.5 - 1.0 - 2.0 - 0.3) / 5)
+    # over the answer span like the other sequence scores (was the whole response)
+    assert float(f["mean_logprob"]) == pytest.approx((-0.5 - 1.0) / 2)
     assert float(f["entropy"]) == pytest.approx(0.5)
     assert float(f["mu"]) == 0.5                      # no cue: μ kept at 0.5 (SPEC)
     for k in ("msp", "mean_logprob", "entropy", "mu"):
@@ -248,3 +299,72 @@ def test_confidence_of_one_readout_uses_the_heads_kappa():
     assert got["dualread"] == pytest.approx(
         float(sigmoid(0.5 * l_pre / 1.7 + 0.5 * l_post / 0.6)), rel=1e-5)
     assert got["verbalized"] == 0.5
+
+
+# ------------------------------------------------------------------ the defer search by hand
+def cp_upper(errors: int, n: int, delta: float) -> float:
+    """One-sided exact (Clopper–Pearson) upper bound, from scipy's binomial test."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return 1.0
+    return binomtest(errors, n, alternative="less").proportion_ci(
+        confidence_level=1 - delta, method="exact").high
+
+
+def test_clopper_pearson_upper_matches_scipy():
+    from heads.defer import clopper_pearson_upper
+
+    assert clopper_pearson_upper(0, 1, 0.1) == pytest.approx(0.9)
+    assert clopper_pearson_upper(0, 0, 0.1) == 1.0
+    assert clopper_pearson_upper(5, 5, 0.1) == 1.0
+    for k, n, d in [(0, 10, 0.05), (3, 20, 0.1), (1, 6, 0.1), (7, 9, 0.02)]:
+        assert clopper_pearson_upper(k, n, d) == pytest.approx(cp_upper(k, n, d), rel=1e-9)
+
+
+C8 = np.arange(1, 9) / 10          # confidences .1 ... .8; ⌈log2 8⌉ = 3 tests
+
+
+@pytest.mark.parametrize("z, r, tau, k, errors", [
+    # tests at δ/3 = 0.1. Visits index 4 (τ .5: 4 kept, 0 wrong, pass), 2 (τ .3: 6 kept,
+    # 1 wrong, bound .51 > r, fail), 3 (τ .4: 5 kept, 0 wrong, pass): τ = .4
+    ([0, 0, 0, 1, 1, 1, 1, 1], 0.5, 0.4, 5, 0),
+    # all right: 4, 2, 1 all pass: τ = .2 (index 0 is never tested)
+    ([1] * 8, 0.5, 0.2, 7, 0),
+    # only the top answer is right: 4 fail, 6 fail (bound .95 > .92), 7 pass (bound .9)
+    ([0, 0, 0, 0, 0, 0, 0, 1], 0.92, 0.8, 1, 0),
+    # k_min = 3 (0 errors of 2 kept bound .68 > .55), so only indices 0..5 are candidates:
+    # 3 fails (τ .4: 1 error of 5, bound .58), 4 passes (0 of 4, bound .44), 4 again: τ = .5.
+    # (The search over all eight visited 4, 2, 1 and found τ .3, bound .51: a path, not a
+    # guarantee, changed with the candidates.)
+    ([0, 0, 1, 0, 1, 1, 1, 1], 0.55, 0.5, 4, 0),
+])
+def test_choose_threshold_hand_traced(z, r, tau, k, errors):
+    from heads.defer import choose_threshold
+
+    pol = choose_threshold(C8, np.array(z), r, 0.3)
+    assert pol.tau == pytest.approx(tau)
+    assert pol.feasible is True
+    assert pol.coverage == pytest.approx(k / 8)
+    assert pol.empirical_risk == pytest.approx(errors / k)
+    assert pol.risk_upper_bound == pytest.approx(cp_upper(errors, k, 0.1), rel=1e-9)
+    assert (pol.target_risk, pol.delta, pol.n_calibration) == (r, 0.3, 8)
+    assert pol.defer(tau - 1e-9) and not pol.defer(tau)
+
+
+def test_choose_threshold_bound_equal_to_r_passes():
+    from heads.defer import choose_threshold
+
+    # n = 2: one test at level δ; the top item alone has bound 1 − δ = 0.5 = r
+    pol = choose_threshold(np.array([0.2, 0.9]), np.array([1, 1]), 0.5, 0.5)
+    assert pol.feasible and pol.tau == 0.9 and pol.risk_upper_bound == pytest.approx(0.5)
+
+
+def test_choose_threshold_infeasible_policy_fields():
+    from heads.defer import choose_threshold
+
+    pol = choose_threshold(C8, np.zeros(8), 0.2, 0.1)
+    assert pol.feasible is False and pol.tau > 1 and pol.defer(1.0)
+    assert (pol.coverage, pol.empirical_risk, pol.risk_upper_bound) == (0.0, 0.0, 1.0)
+    assert (pol.target_risk, pol.delta, pol.n_calibration) == (0.2, 0.1, 8)
+    assert pol.to_dict()["feasible"] is False

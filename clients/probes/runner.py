@@ -6,16 +6,20 @@ A re-run with the same parameters skips what is there; a kill loses only the ite
 flight (a half-written last line is cut off on the next start). Reports are computed from
 the stored results in data order, so a resumed run writes the same report as one that was
 never interrupted. Wall time and retries go to `run.json`, never into `report.json`.
+Several endpoints of one deployment (`--url A --url B`) split the items, each taking the
+next one when it has a free slot; their results go to the same files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -242,36 +246,46 @@ def _progress(total: int, done: int, label: str):
     return bar, task
 
 
-async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context, out: Path,
-               concurrency: int, progress: bool) -> tuple[dict[str, Store], dict]:
+async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequence[Context],
+               out: Path, concurrency: int, progress: bool) -> tuple[dict[str, Store], dict]:
+    """Items go, in data order, to whichever endpoint (one context each) has a free slot:
+    `concurrency` items in flight per endpoint, results in one store per probe."""
+    ctxs = [ctx] if isinstance(ctx, Context) else list(ctx)
+    ctx = ctxs[0]
     stores = {p.NAME: Store(out / f"{p.NAME}.jsonl", p.params(ctx.cfg)) for p in probes}
     todo = [it for it in items if any(it.id not in stores[p.NAME].done for p in probes)]
     failures: list[str] = []
     bar, task = _progress(len(items), len(items) - len(todo),
                           "+".join(p.NAME for p in probes)) if progress else (None, None)
-    slots = asyncio.Semaphore(concurrency)        # items in flight: what a kill can lose
+    queue = deque(todo)            # items in flight (what a kill can lose) = the workers
+    by_url = {str(c.client.http.base_url).rstrip("/"): 0 for c in ctxs}
 
-    async def work(item: Item) -> None:
-        async with slots:
-            memo = Memo(ctx, item)
-            need = [p for p in probes if item.id not in stores[p.NAME].done]
-            try:
-                recs = await asyncio.gather(*(p.run_item(ctx, item, memo) for p in need))
-            except Exception as e:   # recorded, not stored: a re-run tries the item again
-                failures.append(f"{item.id}: {type(e).__name__}: {e}")
-                if len(failures) >= max(10, len(todo) // 10):
-                    raise
-                return
-            for p, rec in zip(need, recs):
-                stores[p.NAME].add(item.id, rec)
-            if bar is not None:
-                bar.advance(task)
+    async def work(ctx: Context, item: Item) -> None:
+        memo = Memo(ctx, item)
+        need = [p for p in probes if item.id not in stores[p.NAME].done]
+        try:
+            recs = await asyncio.gather(*(p.run_item(ctx, item, memo) for p in need))
+        except Exception as e:   # recorded, not stored: a re-run tries the item again
+            failures.append(f"{item.id}: {type(e).__name__}: {e}")
+            if len(failures) >= max(10, len(todo) // 10):
+                queue.clear()
+                raise
+            return
+        for p, rec in zip(need, recs):
+            stores[p.NAME].add(item.id, rec)
+        by_url[str(ctx.client.http.base_url).rstrip("/")] += 1
+        if bar is not None:
+            bar.advance(task)
+
+    async def worker(ctx: Context) -> None:
+        while queue:
+            await work(ctx, queue.popleft())
 
     t0 = time.perf_counter()
     try:
         if bar is not None:
             bar.start()
-        await asyncio.gather(*(work(it) for it in todo))
+        await asyncio.gather(*(worker(c) for c in ctxs for _ in range(concurrency)))
     finally:
         if bar is not None:
             bar.stop()
@@ -279,8 +293,9 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context, out: Pa
             s.close()
     run = {"wall_s": round(time.perf_counter() - t0, 2), "items": len(items),
            "items_run": len(todo) - len(failures), "items_resumed": len(items) - len(todo),
-           "failures": failures, "retried_requests": ctx.client.retried,
-           "batch_scoring": ctx.client.batch_scoring, "concurrency": concurrency}
+           "failures": failures, "retried_requests": sum(c.client.retried for c in ctxs),
+           "batch_scoring": ctx.client.batch_scoring, "concurrency": concurrency,
+           "items_by_url": by_url}
     return stores, run
 
 
@@ -321,11 +336,25 @@ async def deployment(client: AsyncDualReadClient, url: str) -> dict:
         return {"url": url}
 
 
-def run(names: Sequence[str], url: str, data: str, out: Path, limit: int | None = None,
-        concurrency: int = 16, api_key: str | None = None, seed: int = 0,
-        bootstrap: int = 1000, max_new_tokens: int | None = None, progress: bool = True,
-        items: list[Item] | None = None) -> dict:
-    """Run probes `names` against the service at `url`; returns report.json's content."""
+def same_deployment(found: Sequence[dict], urls: Sequence[str]) -> dict:
+    """The one deployment behind every endpoint of a sharded run; endpoints that serve
+    different actors or heads would mix results, so they are refused."""
+    if len(found) == 1:
+        return found[0]
+    if any("url" in d for d in found):     # one cannot be identified: key by all addresses
+        return {"url": sorted(urls)}
+    if any(d != found[0] for d in found):
+        raise ValueError("the endpoints serve different actors or heads: " + "; ".join(
+            f"{u}: {d['actor']}/{d['heads']}" for u, d in zip(urls, found)))
+    return found[0]
+
+
+def run(names: Sequence[str], url: str | Sequence[str], data: str, out: Path,
+        limit: int | None = None, concurrency: int = 16, api_key: str | None = None,
+        seed: int = 0, bootstrap: int = 1000, max_new_tokens: int | None = None,
+        progress: bool = True, items: list[Item] | None = None) -> dict:
+    """Run probes `names` against the service at `url`, or split the items across several
+    endpoints of one deployment; returns report.json's content."""
     from clients.probes import PROBES
     from models.data import load, sample
 
@@ -339,17 +368,29 @@ def run(names: Sequence[str], url: str, data: str, out: Path, limit: int | None 
     chosen = sample(pool, limit, seed)
     cfg = Config(data=data, seed=seed, bootstrap=bootstrap, max_new_tokens=max_new_tokens)
 
+    urls = [url] if isinstance(url, str) else list(url)
+
     async def go() -> tuple[dict[str, Store], dict]:
-        async with AsyncDualReadClient(url, api_key, concurrency=concurrency) as client:
-            cfg.deployment = await deployment(client, url)
-            ctx = Context(client, pool, cfg)
+        clients = [AsyncDualReadClient(u, api_key, concurrency=concurrency) for u in urls]
+        try:
+            found = [await deployment(c, u) for c, u in zip(clients, urls)]
+            cfg.deployment = same_deployment(found, urls)
+            ctx = Context(clients[0], pool, cfg)
             if "ccg" in names:
                 ctx.assign_donors(chosen)
-            return await _run(probes, chosen, ctx, out, concurrency, progress)
+            # the other endpoints' contexts share the data, donors and config
+            ctxs = [ctx] + [copy.copy(ctx) for _ in clients[1:]]
+            for c, client in zip(ctxs, clients):
+                c.client = client
+            return await _run(probes, chosen, ctxs, out, concurrency, progress)
+        finally:
+            for c in clients:
+                await c.aclose()
 
     stores, info = asyncio.run(go())
     report = write_reports(probes, chosen, stores, cfg, out)
-    info.update({"probes": list(names), "url": url, "data": data, "limit": limit,
+    info.update({"probes": list(names), "url": url if isinstance(url, str) else urls,
+                 "data": data, "limit": limit,
                  "config": clean(asdict(cfg))})
     (out / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     if info["failures"]:

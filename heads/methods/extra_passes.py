@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from heads.calibration import fit_platt, platt
+from heads.calibration import fit_platt, logit, platt, platt_log
 from heads.passes import K_SAMPLES
 from heads.registry import Features, FitData, Method
 
@@ -15,14 +15,26 @@ if TYPE_CHECKING:
 
 
 class PTrue(Method):
-    """Normalised first-token P(Yes) after a yes/no follow-up prompt; nothing fitted."""
+    """Normalised P(True) after the actor's response and Kadavath et al.'s template, Platt-
+    mapped in log-odds on the temperature split (a raw P(True) of a model never trained on
+    the follow-up is not a probability of being right)."""
 
     name = "p_true"
     cost = "1"
     passes = ("follow_up",)
+    fit_passes_on = "temperature"
+
+    def statistic(self, f: Features) -> np.ndarray:
+        return logit(f["ptrue"].double()).numpy()
+
+    def fit(self, heads: Heads, data: FitData) -> dict:
+        f = data.scoped[self.fit_passes_on]
+        s, z = self.statistic(f), f["z"].numpy()
+        heads.platt_maps[self.name] = fit_platt(s, z)
+        return platt_log(s, z, heads.platt_maps[self.name])
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
-        return f["ptrue"].double().numpy()
+        return platt(self.statistic(f), heads.platt_map(self.name))
 
 
 class SelfConsistency(Method):
@@ -44,9 +56,11 @@ class SelfConsistency(Method):
     def statistic(self, f: Features) -> np.ndarray:
         return f[f"sc{self.k}"].numpy()
 
-    def fit(self, heads: Heads, data: FitData) -> None:
-        s = data.scoped[self.fit_passes_on]
-        heads.platt_maps[self.name] = fit_platt(self.statistic(s), s["z"].numpy())
+    def fit(self, heads: Heads, data: FitData) -> dict:
+        f = data.scoped[self.fit_passes_on]
+        s, z = self.statistic(f), f["z"].numpy()
+        heads.platt_maps[self.name] = fit_platt(s, z)     # slope ≥ 0: never inverted
+        return platt_log(s, z, heads.platt_maps[self.name])
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
         return platt(self.statistic(f), heads.platt_map(self.name))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from heads.calibration import fit_platt, fit_temperature, logit, platt
+from heads.calibration import fit_platt, fit_temperature, logit, platt, platt_log
 from heads.registry import Features, FitData, Method
 
 if TYPE_CHECKING:
@@ -52,9 +52,10 @@ class PlattMapped(Method):
     def statistic(self, f: Features) -> np.ndarray:
         return self.sign * f[self.feature].flatten().numpy()
 
-    def fit(self, heads: Heads, data: FitData) -> None:
-        heads.platt_maps[self.name] = fit_platt(self.statistic(data.on("temperature")),
-                                                data.y("temperature").numpy())
+    def fit(self, heads: Heads, data: FitData) -> dict:
+        s, z = self.statistic(data.on("temperature")), data.y("temperature").numpy()
+        heads.platt_maps[self.name] = fit_platt(s, z)     # slope ≥ 0: never inverted
+        return platt_log(s, z, heads.platt_maps[self.name])
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
         return platt(self.statistic(f), heads.platt_map(self.name, NEUTRAL))
