@@ -368,13 +368,18 @@ def fit_order_head(
     steps: Annotated[int, typer.Option("--steps")] = 1000,
     bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
     device: DeviceOpt = "cpu",
+    threads: Annotated[int, typer.Option(
+        "--threads", help="torch CPU threads (1 is fastest on a shared machine)")] = 1,
 ) -> None:
     """EMVR's order head (BCE + adjacent hinge) vs BCE only: mask-trained, tested on blur."""
+    import torch
+
     from clients.probes.order import collect, compare, fit_head, markdown
     from clients.probes.runner import clean
     from models.data import load, sample
     from models.loading import load_actor
 
+    torch.set_num_threads(threads)
     act = load_actor(actor, device=device)
     items = sample(load(data), limit)
     mask, blur = collect(act, items, (0.0, 0.25, 0.5, 0.75, 1.0))

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from heads import registry
+from heads import grounding, registry
 from heads.collect import Collector
-from heads.dualread import Heads
+from heads.dualread import DEFER_METHOD, Heads
+from heads.fit import question_only
 from heads.metrics import METRICS, cluster_bootstrap, risk_coverage
 from models.data import load, sample
 
 SHOWN = ("auroc", "ece", "ece10", "brier", "aurc", "hce90")
+# the question-only baseline: accuracy of the question's normalised form when fitting
+QUESTION_ONLY = "question_only"
 
 
 def __getattr__(name: str):
@@ -38,10 +41,16 @@ def score_all(heads: Heads, feats: dict, methods: tuple[str, ...] | None = None
 def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
              methods: tuple[str, ...] | None = None, limit: int | None = None,
              bootstrap: int = 1000, cache_dir: str | Path | None = None,
-             max_new_tokens: int = 64, command: str = "") -> dict:
-    """One table per data spec: every chosen method (all registered by default)."""
+             max_new_tokens: int = 64, command: str = "", grounding_on: bool = True) -> dict:
+    """One table per data spec: every chosen method (all registered by default), with
+    grounding (CCG-AUC, AUROC per answer type, paired differences to DualRead, the defer
+    rule on these data) computed on the same readouts."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # the question-only baseline comes with the full table, or when named
+    with_question_only = methods is None or QUESTION_ONLY in methods
+    if methods is not None:
+        methods = tuple(m for m in methods if m != QUESTION_ONLY)
     chosen = registry.select(methods)
     missing = [m.name for m in chosen if not heads.has(m)]
     if missing:
@@ -63,26 +72,43 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         scoring_s = (time.perf_counter() - t1) / max(1, len(items))
         z = feats["z"].numpy().astype(int)
         clusters = meta["image_ids"]
+        if with_question_only and "question_prior" in heads.card:
+            scores[QUESTION_ONLY] = question_only(heads.card["question_prior"],
+                                                  [it.question for it in items])
+        # CCG donors are assigned before any confidence is scored (SPEC §2)
+        plan = grounding.plan_donors(items, seed=0) if grounding_on else None
         rows = {}
         n = len(items)
         base_s = col.seconds["generate+readout"] / max(1, n)
-        for m in chosen:
-            c = scores[m.name]
+        for name_m, c in scores.items():
+            m = registry.get(name_m) if name_m != QUESTION_ONLY else None
             row = {"n": n}
             for name in SHOWN:
                 row[name] = METRICS[name](c, z)
                 if bootstrap:
                     row[name + "_ci"] = cluster_bootstrap(c, z, clusters, METRICS[name],
                                                           n=bootstrap)
-            extra_s = sum(col.seconds[p] for p in m.passes) / n
-            extra_s *= m.pass_share    # SC@K reads the first K of one shared sample pass
-            row["cost_passes"] = m.cost
-            row["seconds_per_item_extra"] = round(extra_s + scoring_s, 5)
-            rows[m.name] = row
-        report["datasets"][spec] = {
-            "n": n, "accuracy": float(z.mean()), "images": len(set(clusters)),
-            "seconds_per_item_generate_readout": round(base_s, 5),
-            "wall_seconds": round(wall, 1), "methods": rows}
+            row["auroc_by_type"] = grounding.auroc_by_type(
+                c, z, [grounding.answer_type(it.answer) for it in items])
+            if m is None:
+                row["cost_passes"] = "0 (a table from the fitting data)"
+                row["seconds_per_item_extra"] = 0.0
+            else:
+                extra_s = sum(col.seconds[p] for p in m.passes) / n
+                extra_s *= m.pass_share  # SC@K reads the first K of one shared sample pass
+                row["cost_passes"] = m.cost
+                row["seconds_per_item_extra"] = round(extra_s + scoring_s, 5)
+            rows[name_m] = row
+        entry = {"n": n, "accuracy": float(z.mean()), "images": len(set(clusters)),
+                 "seconds_per_item_generate_readout": round(base_s, 5),
+                 "wall_seconds": round(wall, 1), "methods": rows}
+        if plan is not None:
+            entry.update(_grounding(heads, col, items, plan, feats, meta, scores, chosen,
+                                    passes, rows, bootstrap))
+        if DEFER_METHOD in scores and heads.policy is not None:
+            entry["defer"] = grounding.defer_on(scores[DEFER_METHOD], z, heads.policy.tau,
+                                                heads.policy.target_risk)
+        report["datasets"][spec] = entry
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
     others = [s for s in specs if s != heads.card.get("data")]
@@ -93,6 +119,34 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     return report
+
+
+def _grounding(heads: Heads, col: Collector, items: list, plan, feats: dict, meta: dict,
+               scores: dict[str, np.ndarray], chosen: list, passes: tuple[str, ...],
+               rows: dict, bootstrap: int) -> dict:
+    """CCG-AUC of every method on donor runs, and DualRead's paired differences."""
+    z = feats["z"].numpy().astype(int)
+    extra = grounding.extra_items(items, plan)
+    z_x, can_x, sc_x = np.zeros(0, int), [], {}
+    if extra:
+        fx, mx = col.run(extra, passes=passes, label="donor runs (CCG)")
+        z_x, can_x = fx["z"].numpy().astype(int), mx["canonical"]
+        sc_x = {m.name: m.score(heads, fx) for m in chosen}
+        if QUESTION_ONLY in scores:
+            sc_x[QUESTION_ONLY] = question_only(heads.card["question_prior"],
+                                                [it.question for it in extra])
+    runs = grounding.donor_runs(plan, z, meta["canonical"], scores, z_x, can_x, sc_x)
+    pairs = {}
+    for name, c in scores.items():
+        pairs[name] = grounding.pairs_for(plan, items, z, meta["canonical"], c, runs, name)
+        rows[name].update(grounding.ccg_summary(pairs[name], runs.image_ids, bootstrap))
+    out = {"ccg_pairs": {"eligible": len(plan.source), "extra_runs": len(extra),
+                         "vrs": float(np.mean(z[plan.source]) - np.mean(runs.z))
+                         if plan.source else float("nan")}}
+    if DEFER_METHOD in scores:
+        out["paired_vs_dualread"] = grounding.paired_vs(
+            DEFER_METHOD, scores, z, meta["image_ids"], pairs, bootstrap)
+    return out
 
 
 def _fmt(row: dict, k: str) -> str:
@@ -120,12 +174,63 @@ def markdown(report: dict) -> str:
             lines.append(f"| {m} | {cells} | {row['cost_passes']} | "
                          f"{row['seconds_per_item_extra']:.4f} |")
         lines.append("")
+        lines += _grounding_md(d)
     if "macro_average" in report:
         lines += ["## Macro average over the datasets the heads were not fitted on", "",
                   "| method | " + " | ".join(SHOWN) + " |", "|---" * (len(SHOWN) + 1) + "|"]
         for m, row in report["macro_average"].items():
             lines.append(f"| {m} | " + " | ".join(f"{row[k]:.3f}" for k in SHOWN) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _grounding_md(d: dict) -> list[str]:
+    lines: list[str] = []
+    if "defer" in d:
+        f = d["defer"]
+        lines += [f"Defer rule of the heads on these data (τ = {f['tau']:.4f}): coverage "
+                  f"{f['coverage']:.3f}, risk among kept answers {f['risk']:.3f} "
+                  f"({'≤' if f['risk_within_target'] else '>'} r = {f['target_risk']}).", ""]
+    rows = d["methods"]
+    types = sorted({t for r in rows.values() for t in r.get("auroc_by_type", {})})
+    if "ccg_pairs" in d:
+        g = d["ccg_pairs"]
+        lines += [f"Grounding: {g['eligible']} items with a donor (hard negative; "
+                  f"{g['extra_runs']} extra runs), VRS {g['vrs']:.3f}. CCG-AUC over the "
+                  "decisive set (right on the real image, wrong on the donor); brackets: 95% "
+                  "CI, source-image bootstrap; * underpowered (< 30 source or donor images).",
+                  ""]
+    head = ["method"]
+    if "ccg_pairs" in d:
+        head += ["CCG natural", "|E|", "CCG strict", "|E strict|"]
+    head += [f"AUROC {t} (n)" for t in types]
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for m, r in rows.items():
+        cells = [m]
+        if "ccg_pairs" in d:
+            for tag in ("natural", "strict"):
+                star = "*" if r[f"ccg_{tag}_underpowered"] else ""
+                cells += [_fmt(r, f"ccg_{tag}") + star, str(r[f"ccg_{tag}_n_decisive"])]
+        for t in types:
+            a = r["auroc_by_type"].get(t)
+            cells.append(f"{a['auroc']:.3f} ({a['n']})" if a else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    if "paired_vs_dualread" in d:
+        lines += ["DualRead minus each method (paired image-cluster bootstrap, 95% CI):", "",
+                  "| method | Δ AUROC | Δ CCG-AUC natural |", "|---|---|---|"]
+        for m, r in d["paired_vs_dualread"].items():
+            cells = []
+            for k in ("auroc", "ccg_natural"):
+                v = r.get(k)
+                if v is None:
+                    cells.append("")
+                elif "ci" in v:
+                    cells.append(f"{v['diff']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}]")
+                else:
+                    cells.append(f"{v['diff']:+.3f}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def _plots(out: Path, spec: str, scores: dict[str, np.ndarray], z: np.ndarray) -> None:

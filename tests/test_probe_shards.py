@@ -118,7 +118,7 @@ def _probe(urls: list[str], data: str, out: Path) -> str:
 
 def test_two_endpoints_split_the_items_into_one_resumable_file(two_services, tmp_path):
     a, b = two_services
-    data, ids = _dataset(tmp_path, 9)
+    data, ids = _dataset(tmp_path, 6)
     served = [_answers_served(u) for u in (a, b)]
     shard = tmp_path / "shard"
     _probe([a, b], data, shard)

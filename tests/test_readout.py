@@ -128,5 +128,5 @@ def test_readout_views():
     assert ro.verbalized_mu == pytest.approx(0.75 + 0.1)
     assert ro.shapes()["digit_probs"] == [11]
     batch = torch.stack([digits, torch.ones(11)])
-    torch.testing.assert_close(mu_from_digit_probs(batch),
-                               torch.tensor([0.85, 0.5]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(mu_from_digit_probs(batch).double(),
+                               torch.tensor([0.85, 0.5], dtype=torch.float64), atol=1e-6, rtol=0)

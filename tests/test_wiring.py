@@ -91,9 +91,10 @@ def test_brier_and_risk_coverage_by_hand():
     cov, risk = risk_coverage(np.array([0.3, 0.9, 0.6, 0.1]), np.array([0, 1, 0, 1]))
     np.testing.assert_allclose(cov, [0.25, 0.5, 0.75, 1.0])
     np.testing.assert_allclose(risk, [0.0, 0.5, 2 / 3, 0.5])
-    # ties keep the input order (stable)
-    _, risk = risk_coverage(np.array([0.5, 0.5]), np.array([0, 1]))
-    np.testing.assert_allclose(risk, [1.0, 0.5])
+    # tied items are kept or deferred together: one point per distinct confidence
+    cov, risk = risk_coverage(np.array([0.5, 0.9, 0.5]), np.array([0, 1, 1]))
+    np.testing.assert_allclose(cov, [1 / 3, 1.0])
+    np.testing.assert_allclose(risk, [0.0, 1 / 3])
 
 
 def test_fit_platt_recovers_a_known_map_and_handles_one_class():
