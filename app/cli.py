@@ -81,6 +81,9 @@ def train_actor(
         "--scan", help="training items answered to find those misses")] = 6000,
     split_credit: Annotated[bool, typer.Option(
         "--split-credit", help="the confidence digit gets the Brier advantage alone")] = False,
+    digit_lr_factor: Annotated[float, typer.Option(
+        "--digit-lr-factor", help="learning-rate multiplier of the digit rows")] = 1.0,
+    beta: Annotated[float, typer.Option("--beta", help="KL coefficient to the parent")] = 0.0,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card.
 
@@ -106,11 +109,14 @@ def train_actor(
                f"--temperature {temperature} --scale-rewards {scale_rewards}"
                + (f" --hard-share {hard_share} --scan {scan}" if hard_share else "")
                + (" --split-credit" if split_credit else "")
+               + (f" --digit-lr-factor {digit_lr_factor}" if digit_lr_factor != 1.0 else "")
+               + (f" --beta {beta}" if beta else "")
                + (f" --seed {seed}" if seed else "") + (" --smoke" if smoke else "")
                + (f" --eval-limit {eval_limit}" if eval_limit else ""))
         card = calibrate_actor(continue_from, out, recipe, command=cmd,
                                eval_limit=eval_limit or 1000, smoke=smoke, threads=threads,
-                               hard_share=hard_share, scan=scan, split_credit=split_credit)
+                               hard_share=hard_share, scan=scan, split_credit=split_credit,
+                               digit_lr_factor=digit_lr_factor, beta=beta)
         console.print_json(json.dumps(card["metrics"]))
         return
     recipe = replace(SMOKE if smoke else Recipe(), seed=seed)   # never mutate the preset

@@ -142,8 +142,8 @@ def explain(errors: list[dict]) -> str:
     for err in errors[:10]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "extra_forbidden":
-            name = loc[-1] if loc and _IDENT.match(loc[-1]) else "(field)"
-            where = ".".join(loc[:-1] + [name]) if loc else "body"
+            # The unknown key itself is client text (it could carry an identifier).
+            where = ".".join(loc[:-1]) if len(loc) > 1 else "body"
             parts.append(f"{where}: unexpected field")
             continue
         where = ".".join(x if _IDENT.match(x) or x.isdigit() else "(field)" for x in loc)

@@ -15,6 +15,7 @@ B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AA
 MAX_RESPONSE_CHARS = 20000
 MAX_TRAJECTORIES = 64
 MAX_NEW_TOKENS = 1024
+MAX_REFERENCE_CHARS = 500
 
 
 class _Request(BaseModel):
@@ -72,6 +73,8 @@ class AnswerResponse(BaseModel):
     timings_ms: Timings
 
 
+
+
 class CounterfactualRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "question": "what color is the shape?", "image": B64_EXAMPLE,
@@ -79,8 +82,9 @@ class CounterfactualRequest(_Request):
     question: str = Field(..., min_length=1)
     image: str = Field(..., description="the real image, base64")
     counterfactual: str = Field(..., description='another image (base64) or "blank"')
-    reference_answer: str | None = None
-    counterfactual_reference_answer: str | None = None
+    # Bounded: grading runs on the event loop, and a reference is a short answer.
+    reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
+    counterfactual_reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 

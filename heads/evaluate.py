@@ -205,7 +205,7 @@ def _grounding_md(d: dict) -> list[str]:
     head += [f"AUROC {t} (n)" for t in types]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for m, r in rows.items():
-        cells = [m]
+        cells = [f"`{m}`"]    # one plain "| m |" row per method: the main table's
         if "ccg_pairs" in d:
             for tag in ("natural", "strict"):
                 star = "*" if r[f"ccg_{tag}_underpowered"] else ""
@@ -228,7 +228,7 @@ def _grounding_md(d: dict) -> list[str]:
                     cells.append(f"{v['diff']:+.3f} [{v['ci'][0]:+.3f}, {v['ci'][1]:+.3f}]")
                 else:
                     cells.append(f"{v['diff']:+.3f}")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 

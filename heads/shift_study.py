@@ -94,10 +94,22 @@ def collection_order(sets: dict[str, list[Item]]) -> list[str]:
     return first + pool + [k for k in sets if k not in first and k not in pool]
 
 
-def set_file(cache: Path, name: str, fingerprint: str, items: list[Item]) -> Path:
+def actor_digest(folder: Path) -> str:
+    """Every file of the (small) embedded actor hashed whole, the card by its system prompt
+    only: what the study's set files are keyed by, independent of other fingerprints."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        if f.name == "actor_card.json":
+            h.update(repr(json.loads(f.read_text()).get("system_prompt")).encode())
+        else:
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def set_file(cache: Path, name: str, digest: str, items: list[Item]) -> Path:
     """One consolidated file per item set, keyed by the actor and the item ids only, so the
     analysis does not depend on how the collector keys its shards."""
-    h = hashlib.sha256("|".join([fingerprint, *(it.id for it in items)]).encode())
+    h = hashlib.sha256("|".join([digest, *(it.id for it in items)]).encode())
     safe = name.replace("~", "_").replace(":", "")
     return cache / "sets" / f"{safe}-{h.hexdigest()[:16]}.safetensors"
 
@@ -105,12 +117,12 @@ def set_file(cache: Path, name: str, fingerprint: str, items: list[Item]) -> Pat
 def collect(sets: dict[str, list[Item]], cache: Path, available: bool = False
             ) -> dict[str, tuple[dict, dict]]:
     """Readouts of every set (or, with `available`, of the sets already collected)."""
-    from models.loading import EMBEDDED_ACTOR, fingerprint, load_actor
+    from models.loading import EMBEDDED_ACTOR, load_actor
 
-    fp = fingerprint(EMBEDDED_ACTOR)
+    digest = actor_digest(EMBEDDED_ACTOR)
     out, col = {}, None
     for name in collection_order(sets):
-        path = set_file(cache, name, fp, sets[name])
+        path = set_file(cache, name, digest, sets[name])
         if path.exists():
             out[name] = (load_file(str(path)), json.loads(path.with_suffix(".json").read_text()))
             continue

@@ -162,6 +162,39 @@ def split_credit_trainer(brier_weight: float):
     return SplitCreditGRPO
 
 
+class RowScaledAdamW(torch.optim.AdamW):
+    """AdamW whose update of some rows of one matrix is scaled by `factor`.
+
+    The verbalized digit is read through 11 rows of the (tied) output embedding. Their
+    discriminative direction needs weights of a size the shared rate (kept low so the
+    answers do not drift) takes thousands of steps to reach; rows of a tensor cannot sit
+    in their own parameter group, so the step is scaled after the fact.
+    """
+
+    def __init__(self, params, matrix: torch.Tensor, rows: list[int], factor: float, **kw):
+        super().__init__(params, **kw)
+        self.matrix, self.rows, self.factor = matrix, torch.tensor(rows), factor
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        before = self.matrix[self.rows].clone()
+        loss = super().step(closure)
+        after = self.matrix[self.rows]
+        self.matrix[self.rows] = before + self.factor * (after - before)
+        return loss
+
+
+def digit_row_optimizer(lr: float, factor: float, tokenizer):
+    """Build a `RowScaledAdamW` for a model: digit rows of the output embedding × factor."""
+    rows = [tokenizer.convert_tokens_to_ids(str(c)) for c in range(11)]
+
+    def make(model):
+        return RowScaledAdamW(model.parameters(), model.get_output_embeddings().weight, rows,
+                              factor, lr=lr, weight_decay=0.0)
+
+    return make
+
+
 def digit_positions(tok, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Index of the confidence digit in each completion (the token after the first
     `<confidence>`), -1 where there is none."""
@@ -202,14 +235,17 @@ def hard_pool(actor, items: list[Item], n: int, share: float, seed: int, scan: i
 def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
                     eval_limit: int | None = 1000, smoke: bool = False,
                     threads: int = 1, hard_share: float = 0.0, scan: int = 6000,
-                    split_credit: bool = False) -> dict:
+                    split_credit: bool = False, digit_lr_factor: float = 1.0,
+                    beta: float = 0.0) -> dict:
     """Continue GRPO on the actor in `src` with correctness + format + W·Brier (RLCR) and
     write the new actor, with a card that names its parent, to `out`. Resumable: an
     interrupted run restarts from the last checkpoint under `<out>/_grpo_tmp`.
 
     `hard_share` > 0 makes that share of the GRPO prompts items the parent answers wrong
     (greedy, found among `scan` training items; see `hard_pool`). `split_credit` credits
-    the digit with the Brier term alone (see `split_credit_trainer`)."""
+    the digit with the Brier term alone (see `split_credit_trainer`); `digit_lr_factor`
+    scales the learning rate of the digit rows of the output embedding; `beta` is the KL
+    coefficient to the parent (0: none, as in the first GRPO stage)."""
     import shutil
 
     from models.data import load, sample
@@ -236,11 +272,14 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
         items, mined = hard_pool(load_actor(src), items, n, hard_share, recipe.seed + 3, scan)
         log.append({"stage": "mine", **mined, "elapsed_s": round(time.time() - t0, 1)})
     # A pool seed apart from the first GRPO stage's, so the continuation sees new prompts.
-    extra = {}
+    extra = {"beta": beta}      # > 0: KL to the parent keeps the answers where they were
     if split_credit:
         # Brier weight 0 in the shared advantage: the digit alone carries it.
         extra = {"trainer_cls": split_credit_trainer(recipe.brier_weight),
                  "reward_weights": [1.0, 1.0, 0.0]}
+    if digit_lr_factor != 1.0:
+        extra["optimizer"] = digit_row_optimizer(recipe.grpo_lr, digit_lr_factor,
+                                                 load_actor(src).tokenizer)
     grpo(src, items, recipe, out, log, pool_seed=recipe.seed + 2, gradient_checkpointing=False,
          **extra)
     grpo_s = time.time() - t0
@@ -261,7 +300,8 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
         "recipe": {**{k: v for k, v in asdict(recipe).items() if k.startswith("grpo")
                       or k in ("seed", "brier_weight", "max_images")},
                    "hard_share": hard_share, "scan": scan if hard_share > 0 else None,
-                   "split_credit": split_credit},
+                   "split_credit": split_credit, "digit_lr_factor": digit_lr_factor,
+                   "beta": beta},
         "mined": mined,
         "seconds": {"grpo": round(grpo_s, 1), "total": round(time.time() - t0, 1)},
         "command": command,

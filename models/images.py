@@ -93,6 +93,10 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     intercept = _tag(ds, "RescaleIntercept", 0.0)
     centre = _tag(ds, "WindowCenter", None)
     width = _tag(ds, "WindowWidth", None)
+    for name, v in (("RescaleSlope", slope), ("RescaleIntercept", intercept),
+                    ("WindowCenter", centre), ("WindowWidth", width)):
+        if v is not None and not np.isfinite(v):   # nan/inf would make a blank image
+            raise ImageInvalid(f"malformed DICOM tag {name}")
     try:
         a = np.asarray(ds.pixel_array, dtype=np.float64)   # YBR arrives as RGB
     except Exception as e:

@@ -261,12 +261,13 @@ def reward_brier(completions, answer, **_) -> list[float]:
 
 
 def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[dict],
-         pool_seed: int | None = None, trainer_cls=None, **config) -> None:
+         pool_seed: int | None = None, trainer_cls=None, optimizer=None, **config) -> None:
     """Stage 2: TRL GRPOTrainer on the actor saved in `folder`; result saved to `out`.
 
     Checkpoints go to `<out>/_grpo_tmp` every `grpo_save_steps`; a run that finds one
     there resumes from it (weights, optimizer, RNG and data position). `config` overrides
-    GRPOConfig fields; `trainer_cls` replaces GRPOTrainer (a subclass).
+    GRPOConfig fields; `trainer_cls` replaces GRPOTrainer (a subclass); `optimizer`, if
+    given, builds the optimizer from the model (the Trainer's own AdamW otherwise).
     """
     from datasets import Dataset
     from transformers.trainer_utils import get_last_checkpoint
@@ -299,7 +300,8 @@ def grpo(folder: Path, items: list[Item], recipe: Recipe, out: Path, log: list[d
     trainer = (trainer_cls or GRPOTrainer)(
         model=actor.model, processing_class=actor.processor,
         reward_funcs=[reward_correct, reward_format, reward_brier],
-        args=GRPOConfig(**{**cfg, **config}), train_dataset=ds)
+        args=GRPOConfig(**{**cfg, **config}), train_dataset=ds,
+        optimizers=(optimizer(actor.model) if optimizer else None, None))
     last = get_last_checkpoint(str(tmp)) if save and tmp.is_dir() else None
     if last:
         console.log(f"resuming GRPO from {Path(last).name}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import os
 import signal
 import socket
@@ -138,6 +139,16 @@ def test_tgs_grounded_interface_by_hand():
     assert s["pair_vision"] == pytest.approx(((0.9 - 0.2) + (0.8 - 0.4)) / 2)
     assert s["pair"] == pytest.approx(0.55)
     assert s["curve"]["0.5"] == pytest.approx(np.mean([0.7, 0.7, 0.4]))
+
+
+def test_auroc_matches_sklearn_with_ties():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(1)
+    c = rng.integers(0, 5, 200) / 4                      # many ties
+    z = rng.uniform(size=200) < c * 0.8
+    assert stats.auroc(c, z) == pytest.approx(roc_auc_score(z, c), abs=1e-12)
+    assert math.isnan(stats.auroc(c, np.ones(200, bool)))
 
 
 def test_jsd_matches_scipy():

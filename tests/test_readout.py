@@ -130,3 +130,35 @@ def test_readout_views():
     batch = torch.stack([digits, torch.ones(11)])
     torch.testing.assert_close(mu_from_digit_probs(batch).double(),
                                torch.tensor([0.85, 0.5], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+class _Counting:
+    """Wraps a tokenizer and counts full decodes (the prefix loop makes one per token)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.decodes = tok, 0
+        self.backend_tokenizer = tok.backend_tokenizer
+
+    def decode(self, ids, **kw):
+        self.decodes += 1
+        return self.tok.decode(ids, **kw)
+
+
+def test_byte_level_spans_take_one_full_decode():
+    """Plain text: spans from the pieces' lengths, one decode; a split character: the loop."""
+    tok = build_tokenizer("qwen3_vl")
+    plain = tok.encode("<answer>red</answer><|im_end|>", add_special_tokens=False)
+    counting = _Counting(tok)
+    assert token_spans(counting, plain) == _prefix_spans(tok, plain)
+    assert counting.decodes == 1
+    split = tok.encode("é red", add_special_tokens=False)
+    counting = _Counting(tok)
+    assert token_spans(counting, split) == _prefix_spans(tok, split)
+    assert counting.decodes == 1 + len(split)
+
+
+def test_locate_close_tag_beyond_the_tokens_closes_on_the_answer():
+    # the tokens stop before "</answer>" (a cut response): t_close is the last answer token
+    parsed = parse_response("<answer>blue</answer>")
+    spans = [(0, 8), (8, 9), (9, 10), (10, 12)]          # "<answer>", "b", "l", "ue"
+    assert locate(parsed, spans, set()) == ([1, 2, 3], 3)

@@ -91,10 +91,22 @@ def test_brier_and_risk_coverage_by_hand():
     cov, risk = risk_coverage(np.array([0.3, 0.9, 0.6, 0.1]), np.array([0, 1, 0, 1]))
     np.testing.assert_allclose(cov, [0.25, 0.5, 0.75, 1.0])
     np.testing.assert_allclose(risk, [0.0, 0.5, 2 / 3, 0.5])
+    cov, risk = risk_coverage(np.array([0.7]), np.array([0]))
+    assert cov.tolist() == [1.0] and risk.tolist() == [1.0]
+    cov, risk = risk_coverage(np.array([]), np.array([]))
+    assert len(cov) == 0 and len(risk) == 0
     # tied items are kept or deferred together: one point per distinct confidence
     cov, risk = risk_coverage(np.array([0.5, 0.9, 0.5]), np.array([0, 1, 1]))
     np.testing.assert_allclose(cov, [1 / 3, 1.0])
     np.testing.assert_allclose(risk, [0.0, 1 / 3])
+
+
+def test_hce_counts_the_threshold_itself_and_small_inputs():
+    from heads.metrics import hce
+
+    assert hce(np.array([0.9]), np.array([0])) == 1.0         # c = .9 is "≥ .9"
+    assert hce(np.array([0.95, 0.5]), np.array([0, 0])) == 0.5
+    assert math.isnan(hce(np.array([]), np.array([])))
 
 
 def test_fit_platt_recovers_a_known_map_and_handles_one_class():

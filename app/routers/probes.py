@@ -22,7 +22,7 @@ from app.schemas import (
 from app.serving import AnswerItem, AnswerResult, Confidences, ScoreResult, Serving
 from clients.grounding import classify_pair
 from models.canon import is_correct
-from models.evaluate import blank_image
+from models.counterfactuals import blank_image
 from models.masking import MaskSpec
 
 router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json)])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from clients.probes.images import blur_region, mask_region
-from clients.probes.stats import bootstrap, emvr, tvr
+from clients.probes.stats import auroc, bootstrap, emvr, tvr
 
 
 @dataclass
@@ -101,8 +101,13 @@ def compare(mask: Trajectories, blur: Trajectories, folds: int = 5, order_weight
                  "margin": margin}
     for test in ("mask", "blur"):
         a, b = oof["order"][test], oof["bce"][test]
+        z = (mask if test == "mask" else blur).z
         out[test] = {"emvr_bce": emvr(b), "emvr_order": emvr(a), "tvr_bce": tvr(b),
-                     "tvr_order": tvr(a), "order_minus_bce": emvr(a) - emvr(b),
+                     "tvr_order": tvr(a), "auroc_bce": auroc(b, z), "auroc_order": auroc(a, z),
+                     "brier_bce": float(((b - z) ** 2).mean()),
+                     "brier_order": float(((a - z) ** 2).mean()),
+                     "accuracy": float(z.mean()),
+                     "order_minus_bce": emvr(a) - emvr(b),
                      "order_minus_bce_ci": bootstrap(len(a), lambda i, a=a, b=b:
                                                      emvr(a[i]) - emvr(b[i]), resamples, 42)}
     return out
@@ -158,11 +163,15 @@ def markdown(res: dict, command: str) -> str:
              f"on mask trajectories (order weight {res['order_weight']}, margin "
              f"{res['margin']}); out-of-fold EMVR (lower is better).", "",
              "| test | EMVR BCE-only | EMVR BCE+order | order − BCE | 95% CI | TVR BCE-only | "
-             "TVR BCE+order |", "|---|---|---|---|---|---|---|"]
+             "TVR BCE+order | AUROC BCE-only | AUROC BCE+order | Brier BCE-only | "
+             "Brier BCE+order |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in ("mask", "blur"):
         r = res[t]
         lo, hi = r["order_minus_bce_ci"]
         lines.append(f"| {t} | {f(r['emvr_bce'])} | {f(r['emvr_order'])} | "
                      f"{f(r['order_minus_bce'])} | [{f(lo)}, {f(hi)}] | {f(r['tvr_bce'])} | "
-                     f"{f(r['tvr_order'])} |")
+                     f"{f(r['tvr_order'])} | {f(r['auroc_bce'])} | {f(r['auroc_order'])} | "
+                     f"{f(r['brier_bce'])} | {f(r['brier_order'])} |")
+    lines += ["", "Actor accuracy over all states: " + ", ".join(
+        f"{t} {f(res[t]['accuracy'])}" for t in ("mask", "blur")) + "."]
     return "\n".join(lines) + "\n"

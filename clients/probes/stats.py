@@ -38,6 +38,27 @@ def tvr(r: np.ndarray) -> float:
     return float(v.any(1).mean()) if len(v) else float("nan")
 
 
+def auroc(c: np.ndarray, z: np.ndarray) -> float:
+    """AUROC with correct = positive and ties counted ½ (Mann–Whitney); NaN with one class."""
+    c, z = np.asarray(c, float).ravel(), np.asarray(z, bool).ravel()
+    pos, neg = c[z], c[~z]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    order = np.argsort(np.concatenate([pos, neg]), kind="mergesort")
+    allc = np.concatenate([pos, neg])[order]
+    ranks = np.empty(len(allc))
+    ranks[order] = _average_ranks(allc)
+    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def _average_ranks(sorted_values: np.ndarray) -> np.ndarray:
+    """1-based ranks of an ascending array, tied values sharing their mean rank."""
+    n = len(sorted_values)
+    starts = np.r_[0, np.nonzero(np.diff(sorted_values))[0] + 1]
+    ends = np.r_[starts[1:], n]
+    return np.repeat((starts + ends + 1) / 2, ends - starts)
+
+
 # ---------------------------------------------------------------- trajectory grounding (§3)
 def jsd_bernoulli(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Jensen–Shannon divergence (base 2, in [0, 1]) between Bernoulli(p) and Bernoulli(q)."""

@@ -155,10 +155,10 @@ def markdown(s: dict) -> str:
                      + " | ".join(f"{fmt(v[f'pair_{a}'])} {fmt(v[f'pair_{a}_ci'])}"
                                   for a in AXES) + " | "
                      + " | ".join(fmt(v[f"p_jsd_le_0.1_{a}"]) for a in AXES) + " |")
+    ratios = list(s[_ifaces(s)[0]]["curve"]) if _ifaces(s) else []
     lines += ["", "Masking curve (mean confidence as the think block is masked; the answer "
-              "stays visible):", "", "| interface | " + " | ".join(
-                  f"{r}" for r in next(iter([s[k]["curve"] for k in _ifaces(s)]), {})) + " |",
-              "|---|" + "---|" * len(next(iter([s[k]["curve"] for k in _ifaces(s)]), {}))]
+              "stays visible):", "", "| interface | " + " | ".join(ratios) + " |",
+              "|---|" + "---|" * len(ratios)]
     for k in _ifaces(s):
         lines.append(f"| {k} | " + " | ".join(fmt(x) for x in s[k]["curve"].values()) + " |")
     h = s["hesitation"]

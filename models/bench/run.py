@@ -124,7 +124,8 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
         result: dict = {
             "command": command, "git_commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "actor": "random Qwen3-VL-2B-sized" if gpu else Path(actor.folder).name,
+            "actor": "random Qwen3-VL-2B-sized actor" if gpu else (
+                "embedded actor" if actor_dir is None else f"actor {Path(actor.folder).name}"),
             "actor_fingerprint": actor.fingerprint,
             "device": plan.device, "dtype": plan.dtype,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
