@@ -164,9 +164,14 @@ def fit_heads(
         "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
 ) -> None:
     """Fit PSR, P-State, P-Visual, temperatures, baselines and the defer threshold."""
-    from heads.fit import DirtyTree, WorseThanPrior, check_tree, refuse_worse_than_prior
+    from heads.fit import (
+        DirtyTree,
+        WorseThanPrior,
+        check_tree,
+        refuse_worse_than_prior,
+        summary_table,
+    )
     from heads.fit import fit_heads as run
-    from heads.fit import summary_table
     from models.data import load, sample
     from models.loading import load_actor
 

@@ -9,6 +9,7 @@ still load.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
 from heads.registry import Method
+from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
 CARD_VERSION = 2
@@ -38,6 +40,20 @@ LEGACY_PLATT = {"sc2": "sc_2", "sc4": "sc_4", "sc8": "sc_8", "semantic": "semant
 
 class FingerprintMismatch(RuntimeError):
     pass
+
+
+def _legacy_match(card: dict, actor_fingerprint: str, folder: Path) -> bool:
+    """A card written before the fingerprint covered tokenizer, chat template, processor
+    and system prompt still loads for the same weights and config, with a warning: its
+    SAPLMA, mean-log-prob and P(True) maps were fitted on older features; refit it."""
+    if "fingerprint_scheme" in card:
+        return False
+    if LEGACY_FINGERPRINTS.get(actor_fingerprint) != card["actor_fingerprint"]:
+        return False
+    warnings.warn(f"heads in {folder} predate fingerprint scheme {FINGERPRINT_SCHEME} and "
+                  "today's feature definitions; refit them with `dualread fit-heads`",
+                  stacklevel=3)
+    return True
 
 
 class _Temperature:
@@ -163,7 +179,8 @@ class Heads:
                 tensors[f"{name}.{k}"] = v.contiguous()
         save_file(tensors, str(folder / "heads.safetensors"))
         card = {**card, "card_version": CARD_VERSION,
-                "actor_fingerprint": self.actor_fingerprint, "feature_dim": self.dim,
+                "actor_fingerprint": self.actor_fingerprint,
+                "fingerprint_scheme": FINGERPRINT_SCHEME, "feature_dim": self.dim,
                 "feature_schema": FEATURE_SCHEMA, "kappa": self.kappa,
                 "methods": [m.name for m in registry.registered() if self.has(m)],
                 "temperatures": dict(self.temperatures),
@@ -181,7 +198,8 @@ class Heads:
         if not card_path.exists():
             raise FileNotFoundError(f"no heads at {folder} (expected heads_card.json)")
         card = json.loads(card_path.read_text())
-        if actor_fingerprint is not None and card["actor_fingerprint"] != actor_fingerprint:
+        if actor_fingerprint is not None and card["actor_fingerprint"] != actor_fingerprint \
+                and not _legacy_match(card, actor_fingerprint, folder):
             raise FingerprintMismatch(
                 f"heads in {folder} were fitted for actor {card['actor_fingerprint']}, "
                 f"not for the loaded actor {actor_fingerprint}; refit with `dualread fit-heads`")

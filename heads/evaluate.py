@@ -57,7 +57,7 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         raise ValueError(f"these heads were fitted without {', '.join(missing)}; refit them "
                          "with `dualread fit-heads` or leave those methods out")
     passes = registry.passes_for(chosen)
-    report: dict = {"actor": actor.folder, "actor_fingerprint": actor.fingerprint,
+    report: dict = {"actor": _display(actor.folder), "actor_fingerprint": actor.fingerprint,
                     "heads": heads.card.get("command", ""), "command": command,
                     "bootstrap": bootstrap, "datasets": {}}
     for spec in specs:
@@ -188,7 +188,7 @@ def _grounding_md(d: dict) -> list[str]:
     if "defer" in d:
         f = d["defer"]
         lines += [f"Defer rule of the heads on these data (τ = {f['tau']:.4f}): coverage "
-                  f"{f['coverage']:.3f}, risk among kept answers {f['risk']:.3f} "
+                  f"{f['coverage']:.3f}, risk among kept answers {f['risk']:.4f} "
                   f"({'≤' if f['risk_within_target'] else '>'} r = {f['target_risk']}).", ""]
     rows = d["methods"]
     types = sorted({t for r in rows.values() for t in r.get("auroc_by_type", {})})
@@ -201,7 +201,7 @@ def _grounding_md(d: dict) -> list[str]:
                   ""]
     head = ["method"]
     if "ccg_pairs" in d:
-        head += ["CCG natural", "|E|", "CCG strict", "|E strict|"]
+        head += ["CCG natural", "n decisive", "CCG strict", "n decisive strict"]
     head += [f"AUROC {t} (n)" for t in types]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for m, r in rows.items():
@@ -283,3 +283,13 @@ def _plots(out: Path, spec: str, scores: dict[str, np.ndarray], z: np.ndarray) -
     fig.tight_layout()
     fig.savefig(out / f"confidence_hist_{tag}.png", dpi=90)
     plt.close(fig)
+
+
+def _display(folder: str) -> str:
+    """The actor folder as a report shows it: relative to the working directory when it is
+    inside it (reports are committed; absolute paths are one machine's)."""
+    p = Path(folder).resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return p.name

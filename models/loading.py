@@ -31,6 +31,32 @@ def system_prompt_of(folder: str | Path) -> str | None:
     return json.loads(card.read_text()).get("system_prompt") if card.exists() else None
 
 
+# 2: the fingerprint covers tokenizer, chat template, processor config and system prompt.
+FINGERPRINT_SCHEME = 2
+# fingerprint -> the scheme-1 fingerprint (config + weights only) of the same folder, for
+# heads whose card predates scheme 2 (`Heads.load` accepts them with a warning)
+LEGACY_FINGERPRINTS: dict[str, str] = {}
+
+
+def _weights_hash(h, folder: Path) -> None:
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(n))
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, f.stat().st_size - (1 << 20)))
+            h.update(fh.read())
+
+
+def legacy_fingerprint(folder: str | Path) -> str:
+    """Scheme 1: config.json and the weights only."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    _weights_hash(h, folder)
+    return h.hexdigest()[:16]
+
+
 def fingerprint(folder: str | Path) -> str:
     """A cheap identity of an actor: weights, tokenizer, chat template, processor config
     and system prompt (every state the heads read depends on all of them).
@@ -47,14 +73,10 @@ def fingerprint(folder: str | Path) -> str:
             h.update(f"<{name}>".encode())
             h.update(f.read_bytes())
     h.update(f"<system>{system_prompt_of(folder)!r}".encode())
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            h.update(fh.read(n))
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, f.stat().st_size - (1 << 20)))
-            h.update(fh.read())
-    return h.hexdigest()[:16]
+    _weights_hash(h, folder)
+    fp = h.hexdigest()[:16]
+    LEGACY_FINGERPRINTS[fp] = legacy_fingerprint(folder)
+    return fp
 
 
 def load_actor(folder: str | Path | None = None, device: str = "cpu",

@@ -27,7 +27,11 @@ def test_embedded_actor_answers_and_looks(embedded):
 def test_embedded_heads_match_the_actor(embedded):
     heads = Heads.load(None, embedded.fingerprint)
     card = json.loads((EMBEDDED_HEADS / "heads_card.json").read_text())
-    assert card["actor_fingerprint"] == embedded.fingerprint
+    if "fingerprint_scheme" in card:
+        assert card["actor_fingerprint"] == embedded.fingerprint
+    else:   # a card from before fingerprint scheme 2: same weights and config (refit due)
+        from models.loading import legacy_fingerprint
+        assert card["actor_fingerprint"] == legacy_fingerprint(EMBEDDED_ACTOR)
     assert card["defer"]["feasible"] and 0 < card["defer"]["coverage"] <= 1
     it = load("easyvqa:test")[0]
     r = embedded.answer([it.image()], [it.question])[0]

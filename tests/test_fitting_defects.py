@@ -306,3 +306,29 @@ def test_risk_coverage_treats_ties_as_one_block():
     cov2, risk2 = risk_coverage(c, z2)
     np.testing.assert_allclose(cov2, [0.2, 1.0])
     np.testing.assert_allclose(risk2, [0.0, 0.4])
+
+
+def test_old_cards_load_only_for_the_same_weights_with_a_warning(tmp_path):
+    """Cards written before the fingerprint covered tokenizer etc. load for the same
+    weights and config (scheme-1 fingerprint), warning to refit; new cards match exactly."""
+    from heads.dualread import FingerprintMismatch, Heads
+    from models.loading import fingerprint, legacy_fingerprint
+
+    folder = _actor_folder(tmp_path)
+    fp, old = fingerprint(folder), legacy_fingerprint(folder)
+    assert fp != old
+    heads = Heads.new(4)
+    heads.actor_fingerprint = fp
+    heads.save(tmp_path / "new", {})
+    assert Heads.load(tmp_path / "new", fp).actor_fingerprint == fp
+    card = json.loads((tmp_path / "new" / "heads_card.json").read_text())
+    card["actor_fingerprint"] = old
+    (tmp_path / "new" / "heads_card.json").write_text(json.dumps(card))
+    with pytest.raises(FingerprintMismatch):       # a scheme-2 card must match exactly
+        Heads.load(tmp_path / "new", fp)
+    del card["fingerprint_scheme"]
+    (tmp_path / "new" / "heads_card.json").write_text(json.dumps(card))
+    with pytest.warns(UserWarning, match="refit"):
+        Heads.load(tmp_path / "new", fp)
+    with pytest.raises(FingerprintMismatch):
+        Heads.load(tmp_path / "new", "0" * 16)

@@ -131,6 +131,15 @@ def test_tgs_of_an_interface_that_ignores_the_trajectory_is_zero():
     assert s["hesitation"] == "none"
 
 
+def test_tgs_keys_exist_when_nothing_could_be_scored():
+    empty = {"image_id": "a", "z": True, "interfaces": list(IFACES), "masked_tokens": 0,
+             "scores": {}, "variants": {}, "hesitations": 0}
+    s = tgs_probe.summarise([empty], CFG)
+    assert s["n_self"] == 0 and s["n_pair_vision"] == 0
+    for k in IFACES:
+        assert math.isnan(s[k]["self"]) and math.isnan(s[k]["pair"])
+
+
 def test_tgs_grounded_interface_by_hand():
     recs = [tgs_record("a", 0.9, 0.5, 0.2), tgs_record("b", 0.8, 0.6, 0.4),
             tgs_record("c", 0.8, 0.0, 0.0, z=False)]    # wrong answer: no pair
@@ -407,7 +416,7 @@ def service(actor_dirs, actors, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--actor", actor_dirs["qwen3_vl"],
-         "--heads", heads, "--port", str(port), "--max-new-tokens", "8",
+         "--heads", heads, "--port", str(port), "--max-new-tokens", "12",
          "--max-batch-size", "16", "--batch-wait-ms", "20", "--queue-limit", "64"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)

@@ -73,6 +73,23 @@ def test_ece_truncates_into_bins_not_rounds():
     assert ece(np.array([1.0, 0.0]), np.array([1, 0]), 15) == pytest.approx(0.0)
 
 
+def test_ece_edges_small_inputs_and_range():
+    # .95 and 1.0 share the last bin (1.0 is not a bin of its own): gap |.5 - .975|
+    assert ece(np.array([0.95, 1.0]), np.array([1, 0]), 15) == pytest.approx(0.475)
+    assert ece(np.array([0.3]), np.array([1]), 15) == pytest.approx(0.7)
+    assert math.isnan(ece(np.array([]), np.array([]), 15))
+    for bad in ([1.5, 0.2], [-0.1, 0.2], [float("nan"), 0.2]):
+        with pytest.raises(ValueError):
+            ece(np.array(bad), np.array([1, 0]), 15)
+
+
+def test_auroc_one_class_is_nan():
+    from heads.metrics import auroc
+
+    assert math.isnan(auroc(np.array([0.2, 0.7]), np.array([0, 0])))
+    assert math.isnan(auroc(np.array([0.2, 0.7]), np.array([1, 1])))
+
+
 def test_ece_matches_explicit_edges_on_random_data():
     rng = np.random.default_rng(3)
     c = rng.uniform(size=400)
@@ -131,6 +148,9 @@ def test_fit_platt_recovers_a_known_map_and_handles_one_class():
     assert a1 == 0.0 and b1 == pytest.approx(math.log((1 + 1e-6) / 1e-6))
     a0, b0 = fit_platt(np.arange(4.0), np.zeros(4, int))
     assert a0 == 0.0 and b0 == pytest.approx(math.log(1e-6 / (1 + 1e-6)))
+    # a constant score cannot rank: slope 0, intercept the log-odds of the base rate (3:1)
+    ac, bc = fit_platt(np.full(4, 0.3), np.array([0, 1, 1, 1]))
+    assert ac == pytest.approx(0.0, abs=1e-6) and bc == pytest.approx(math.log(3), abs=1e-4)
 
 
 # ------------------------------------------------------------------ Heads.score wiring

@@ -118,8 +118,8 @@ def cluster_bootstrap(clusters: Sequence[str], stat: Callable[[np.ndarray], floa
                       resamples: int = 1000, seed: int = 42) -> Interval:
     """Percentile 95% CI resampling clusters (images) with all their items; the one
     image-cluster bootstrap of `clients.maths`."""
-    if not len(clusters) or resamples <= 0:
-        return NAN_CI
+    if not len(clusters) or resamples <= 0 or not np.isfinite(stat(np.arange(len(clusters)))):
+        return NAN_CI                     # undefined on the whole sample: no interval
     return resample_clusters(clusters, stat, resamples, seed)
 
 

@@ -66,15 +66,16 @@ def plan(response: str, question: str, key: str, cfg: Config
 
 async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     real = await memo.real()
+    ifaces = list(real["confidence"])
     if not real["response"].strip():   # nothing to score (the service refuses empty text)
-        return {"image_id": item.image_id, "z": real["z"], "masked_tokens": 0, "scores": {},
-                "variants": {}, "hesitations": 0}
+        return {"image_id": item.image_id, "z": real["z"], "interfaces": ifaces,
+                "masked_tokens": 0, "scores": {}, "variants": {}, "hesitations": 0}
     labels, trajs, masks, variants = plan(real["response"], item.question,
                                           f"{ctx.cfg.seed}:{item.id}", ctx.cfg)
     scores = await ctx.client.score_batch(pixels(item)(), item.question, trajs, masks)
     full = f"mask:{max(ctx.cfg.mask_ratios):g}:0"
     by = dict(zip(labels, scores))
-    return {"image_id": item.image_id, "z": real["z"],
+    return {"image_id": item.image_id, "z": real["z"], "interfaces": ifaces,
             "masked_tokens": by[full].masked_tokens if full in by else 0,
             "scores": {k: s.confidence.model_dump() for k, s in by.items()},
             "variants": variants,
@@ -101,7 +102,8 @@ def summarise(records: list[dict], cfg: Config) -> dict:
                           "trajectories": sum(r["hesitations"] > 0 for r in records)}
                          if events else "none")
     full = f"mask:{max(cfg.mask_ratios):g}:0"
-    for k in interfaces(records, lambda r: r["scores"].get("good")):
+    for k in interfaces(records, lambda r: dict.fromkeys(r.get("interfaces", ()))
+                        or r["scores"].get("good")):
         good = np.array([r["scores"]["good"][k] for r in selfset])
         masked = np.array([r["scores"][full][k] for r in selfset]) if selfset else good
         d_self = good - masked
