@@ -133,14 +133,19 @@ def evaluate_actor(
     limit: Annotated[int | None, typer.Option("--limit")] = None,
     device: DeviceOpt = "cpu",
     batch: Annotated[int, typer.Option("--batch")] = 32,
+    confidence: Annotated[bool, typer.Option(
+        "--confidence", help="also the stated digit, μ(C) and its AUROC (capture readout)")
+    ] = False,
 ) -> None:
     """Accuracy by answer type, well-formedness, and the blank-image drop."""
+    from models.calibrate import confidence_report
     from models.data import load, sample
     from models.evaluate import evaluate_actor as run
     from models.loading import load_actor
 
     act = load_actor(actor, device=device)
-    metrics = run(act, sample(load(data), limit), batch=batch)
+    items = sample(load(data), limit)
+    metrics = (confidence_report if confidence else run)(act, items, batch=batch)
     console.print_json(json.dumps(metrics))
 
 

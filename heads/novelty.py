@@ -55,11 +55,11 @@ def p_values(cal_scores: np.ndarray, scores: np.ndarray) -> np.ndarray:
 
 
 class Novelty:
-    def __init__(self, kind: str = "mahalanobis", feature: str = "img_mean", k: int = 5
-                 ) -> None:
+    def __init__(self, kind: str = "mahalanobis", feature: str = "img_mean", k: int = 5,
+                 max_bank: int = MAX_BANK) -> None:
         if kind not in KINDS:
             raise ValueError(f"novelty kind must be one of {KINDS}")
-        self.kind, self.feature, self.k = kind, feature, k
+        self.kind, self.feature, self.k, self.max_bank = kind, feature, k, max_bank
         self.t: dict[str, torch.Tensor] = {}      # mean, scale, precision | bank, calibration
         self.n_fit = 0
 
@@ -81,8 +81,8 @@ class Novelty:
             lw = LedoitWolf().fit(z.numpy())
             self.t["location"] = torch.from_numpy(lw.location_)
             self.t["precision"] = torch.from_numpy(lw.precision_)
-        elif self.kind == "token_knn" and len(z) > MAX_BANK:
-            keep = np.random.default_rng(0).choice(len(z), MAX_BANK, replace=False)
+        elif self.kind == "token_knn" and len(z) > self.max_bank:
+            keep = np.random.default_rng(0).choice(len(z), self.max_bank, replace=False)
             self.t["bank"] = z[np.sort(keep)]
         else:
             self.t["bank"] = z

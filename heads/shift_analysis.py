@@ -153,7 +153,8 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
     scorers, scores = {}, {}
     for fname, kind in UNSUPERVISED:
         key = f"{kind}:{fname}"
-        nov = Novelty(kind, fname).fit(feature(fname, subset(fit, rd)))
+        # a token bank of 8,000 (a fixed random subsample) keeps token_knn affordable here
+        nov = Novelty(kind, fname, max_bank=8000).fit(feature(fname, subset(fit, rd)))
         nov.calibrate(feature(fname, subset(fit, df)))
         scorers[key] = nov
         scores[key] = {n: nov.score(feature(fname, tensors[n])) for n in tensors}

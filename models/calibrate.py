@@ -232,6 +232,19 @@ def hard_pool(actor, items: list[Item], n: int, share: float, seed: int, scan: i
                   "pool": n}
 
 
+def grpo_options(recipe, split_credit: bool, digit_lr_factor: float, beta: float,
+                 tokenizer) -> dict:
+    """Keyword arguments for `models.train.grpo` beyond the recipe."""
+    extra: dict = {"beta": beta}   # > 0: KL to the parent keeps the answers where they were
+    if split_credit:
+        # Brier weight 0 in the shared advantage: the digit alone carries it.
+        extra.update(trainer_cls=split_credit_trainer(recipe.brier_weight),
+                     reward_weights=[1.0, 1.0, 0.0])
+    if digit_lr_factor != 1.0:
+        extra["optimizer"] = digit_row_optimizer(recipe.grpo_lr, digit_lr_factor, tokenizer)
+    return extra
+
+
 def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
                     eval_limit: int | None = 1000, smoke: bool = False,
                     threads: int = 1, hard_share: float = 0.0, scan: int = 6000,
@@ -271,15 +284,9 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
         n = recipe.grpo_steps * recipe.grpo_prompts * 2
         items, mined = hard_pool(load_actor(src), items, n, hard_share, recipe.seed + 3, scan)
         log.append({"stage": "mine", **mined, "elapsed_s": round(time.time() - t0, 1)})
+    extra = grpo_options(recipe, split_credit, digit_lr_factor, beta,
+                         load_actor(src).tokenizer)
     # A pool seed apart from the first GRPO stage's, so the continuation sees new prompts.
-    extra = {"beta": beta}      # > 0: KL to the parent keeps the answers where they were
-    if split_credit:
-        # Brier weight 0 in the shared advantage: the digit alone carries it.
-        extra = {"trainer_cls": split_credit_trainer(recipe.brier_weight),
-                 "reward_weights": [1.0, 1.0, 0.0]}
-    if digit_lr_factor != 1.0:
-        extra["optimizer"] = digit_row_optimizer(recipe.grpo_lr, digit_lr_factor,
-                                                 load_actor(src).tokenizer)
     grpo(src, items, recipe, out, log, pool_seed=recipe.seed + 2, gradient_checkpointing=False,
          **extra)
     grpo_s = time.time() - t0
@@ -293,7 +300,10 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
         "data": parent.get("data"),
         "continued_from": {"folder": str(src), "fingerprint": fingerprint(src),
                            "command": parent.get("command")},
-        "stage": "GRPO continuation, reward = correct + 0.2·format + W·(1 − (N/10 − z)²)",
+        "stage": "GRPO continuation: " + (
+            "answer tokens get the group-relative correct + 0.2·format advantage, the digit "
+            "W·E_p[(c/10 − z)²] (expected Brier)" if split_credit else
+            "reward = correct + 0.2·format + W·(1 − (N/10 − z)²) on every token"),
         "splits": {"grpo": "easyvqa:train, images with id % 5 != 0",
                    "evaluation": "easyvqa:test" + (f" (deterministic sample of "
                                                    f"{len(test)})" if eval_limit else "")},

@@ -7,6 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from trl import GRPOTrainer
 from typer.testing import CliRunner
 
 from app.cli import app
@@ -143,3 +145,60 @@ def test_hard_pool_mixes_in_the_misses():
     assert info == {"scanned": 40, "misses": 2, "hard_in_pool": 5, "pool": 20}
     assert len(pool) == 20 and sum(it.question in miss for it in pool) == 5
     assert {it.question for it in pool if it.question in miss} == miss
+
+
+def test_grpo_options_keep_every_setting():
+    """Each continuation switch reaches the trainer; none overwrites another."""
+    from models.calibrate import grpo_options
+
+    tok = load_actor().tokenizer
+    opts = grpo_options(SMOKE, split_credit=True, digit_lr_factor=5.0, beta=0.1, tokenizer=tok)
+    assert opts["beta"] == 0.1 and opts["reward_weights"] == [1.0, 1.0, 0.0]
+    assert issubclass(opts["trainer_cls"], GRPOTrainer) and callable(opts["optimizer"])
+    assert grpo_options(SMOKE, False, 1.0, 0.0, tok) == {"beta": 0.0}
+
+
+def test_row_scaled_adamw_against_plain_adamw():
+    """Chosen rows move `factor` times as far as under torch's AdamW; the rest the same."""
+    from models.calibrate import RowScaledAdamW
+
+    torch.manual_seed(0)
+    w0 = torch.randn(6, 4)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    ref = torch.optim.AdamW([a], lr=0.01, weight_decay=0.0)
+    opt = RowScaledAdamW([b], b, rows=[1, 4], factor=3.0, lr=0.01, weight_decay=0.0)
+    grad = torch.randn(6, 4)
+    for o, p in ((ref, a), (opt, b)):
+        p.grad = grad.clone()
+        o.step()
+    step_ref, step = (a - w0).detach(), (b - w0).detach()
+    assert torch.allclose(step[[1, 4]], 3.0 * step_ref[[1, 4]], atol=1e-7)
+    assert torch.allclose(step[[0, 2, 3, 5]], step_ref[[0, 2, 3, 5]], atol=1e-7)
+
+
+def test_digit_positions_find_the_level_token():
+    from models.calibrate import digit_positions
+
+    tok = load_actor().tokenizer
+    head = "<think>I see a red circle. so</think><answer>red</answer><confidence>"
+    rows = [tok.encode(head + "7</confidence>", add_special_tokens=False),
+            tok.encode("<think>x</think><answer>red</answer>", add_special_tokens=False)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    pos = digit_positions(tok, ids, mask)
+    assert pos.tolist() == [len(tok.encode(head, add_special_tokens=False)), -1]
+    assert tok.decode([rows[0][pos[0]]]) == "7"
+
+
+def test_evaluate_actor_confidence_agrees_with_plain_evaluation():
+    """--confidence adds μ(C) from the capture readout; accuracy, blank accuracy and
+    well-formedness match the plain (readout-free) evaluation of the same items."""
+    res = [CliRunner().invoke(app, ["evaluate-actor", "--limit", "24"] + extra)
+           for extra in ([], ["--confidence"])]
+    assert all(r.exit_code == 0 for r in res), [r.output for r in res]
+    plain, conf = (json.loads(r.stdout) for r in res)
+    for part in ("real", "blank"):
+        assert plain[part] == conf[part]
+    c = conf["confidence"]
+    assert sum(c["mu_histogram"].values()) == 24 and 0.0 <= c["mu_mean"] <= 1.0
