@@ -9,7 +9,11 @@ Scores (larger = more unusual), on features standardised with fitting-split stat
 - `mahalanobis`: distance under a Ledoit–Wolf shrunk covariance;
 - `knn`: distance to the k-th nearest fitting item;
 - `token_knn`: for token sets [M, D] (image-token states), the largest distance of any token
-  to its nearest fitting token (a patch-level score: one odd region is enough).
+  to its nearest fitting token (a patch-level score: one odd region is enough);
+- `logistic`: the decision function of a logistic regression fitted to tell the clean
+  fitting features from corrupted ones (e.g. generic corruptions, models.shift). Only the
+  score is learned from shifted data; the p-value is still calibrated on clean data alone,
+  so its validity for clean inputs does not depend on which corruptions were used.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-KINDS = ("mahalanobis", "knn", "token_knn")
+KINDS = ("mahalanobis", "knn", "token_knn", "logistic")
+LOGISTIC_C = 0.1           # inverse L2 strength on standardised features
 ALPHA = 0.01
 MAX_BANK = 50_000          # fitting tokens kept for token_knn (a deterministic subsample)
 
@@ -35,6 +40,8 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "img_std": lambda f: f["h_image"].std(1),
     "img_mean_std": lambda f: torch.cat([f["h_image"].mean(1), f["h_image"].std(1)], -1),
     "pre_img_mean": lambda f: torch.cat([f["h_pre"], f["h_image"].mean(1)], -1),
+    "pre_img_mean_std": lambda f: torch.cat([f["h_pre"], f["h_image"].mean(1),
+                                             f["h_image"].std(1)], -1),
     "img_tokens": lambda f: f["h_image"].flatten(1),
     "img_token_set": lambda f: f["h_image"],
 }
@@ -64,9 +71,12 @@ class Novelty:
         self.n_fit = 0
 
     # ------------------------------------------------------------------ fitting
-    def fit(self, x: torch.Tensor) -> Novelty:
-        """Fit on clean features: [N, D], or [N, M, D] token sets for `token_knn`."""
+    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None) -> Novelty:
+        """Fit on clean features: [N, D], or [N, M, D] token sets for `token_knn`;
+        `logistic` also needs corrupted features `x_shifted` [N', D]."""
         x = torch.as_tensor(x).double()
+        if (x_shifted is None) == (self.kind == "logistic"):
+            raise ValueError("logistic needs x_shifted; the other kinds take clean data only")
         if (x.dim() == 3) != (self.kind == "token_knn"):
             raise ValueError(f"{self.kind} takes {'[N, M, D]' if x.dim() == 2 else '[N, D]'}"
                              " features")
@@ -81,6 +91,15 @@ class Novelty:
             lw = LedoitWolf().fit(z.numpy())
             self.t["location"] = torch.from_numpy(lw.location_)
             self.t["precision"] = torch.from_numpy(lw.precision_)
+        elif self.kind == "logistic":
+            from sklearn.linear_model import LogisticRegression
+
+            zs = self._std(torch.as_tensor(x_shifted).double())
+            y = np.r_[np.zeros(len(z)), np.ones(len(zs))]
+            lr = LogisticRegression(C=LOGISTIC_C, max_iter=5000).fit(
+                torch.cat([z, zs]).numpy(), y)
+            self.t["coef"] = torch.from_numpy(lr.coef_[0].copy())
+            self.t["intercept"] = torch.from_numpy(lr.intercept_.copy())
         elif self.kind == "token_knn" and len(z) > self.max_bank:
             keep = np.random.default_rng(0).choice(len(z), self.max_bank, replace=False)
             self.t["bank"] = z[np.sort(keep)]
@@ -106,6 +125,8 @@ class Novelty:
             ).numpy()
         if self.kind == "knn":
             return self._nearest(z, self.k).numpy()
+        if self.kind == "logistic":
+            return (z @ self.t["coef"] + self.t["intercept"]).numpy()
         n, m, dim = z.shape
         return self._nearest(z.reshape(-1, dim), 1).reshape(n, m).max(1).values.numpy()
 

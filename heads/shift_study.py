@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         sets.pop("fit2", None)
     from heads.shift_analysis import analyse
 
-    analyse(data, sets, Path(args.out), command="python -m heads.shift_study " +
-            " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+    argv = sys.argv[1:] if argv is None else argv
+    analyse(data, sets, Path(args.out), command=" ".join(["python -m heads.shift_study", *argv]))
 
 
 if __name__ == "__main__":

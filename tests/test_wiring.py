@@ -148,6 +148,14 @@ def test_fit_platt_recovers_a_known_map_and_handles_one_class():
     assert a1 == 0.0 and b1 == pytest.approx(math.log((1 + 1e-6) / 1e-6))
     a0, b0 = fit_platt(np.arange(4.0), np.zeros(4, int))
     assert a0 == 0.0 and b0 == pytest.approx(math.log(1e-6 / (1 + 1e-6)))
+    # a score that falls with correctness: the slope stops at 0 (base rate, 1:1) unless
+    # a negative slope is allowed
+    s_inv = np.linspace(-2, 2, 400)
+    z_inv = (rng.uniform(size=400) < sigmoid(-2 * s_inv)).astype(int)
+    a_n, b_n = fit_platt(s_inv, z_inv)
+    assert a_n == 0.0
+    assert b_n == pytest.approx(math.log(z_inv.mean() / (1 - z_inv.mean())), abs=1e-3)
+    assert fit_platt(s_inv, z_inv, nonneg=False)[0] < -1.0
     # a constant score cannot rank: slope 0, intercept the log-odds of the base rate (3:1)
     ac, bc = fit_platt(np.full(4, 0.3), np.array([0, 1, 1, 1]))
     assert ac == pytest.approx(0.0, abs=1e-6) and bc == pytest.approx(math.log(3), abs=1e-4)
