@@ -32,7 +32,7 @@ SUPERVISED_FEATURE = "pre_img_mean_std"
 HEAD_KEYS = ("h_pre", "h_close", "phi", "h_mid", "msp", "mean_logprob", "entropy", "mu")
 
 
-# ------------------------------------------------------------------ small helpers
+# ------------------------------------------------------------------ small pieces
 def pixels(items: list[Item], side: int = 8) -> torch.Tensor:
     """A reference that is not the actor's: the image itself at 8×8 (what corrupts it)."""
     rows = [np.asarray(it.image().resize((side, side), Image.BOX), np.float64).ravel() / 255
@@ -187,6 +187,12 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
             torch.cat([feature(SUPERVISED_FEATURE, t) for t in shifted]))
         nov.calibrate(feature(SUPERVISED_FEATURE, subset(fit, df)))
         return nov, {n: nov.p_value(feature(SUPERVISED_FEATURE, t)) for n, t in tensors.items()}
+
+    # the refit recipe on clean data alone: what (b) would be without the corrupted pool
+    b0 = RefitDualRead(dim).fit(feats["fit"], fit_split, subset(fit, df), r, delta)
+    p_b0 = {n: b0.p(tensors[n]) for n in cells}
+    report["refit_clean"] = {n: cell(p_b0[n], z[n], p_b0[n] < b0.tau) for n in cells}
+    report["refit_clean_tau"] = b0.tau
 
     # (3) leave one family out (needs every family's pool)
     lofo: dict = {}
