@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-deps $(TORCH)
 	$(BIN)/pip install -q --no-deps --require-hashes -r $(LOCK)
-	$(BIN)/pip install -q --no-index --no-build-isolation -e '.[dev]' || \
+	$(BIN)/pip install -q --no-index --no-build-isolation -e '.[server,dev]' || \
 	  { echo "$(LOCK) lacks what pyproject.toml needs: run 'make lock'"; exit 1; }
 	$(BIN)/pip check
 	touch $(STAMP)
 
-# Regenerates requirements.lock from pyproject.toml (all extras the Makefile installs) with
+# Regenerates requirements.lock from pyproject.toml (the extras the Makefile installs) with
 # pip-compile, pinned in its own venv so the lock does not depend on what .venv holds.
 # Existing pins are kept unless pyproject.toml needs otherwise; `make lock UPGRADE=1` moves
 # everything to the newest allowed versions.
@@ -36,7 +36,7 @@ lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || { $(PY) -m venv $(LOCK_VENV) && \
 	  $(LOCK_VENV)/bin/pip install -q pip==26.3 pip-tools==7.6.2; }
 	printf '$(TORCH)\nsetuptools\n' | $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes \
-	  --extra dev --strip-extras --unsafe-package torch --no-emit-index-url \
+	  --extra server --extra dev --strip-extras --unsafe-package torch --no-emit-index-url \
 	  --no-emit-find-links --no-emit-trusted-host $(if $(UPGRADE),--upgrade) \
 	  --output-file $(LOCK) pyproject.toml -
 
@@ -64,7 +64,8 @@ lint: $(STAMP)
 # of the current tests; prints each survivor, then the counts and the kill rate.
 mutation: $(STAMP)
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2 > mutation.log 2>&1 || { tail -c 3000 mutation.log; exit 1; }
+	OMP_NUM_THREADS=1 DUALREAD_TEST_THREADS=1 $(BIN)/mutmut run --max-children 2 > mutation.log 2>&1 \
+	  || { tail -c 3000 mutation.log; exit 1; }
 	@$(BIN)/mutmut results
 	@$(BIN)/mutmut results --all true | awk '{n[$$NF]++; t++} END {for (s in n) print n[s], s; \
 	  printf "killed %d + timeout %d of %d mutants: %.1f%%\n", n["killed"], n["timeout"], t, \

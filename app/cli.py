@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from rich.console import Console
+try:
+    import typer
+    from rich.console import Console
+except ModuleNotFoundError as e:   # a client-only install has the script but not its stack
+    raise SystemExit(f"dualread: the command line needs the server stack ({e.name} is "
+                     'missing): pip install "dualread[server]"') from e
 
 app = typer.Typer(help="DualRead: VQA answers from a frozen VLM with grounded confidence.",
                   no_args_is_help=True, add_completion=False)
@@ -167,8 +171,15 @@ def fit_heads(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     allow_dirty: Annotated[bool, typer.Option(
         "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
+    novelty: Annotated[bool, typer.Option(
+        "--novelty/--no-novelty", help="fit the novelty detector of the defer rule "
+        "(corrupted copies of reader-split items)")] = True,
+    novelty_per_family: Annotated[int, typer.Option(
+        "--novelty-per-family", min=1, help="corrupted reader-split items per corruption "
+        "family for the novelty detector")] = 250,
 ) -> None:
-    """Fit PSR, P-State, P-Visual, temperatures, baselines and the defer threshold."""
+    """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold and the
+    novelty detector."""
     from heads.fit import (
         DirtyTree,
         WorseThanPrior,
@@ -188,7 +199,7 @@ def fit_heads(
     act = load_actor(actor, device=device)
     items = sample(load(data), limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
-                      seed=seed)
+                      seed=seed, novelty=novelty, novelty_per_family=novelty_per_family)
     console.print(summary_table(info["defer_split_metrics"]))
     try:
         refuse_worse_than_prior(info)
@@ -197,6 +208,7 @@ def fit_heads(
         raise typer.Exit(3) from e
     cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
     cmd += " --allow-dirty" if allow_dirty else ""
+    cmd += f" --novelty-per-family {novelty_per_family}" if novelty else " --no-novelty"
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
             "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
     heads.save(out, card)
@@ -204,6 +216,7 @@ def fit_heads(
     console.print(f"defer below tau={pol.tau:.4f}: coverage {pol.coverage:.3f}, risk "
                   f"{pol.empirical_risk:.3f} (bound {pol.risk_upper_bound:.3f} <= r="
                   f"{pol.target_risk} w.p. {1 - pol.delta:.2f}); feasible={pol.feasible}")
+    console.print(f"defer rule: {heads.defer_rule}")
 
 
 @app.command()
@@ -252,6 +265,7 @@ def serve(
     heads: HeadsOpt = None,
     device: Annotated[str | None, _serve_opt("device")] = None,
     dtype: Annotated[str | None, _serve_opt("dtype")] = None,
+    threads: Annotated[int | None, _serve_opt("threads")] = None,
     host: Annotated[str | None, _serve_opt("host")] = None,
     port: Annotated[int | None, _serve_opt("port")] = None,
     max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
@@ -288,11 +302,12 @@ def serve(
     import uvicorn
 
     from app.main import create_app
-    from app.settings import Settings
+    from app.settings import Settings, apply_threads
 
     given = {k: v for k, v in dict(
         actor=str(actor) if actor else None, heads=str(heads) if heads else None,
-        device=device, dtype=dtype, host=host, port=port, max_batch_size=max_batch_size,
+        device=device, dtype=dtype, threads=threads, host=host, port=port,
+        max_batch_size=max_batch_size,
         batch_wait_ms=batch_wait_ms, queue_limit=queue_limit,
         request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
         max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,
@@ -301,6 +316,7 @@ def serve(
         metrics_require_key=metrics_require_key,
         docs_require_key=docs_require_key).items() if v is not None}
     settings = Settings(**given)
+    apply_threads(settings)
     if ray:
         try:
             from app.ray_deploy import serve_forever

@@ -1,10 +1,15 @@
 """The model worker: one thread owns the model; compatible jobs coalesce into micro-batches.
 
 Jobs with the same key (handler name + compatibility key, e.g. the generation limit)
-that arrive within the wait window, up to the max batch, run as one call in a single
-worker thread, so the event loop never blocks on the model. Jobs with different keys never
-share a batch. The queue is bounded: a full queue is refused at once (429) rather than
-growing latency.
+run as one call, up to the max batch, in a single worker thread, so the event loop never
+blocks on the model. Jobs with different keys never share a batch. The queue is bounded: a
+full queue is refused at once (429) rather than growing latency.
+
+A batch takes every compatible job already queued (those that arrived while the previous
+batch ran). It then waits up to the wait window for more only while it holds fewer jobs
+than the previous batch of its group did: that many callers were recently active and are
+likely about to send again. A lone caller therefore never pays the window, and concurrent
+callers still meet in one batch.
 
 Contract with a handler: it receives the payloads and deadlines of one batch and returns
 one entry per job, in order: a result, or an exception instance for that job alone. If it
@@ -45,7 +50,13 @@ class Job:
 
     @property
     def queued_s(self) -> float:
-        return max(0.0, self.started - self.enqueued)
+        return queued_seconds(self.enqueued, self.started)
+
+
+def queued_seconds(enqueued: float, started: float) -> float:
+    """Time a job waited in the queue; 0 before it starts (a plain function, not the
+    property, so that mutation testing reaches it)."""
+    return max(0.0, started - enqueued)
 
 
 class BatcherHooks:
@@ -75,6 +86,8 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.inflight = 0
         self.closed = False
+        # size of each group's previous batch: how many callers its window waits for
+        self.expect: dict[tuple[str, Hashable], int] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -152,11 +165,13 @@ class Batcher:
         loop = asyncio.get_running_loop()
         batch = [first]
         until = loop.time() + self.wait
-        while len(batch) < self.max_batch:
+        while len(batch) < self.max_batch and not self.closed:   # stop() ends a wait
             job = self._take(first.group)
             if job is not None:
                 batch.append(job)
                 continue
+            if len(batch) >= self.expect.get(first.group, 1):   # nobody else is coming
+                break
             left = until - loop.time()
             if left <= 0:
                 break
@@ -173,8 +188,25 @@ class Batcher:
             if first is None:      # closed
                 return
             batch = await self._gather(first)
-            self.hooks.depth_changed(self.depth)
-            await self._run(batch)
+            self.expect[first.group] = len(batch)
+            await self._dispatch(batch)
+
+    async def _dispatch(self, jobs: list[Job]) -> None:
+        """Run jobs taken off the queue: still-usable ones, one model call per group.
+
+        `_loop` passes one group; `app.ray_deploy.ServeBatcher` passes what
+        `@serve.batch` gathered, which may mix groups and still sit in the queue.
+        """
+        for job in jobs:
+            if job in self.queue:         # stop() may have refused it already
+                self.queue.remove(job)
+        self.hooks.depth_changed(self.depth)
+        groups: dict[tuple[str, Hashable], list[Job]] = {}
+        for job in jobs:
+            if self._usable(job):
+                groups.setdefault(job.group, []).append(job)
+        for group in groups.values():
+            await self._run(group)
 
     async def _run(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()

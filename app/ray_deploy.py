@@ -28,7 +28,7 @@ from app.errors import ShuttingDown
 from app.main import create_app
 from app.ray_proxy import PROXY_ENV
 from app.service import Service
-from app.settings import Settings
+from app.settings import Settings, apply_threads
 
 APP_NAME = "dualread"
 REPLICA_HEADER = "x-dualread-replica"
@@ -60,17 +60,9 @@ class ServeBatcher(Batcher):
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01, max_concurrent_batches=1)
     async def _batch(self, jobs: list[Job]) -> list[None]:
-        """Results go to each job's future; @serve.batch only gathers the jobs."""
-        for job in jobs:
-            if job in self.queue:             # stop() may have refused it already
-                self.queue.remove(job)
-        self.hooks.depth_changed(self.depth)
-        groups: dict[Any, list[Job]] = {}
-        for job in jobs:
-            if self._usable(job):
-                groups.setdefault(job.group, []).append(job)
-        for group in groups.values():
-            await self._run(group)
+        """Results go to each job's future; @serve.batch only gathers the jobs, and the
+        Batcher's own dispatch runs them."""
+        await self._dispatch(jobs)
         return [None] * len(jobs)
 
     async def stop(self) -> None:
@@ -110,6 +102,7 @@ class ReplicaHeader:
 class DualRead:
     def __init__(self, settings: dict[str, Any]) -> None:
         s = self.settings = Settings(**settings)
+        apply_threads(s)
         # Loaded here, not in the background: Serve routes to a replica only once its
         # constructor has returned, so no request meets a model that is still loading.
         service = Service(s.actor, s.heads, s.device, s.dtype)

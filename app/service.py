@@ -14,6 +14,7 @@ from app.serving import (
     AnswerItem,
     AnswerResult,
     Confidences,
+    NoveltyResult,
     ScoreItem,
     ScoreResult,
     StageTimes,
@@ -28,8 +29,7 @@ AnswerJob = AnswerItem   # the earlier name
 
 
 def _confidences(c: dict[str, float]) -> Confidences:
-    return Confidences(dualread=c["dualread"], psr=c["psr"], per=c["per"],
-                       verbalized=c["verbalized"])
+    return Confidences.from_scores(c)
 
 
 class Service:
@@ -72,24 +72,26 @@ class Service:
             raise QuestionInvalid("question is empty")
         if len(q) > max_chars:
             raise QuestionInvalid(f"question is longer than {max_chars} characters")
-        reserved = self.actor.reserved_tokens_in(q)
-        if reserved:
-            raise QuestionInvalid(f"question contains reserved token(s) {', '.join(reserved)}")
-        n = self.actor.count_tokens(q)
-        if n > max_tokens:
-            raise QuestionInvalid(f"question is {n} tokens, over the limit of {max_tokens}")
+        self._check_tokens(q, max_tokens, QuestionInvalid, "question ")
         return q
 
     def check_response(self, response: str, max_tokens: int) -> str:
         """The text that will be scored (masks index into it), or TrajectoryInvalid."""
         text = self.actor.score_text(response)
+        self._check_tokens(text, max_tokens, TrajectoryInvalid)
+        return text
+
+    def _check_tokens(self, text: str, max_tokens: int, error: type[Exception],
+                      subject: str = "") -> None:
+        """No reserved (template) token, at most `max_tokens` tokens; `subject` starts the
+        message ("question " for questions; a trajectory's error names its field itself)."""
         reserved = self.actor.reserved_tokens_in(text)
         if reserved:
-            raise TrajectoryInvalid(f"contains reserved token(s) {', '.join(reserved)}")
+            raise error(f"{subject}contains reserved token(s) {', '.join(reserved)}")
         n = self.actor.count_tokens(text)
         if n > max_tokens:
-            raise TrajectoryInvalid(f"{n} tokens, over the limit of {max_tokens}")
-        return text
+            count = f"{subject}is {n}" if subject else str(n)
+            raise error(f"{count} tokens, over the limit of {max_tokens}")
 
     # ------------------------------------------------------------------ batch handlers
     def answer_batch(self, items: list[AnswerItem], deadlines: list[float]
@@ -98,24 +100,46 @@ class Service:
         res = self.actor.answer([i.image for i in items], [i.question for i in items],
                                 limit, readout="capture", deadlines=deadlines)
         now = time.monotonic()
+        live = [k for k, d in enumerate(deadlines) if now <= d]
+        scored = self._confidence_batch({k: res[k].readout for k in live})
         out: list[AnswerResult | Exception] = []
-        for r, deadline in zip(res, deadlines):
+        for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
-            out.append(self._guard(lambda r=r: self._answer(r, res.timings)))
+            out.append(self._guard(lambda r=r, c=scored.get(k): self._answer(r, res.timings, c)))
         return out
 
-    def _answer(self, r: Response, timings) -> AnswerResult:
+    def _confidence_batch(self, readouts: dict[int, Any]
+                          ) -> dict[int, tuple[dict[str, float], float]]:
+        """Served confidences of a whole batch in one call of the readers, with each item's
+        share of the seconds; {} when that call fails (each item then scores alone, so a
+        bad readout fails only its own item)."""
+        if not readouts:
+            return {}
         t = time.perf_counter()
-        conf = _confidences(self.heads.confidence(r.readout))
-        heads_s = time.perf_counter() - t
+        try:
+            confs = self.heads.confidence_batch(list(readouts.values()))
+        except Exception:
+            return {}
+        each = (time.perf_counter() - t) / len(readouts)
+        return {k: (c, each) for k, c in zip(readouts, confs)}
+
+    def _answer(self, r: Response, timings,
+                scored: tuple[dict[str, float], float] | None = None) -> AnswerResult:
+        t = time.perf_counter()
+        c, batch_s = scored if scored is not None else (self.heads.confidence(r.readout), 0.0)
+        conf = _confidences(c)
+        nov = self.heads.novelty_of(r.readout)      # None: these heads have no detector
+        heads_s = time.perf_counter() - t + batch_s
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
-        defer = self.heads.defer(conf.dualread) or problem is not None
+        # the heads hold the whole rule: τ, the novelty p-value against α, the parse check
+        defer, reason = self.heads.decide(conf.dualread, nov.p_value if nov else None, problem)
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
-            defer=defer, defer_reason=problem,
-            timings=StageTimes(timings.generate, timings.readout, heads_s))
+            defer=defer, defer_reason=reason,
+            timings=StageTimes(timings.generate, timings.readout, heads_s),
+            novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel))
 
     def score_batch(self, items: list[ScoreItem], deadlines: list[float]
                     ) -> list[ScoreResult | Exception]:

@@ -13,7 +13,7 @@ import base64
 import binascii
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Any, Protocol
 
 from PIL import Image
@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from app.engine import Batcher, BatcherHooks, Job
 from app.errors import DeadlineExceeded, InvalidInput, NotReady, ShuttingDown, TrajectoryInvalid
 from app.settings import Settings
+from clients.schemas import SERVED_CONFIDENCES
 from models.images import ImageError, ImageTooLarge, open_image
 from models.masking import MaskSpec, char_span
 
@@ -42,16 +43,23 @@ class ScoreItem:
     mask: MaskSpec | None
 
 
-@dataclass(frozen=True)
-class Confidences:
-    dualread: float
-    psr: float
-    per: float
-    verbalized: float
+def _minus(self: Confidences, other: Confidences) -> Confidences:
+    """Field by field, self minus other (`confidence_difference`)."""
+    return type(self)(**{n: getattr(self, n) - getattr(other, n) for n in SERVED_CONFIDENCES})
 
-    def minus(self, other: Confidences) -> Confidences:
-        return Confidences(self.dualread - other.dualread, self.psr - other.psr,
-                           self.per - other.per, self.verbalized - other.verbalized)
+
+def _from_scores(cls: type[Confidences], scores: dict[str, float]) -> Confidences:
+    """The served fields of a method → score mapping (`Heads.confidence`); a missing one is
+    a KeyError naming it."""
+    return cls(**{n: scores[n] for n in SERVED_CONFIDENCES})
+
+
+# One float per field of `/answer`'s confidence, in the same order: built from the one list
+# (`clients.schemas.SERVED_CONFIDENCES`) rather than written out again.
+Confidences = make_dataclass(
+    "Confidences", [(n, float) for n in SERVED_CONFIDENCES], frozen=True,
+    namespace={"minus": _minus, "from_scores": classmethod(_from_scores)})
+Confidences.__module__ = __name__    # pickles by name (Ray passes results between processes)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,15 @@ class StageTimes:
 
 
 @dataclass(frozen=True)
+class NoveltyResult:
+    """The novelty detector's reading of one answer (`heads.novelty`)."""
+
+    score: float
+    p_value: float
+    novel: bool            # p_value < α: defers the answer
+
+
+@dataclass(frozen=True)
 class AnswerResult:
     answer: str
     canonical: str
@@ -72,6 +89,7 @@ class AnswerResult:
     defer: bool
     defer_reason: str | None
     timings: StageTimes
+    novelty: NoveltyResult | None = None     # None: the heads have no novelty detector
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ class Settings(BaseSettings):
     heads: str | None = Field(None, description="heads folder; default: the embedded heads")
     device: str = Field("cpu", description="cpu or cuda")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of the worker; default: torch's own")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
     max_batch_size: int = Field(8, ge=1, le=256, description="jobs per model batch")
@@ -34,3 +36,15 @@ class Settings(BaseSettings):
     docs_require_key: bool = Field(
         True, description="with an API key, /docs, /redoc and /openapi.json need it")
     feedback_window: int = Field(500, ge=10, description="answers in the feedback window")
+
+
+def apply_threads(settings: Settings) -> None:
+    """Set torch's CPU thread count when `threads` is given (process-wide, at startup).
+
+    On a CPU shared with other work, one thread per worker is much faster than torch's
+    default of one per core: its threads spin waiting for each other when cores are busy.
+    """
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)

@@ -100,6 +100,24 @@ def _trajectories(responses: Sequence[str], masks: Sequence[dict | None] | None)
     return [{"response": r, "mask": _mask(m)} for r, m in zip(responses, masks)]
 
 
+BATCH_PATH = "/probe/score_batch"
+
+
+def _batch_body(b64: str, question: str, chunk: list[dict]) -> dict:
+    return {"image": b64, "question": question, "trajectories": chunk}
+
+
+def _batch_results(client: DualReadClient | AsyncDualReadClient, r: httpx.Response
+                   ) -> list[TrajectoryScore] | None:
+    """The results of a batch-scoring reply, or None from a server without the route
+    (404/405); either way the client remembers which kind of server it talks to."""
+    client.batch_scoring = r.status_code not in (404, 405)
+    if not client.batch_scoring:
+        return None
+    _raise_for(r, BATCH_PATH)
+    return ScoreBatchResponse.model_validate(r.json()).results
+
+
 class DualReadClient:
     """Blocking client; every method returns the typed response body."""
 
@@ -169,14 +187,11 @@ class DualReadClient:
         for start in range(0, len(trajs), MAX_TRAJECTORIES):
             chunk = trajs[start:start + MAX_TRAJECTORIES]
             if self.batch_scoring is not False:
-                r = self._request("POST", "/probe/score_batch",
-                                  {"image": b64, "question": question, "trajectories": chunk})
-                if r.status_code not in (404, 405):
-                    self.batch_scoring = True
-                    _raise_for(r, "/probe/score_batch")
-                    out += ScoreBatchResponse.model_validate(r.json()).results
+                got = _batch_results(self, self._request(
+                    "POST", BATCH_PATH, _batch_body(b64, question, chunk)))
+                if got is not None:
+                    out += got
                     continue
-                self.batch_scoring = False
             out += [TrajectoryScore.model_validate(
                 self.score(image, question, t["response"], t["mask"]).model_dump())
                 for t in chunk]
@@ -272,15 +287,11 @@ class AsyncDualReadClient:
         for start in range(0, len(trajs), MAX_TRAJECTORIES):
             chunk = trajs[start:start + MAX_TRAJECTORIES]
             if self.batch_scoring is not False:
-                r = await self._request("POST", "/probe/score_batch",
-                                        {"image": b64, "question": question,
-                                         "trajectories": chunk})
-                if r.status_code not in (404, 405):
-                    self.batch_scoring = True
-                    _raise_for(r, "/probe/score_batch")
-                    out += ScoreBatchResponse.model_validate(r.json()).results
+                got = _batch_results(self, await self._request(
+                    "POST", BATCH_PATH, _batch_body(b64, question, chunk)))
+                if got is not None:
+                    out += got
                     continue
-                self.batch_scoring = False
             done = await asyncio.gather(*(self.score(image, question, t["response"], t["mask"])
                                           for t in chunk))
             out += [TrajectoryScore.model_validate(d.model_dump()) for d in done]

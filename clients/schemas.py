@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
                "pLvAAAAAElFTkSuQmCC")
@@ -30,17 +30,40 @@ class AnswerRequest(_Request):
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
 
 
-class Confidence(BaseModel):
-    """Confidences of one run, or (in `confidence_difference`) real minus counterfactual."""
+# The confidence fields of `/answer` (and of the probe routes), in response order, with
+# their OpenAPI descriptions: the one list. `Confidence` below and the serving layer's
+# `Confidences` are built from it, and the method registry refuses a method marked `served`
+# that is not here (heads/registry.py), so a new served method is one line here too.
+SERVED_CONFIDENCES: dict[str, str] = {
+    "dualread": "fused DualRead confidence",
+    "psr": "pre-answer branch (PSR)",
+    "per": "post-answer branch (P-State + P-Visual)",
+    "verbalized": "the actor's own μ(C)",
+}
 
-    dualread: float = Field(..., description="fused DualRead confidence")
-    psr: float = Field(..., description="pre-answer branch (PSR)")
-    per: float = Field(..., description="post-answer branch (P-State + P-Visual)")
-    verbalized: float = Field(..., description="the actor's own μ(C)")
+Confidence = create_model(
+    "Confidence",
+    __doc__="Confidences of one run, or (in `confidence_difference`) real minus "
+            "counterfactual.",
+    __module__=__name__,
+    **{name: (float, Field(..., description=text))
+       for name, text in SERVED_CONFIDENCES.items()},
+)
 
 
 # One schema: a difference of confidences has the same fields.
 ConfidenceDifference = Confidence
+
+
+class Novelty(BaseModel):
+    """How unlike the heads' fitting data the input is (a conformal novelty p-value)."""
+
+    score: float = Field(..., description="novelty score on the actor's states (larger = "
+                                          "more unusual)")
+    p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
+                                            "over the clean defer-calibration split")
+    novel: bool = Field(..., description="p_value < alpha (the heads card's novelty.alpha, "
+                                         "0.01): the answer is deferred")
 
 
 class Timings(BaseModel):
@@ -55,18 +78,24 @@ class AnswerResponse(BaseModel):
         "answer": "red", "response": "<think>I see a red circle. ...</think><answer>red</answer>"
         "<confidence>9</confidence>", "confidence": {"dualread": 0.97, "psr": 0.95,
                                                      "per": 0.98, "verbalized": 0.88},
-        "defer": False, "defer_reason": None, "defer_threshold": 0.71, "model": "3f2a...",
+        "defer": False, "defer_reason": None, "defer_threshold": 0.71,
+        "novelty": {"score": -2.3, "p_value": 0.41, "novel": False}, "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
         "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence
     defer: bool = Field(..., description="route to a clinician: confidence below threshold, "
-                                         "or the response did not parse")
+                                         "the image unlike the fitting data (novelty), or "
+                                         "the response did not parse")
     defer_reason: str | None = Field(
         None, description="why the response itself is not trusted (no answer tag, empty "
-                          "answer, repetition, truncated); null when only confidence decides")
+                          "answer, repetition, truncated) and/or that the image is unlike "
+                          "the fitting data (novelty p < alpha); null when only confidence "
+                          "decides")
     defer_threshold: float
+    novelty: Novelty | None = Field(
+        None, description="the novelty detector's reading; null when the heads have none")
     model: str = Field(..., description="actor fingerprint")
     heads: str = Field(..., description="heads artefact id")
     request_id: str = Field(..., description="server-generated; the key for /feedback")

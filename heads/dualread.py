@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
-from heads.features import FEATURE_SCHEMA, KAPPA, extract
+from heads.features import FEATURE_SCHEMA, KAPPA, extract, image_stats
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
+from heads.novelty import ALPHA, Novelty, NoveltyReading
 from heads.registry import Method
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
@@ -36,6 +37,21 @@ LEGACY_TEMPERATURES = {"T_pre": "psr", "T_post": "per", "T_state": "p_state",
                        "T_saplma": "saplma", "T_bicr": "blind_image_contrast",
                        "T_msp": "max_sequence_probability"}
 LEGACY_PLATT = {"sc2": "sc_2", "sc4": "sc_4", "sc8": "sc_8", "semantic": "semantic_uncertainty"}
+# The defer rule in words, as the card states it (SPEC §8); `Heads.decide` implements it.
+RULE = "defer if DualRead < tau or the response does not parse"
+RULE_WITH_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the response "
+                     "does not parse")
+
+
+def rule_of(novelty: Novelty | None) -> str:
+    """The defer rule in words for heads with or without a novelty detector (a plain
+    function: the `defer_rule` property only forwards here)."""
+    return RULE if novelty is None else RULE_WITH_NOVELTY
+
+
+def novelty_reason(alpha: float) -> str:
+    """`defer_reason` when the novelty detector flags the input."""
+    return f"image unlike the fitting data (novelty p < {alpha:g})"
 
 
 class FingerprintMismatch(RuntimeError):
@@ -54,6 +70,27 @@ def _legacy_match(card: dict, actor_fingerprint: str, folder: Path) -> bool:
                   "today's feature definitions; refit them with `dualread fit-heads`",
                   stacklevel=3)
     return True
+
+
+# The logic of `Heads`' properties, as plain functions: mutation testing skips decorated
+# functions, so the properties only forward here.
+def with_legacy_platt_keys(maps: dict[str, tuple[float, float]]
+                           ) -> dict[str, tuple[float, float]]:
+    """A copy of the Platt maps by method, plus the older key names as aliases."""
+    out = dict(maps)
+    out.update({old: out[new] for old, new in LEGACY_PLATT.items() if new in out})
+    return out
+
+
+def canonical_platt_keys(maps: dict[str, tuple[float, float]]
+                         ) -> dict[str, tuple[float, float]]:
+    """Platt maps keyed by canonical method name (older key names renamed)."""
+    return {LEGACY_PLATT.get(k, k): tuple(v) for k, v in maps.items()}
+
+
+def threshold_of(policy: DeferPolicy | None) -> float:
+    """τ of a policy; above any probability without one (everything is deferred)."""
+    return policy.tau if policy else DEFER_ALL_TAU
 
 
 class _Temperature:
@@ -83,6 +120,9 @@ class Heads:
     kappa: float = KAPPA
     actor_fingerprint: str = ""
     card: dict = field(default_factory=dict)
+    # conformal novelty detector on the actor's states (None: the older rule, τ alone)
+    novelty: Novelty | None = None
+    novelty_alpha: float = ALPHA
 
     t_pre = _Temperature("psr")
     t_post = _Temperature("per")
@@ -124,13 +164,11 @@ class Heads:
 
         A read-only copy for older callers; fitting writes `platt_maps`.
         """
-        out = dict(self.platt_maps)
-        out.update({old: out[new] for old, new in LEGACY_PLATT.items() if new in out})
-        return out
+        return with_legacy_platt_keys(self.platt_maps)
 
     @platt.setter
     def platt(self, maps: dict[str, tuple[float, float]]) -> None:
-        self.platt_maps = {LEGACY_PLATT.get(k, k): tuple(v) for k, v in maps.items()}
+        self.platt_maps = canonical_platt_keys(maps)
 
     def has(self, method: Method) -> bool:
         """Whether this artefact holds every reader the method needs."""
@@ -148,9 +186,19 @@ class Heads:
 
     def confidence(self, readout) -> dict[str, float]:
         """The online view for one readout: the methods marked `served` (`/answer`)."""
-        f = {k: v[None] for k, v in extract(readout, self.kappa).items()}
-        return {m.name: float(m.score(self, f)[0]) for m in registry.registered()
-                if m.served and self.has(m)}
+        return self.confidence_batch([readout])[0]
+
+    def confidence_batch(self, readouts: list) -> list[dict[str, float]]:
+        """`confidence` of several readouts, each reader run once over all of them: per
+        item, the readers' calls and not their arithmetic were most of the cost."""
+        if not readouts:
+            return []
+        feats = [extract(ro, self.kappa) for ro in readouts]
+        f = {k: torch.stack([x[k] for x in feats]) for k in feats[0]}
+        scores = {m.name: m.score(self, f) for m in registry.registered()
+                  if m.served and self.has(m)}
+        return [{name: float(s[i]) for name, s in scores.items()}
+                for i in range(len(readouts))]
 
     def saplma_logits(self, h_mid: torch.Tensor) -> torch.Tensor:
         return state_baselines.saplma_logits(self, h_mid)
@@ -164,10 +212,36 @@ class Heads:
     @property
     def defer_threshold(self) -> float:
         """τ; above any probability when there is no policy (everything is deferred)."""
-        return self.policy.tau if self.policy else DEFER_ALL_TAU
+        return threshold_of(self.policy)
 
     def defer(self, p: float) -> bool:
         return True if self.policy is None else self.policy.defer(p)
+
+    # ------------------------------------------------------------- the defer rule
+    def novelty_of(self, readout) -> NoveltyReading | None:
+        """Score, conformal p-value and flag of one readout; None without a detector."""
+        if self.novelty is None:
+            return None
+        mean, std = image_stats(readout.h_image)
+        f = {"h_pre": readout.h_pre.float()[None], "img_mean": mean[None],
+             "img_std": std[None]}
+        return self.novelty.read(f, self.novelty_alpha)[0]
+
+    @property
+    def defer_rule(self) -> str:
+        return rule_of(self.novelty)
+
+    def decide(self, p_dualread: float, novelty_p: float | None = None,
+               problem: str | None = None) -> tuple[bool, str | None]:
+        """The whole defer rule in one place: (defer, reason). Defer when DualRead < τ,
+        when the novelty p-value is below α, or when the response has a `problem`; the
+        reason names the problem and/or the novelty flag (None when only τ decides)."""
+        novel = novelty_p is not None and self.novelty is not None and \
+            novelty_p < self.novelty_alpha
+        reasons = [r for r in (problem, novelty_reason(self.novelty_alpha) if novel else None)
+                   if r is not None]
+        defer = self.defer(p_dualread) or bool(reasons)
+        return defer, "; ".join(reasons) or None
 
     # ------------------------------------------------------------- artefacts
     def save(self, folder: str | Path, card: dict) -> None:
@@ -186,9 +260,23 @@ class Heads:
                 "temperatures": dict(self.temperatures),
                 "platt": {k: list(v) for k, v in self.platt_maps.items()},
                 "prior_offsets": self.offsets,
-                "defer": self.policy.to_dict() if self.policy else None}
+                "defer": self.policy.to_dict() if self.policy else None,
+                "defer_rule": self.defer_rule,
+                "novelty": self._novelty_card(card.get("novelty"))}
+        if self.novelty is not None:
+            self.novelty.save(folder)       # novelty.safetensors + novelty.json
         self.card = card
         (folder / "heads_card.json").write_text(json.dumps(card, indent=2))
+
+    def _novelty_card(self, fit_log: dict | None) -> dict | None:
+        """The detector's card fields, after what fitting logged about it (`fit_log`)."""
+        if self.novelty is None:
+            return None
+        d = self.novelty.to_dict()
+        return {**(fit_log or {}), "kind": d["kind"], "feature": d["feature"],
+                "alpha": self.novelty_alpha, "n_fit": d["n_fit"],
+                "n_calibration": d["n_calibration"], "C": d["C"], "p_value": d["p_value"],
+                "files": ["novelty.safetensors", "novelty.json"]}
 
     @classmethod
     def load(cls, folder: str | Path | None = None, actor_fingerprint: str | None = None
@@ -218,6 +306,10 @@ class Heads:
         heads.offsets = dict(card.get("prior_offsets", {}))
         heads.policy = DeferPolicy(**card["defer"]) if card.get("defer") else None
         heads.kappa = card.get("kappa", KAPPA)
+        # older artefacts have no detector: novelty stays None, the rule is τ alone
+        if card.get("novelty"):
+            heads.novelty = Novelty.load(folder)
+            heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card
         return heads

@@ -106,8 +106,13 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
             entry.update(_grounding(heads, col, items, plan, feats, meta, scores, chosen,
                                     passes, rows, bootstrap))
         if DEFER_METHOD in scores and heads.policy is not None:
+            # the artefact's whole rule: τ on DualRead, and the novelty flag when it has one
+            flagged = None
+            if heads.novelty is not None:
+                flagged = np.array([r.novel for r in heads.novelty.read(feats,
+                                                                        heads.novelty_alpha)])
             entry["defer"] = grounding.defer_on(scores[DEFER_METHOD], z, heads.policy.tau,
-                                                heads.policy.target_risk)
+                                                heads.policy.target_risk, flagged)
         report["datasets"][spec] = entry
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
@@ -189,7 +194,10 @@ def _grounding_md(d: dict) -> list[str]:
         f = d["defer"]
         lines += [f"Defer rule of the heads on these data (τ = {f['tau']:.4f}): coverage "
                   f"{f['coverage']:.3f}, risk among kept answers {f['risk']:.4f} "
-                  f"({'≤' if f['risk_within_target'] else '>'} r = {f['target_risk']}).", ""]
+                  f"({'≤' if f['risk_within_target'] else '>'} r = {f['target_risk']})."
+                  + (f" Novelty flags {f['novelty_flag_rate']:.3f} of items (coverage with "
+                     f"τ alone {f['coverage_tau_only']:.3f})." if "novelty_flag_rate" in f
+                     else ""), ""]
     rows = d["methods"]
     types = sorted({t for r in rows.values() for t in r.get("auroc_by_type", {})})
     if "ccg_pairs" in d:

@@ -13,7 +13,10 @@ KAPPA = 0.1
 # Bump when what `extract` returns changes meaning (names, shapes, definitions): cached
 # readouts carry this version in their key, so old shards are not reused. The cache key
 # also hashes this module's source, which catches edits nobody remembered to version.
-FEATURE_SCHEMA = 3   # 3: μ in float64, mean log-prob over the answer span, SAPLMA's state
+# 3: μ in float64, mean log-prob over the answer span, SAPLMA's state
+# 4: `img_mean` / `img_std` (mean and std of the image-token states), the novelty
+#    detector's input beside h_pre
+FEATURE_SCHEMA = 4
 
 
 def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA
@@ -33,16 +36,28 @@ def phi(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA) -> torch.Ten
     return torch.cat([h_global, h_evid, h_ans * h_evid, (h_ans - h_evid).abs()])
 
 
+def image_stats(h_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (unbiased) std over the image tokens of [M, D] states, as the shift study
+    measured them; std is 0 for a single token rather than NaN."""
+    v = h_image.float()
+    std = v.std(0) if len(v) > 1 else torch.zeros_like(v[0])
+    return v.mean(0), std
+
+
 def extract(ro: Readout, kappa: float = KAPPA) -> dict[str, torch.Tensor]:
     """Everything any scorer needs from one readout, as flat float tensors."""
     ans_lp = ro.answer_logprobs
     ans_ent = ro.token_entropy[ro.answer_index] if len(ro.answer_index) else ro.token_entropy
     mu = ro.verbalized_mu
+    img_mean, img_std = image_stats(ro.h_image)
     return {
         "h_pre": ro.h_pre.float(),
         "h_close": ro.h_close.float(),
         "phi": phi(ro.h_ans.float(), ro.h_image.float(), kappa),
         "h_mid": ro.h_mid.float(),
+        # the novelty detector reads [h_pre ; img_mean ; img_std] (heads.novelty)
+        "img_mean": img_mean,
+        "img_std": img_std,
         # sequence statistics over the answer span (SPEC §7)
         "msp": ans_lp.mean().exp().reshape(1) if len(ans_lp) else torch.zeros(1),
         # over the answer span, like the other sequence scores (SPEC §7)

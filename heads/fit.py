@@ -18,11 +18,16 @@ from heads.collect import Collector
 from heads.defer import choose_threshold
 from heads.dualread import DEFER_METHOD, Heads
 from heads.metrics import METRICS
+from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
-from models.data import Item, normalise_question
+from models.data import Item, normalise_question, sample
+from models.shift import FAMILIES, SEVERITIES, shift_items
 
 console = Console(stderr=True)
 SPLITS = {"reader": 0.6, "temperature": 0.8, "defer": 1.0}   # cumulative shares of images
+# corrupted copies of reader-split items per corruption family for the novelty detector
+# (the shift study's pool: 250 per family)
+NOVELTY_PER_FAMILY = 250
 
 
 def image_split(image_id: str, salt: str = "dualread") -> str:
@@ -62,11 +67,13 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
 
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
-              max_new_tokens: int = 64) -> tuple[Heads, dict]:
-    """Fit every registered method on image-disjoint splits, then the defer threshold τ."""
+              max_new_tokens: int = 64, novelty: bool = True,
+              novelty_per_family: int = NOVELTY_PER_FAMILY) -> tuple[Heads, dict]:
+    """Fit every registered method on image-disjoint splits, then the defer threshold τ,
+    then (with `novelty`) the novelty detector of the defer rule (SPEC §8)."""
     methods = registry.registered()
     col = Collector(actor, cache_dir, max_new_tokens)
-    on_all = registry.passes_for([m for m in methods if m.fit_passes_on == "all"])
+    on_all = registry.fit_passes_for(methods, "all")
     feats, meta = col.run(items, passes=on_all, label="readouts (fit)")
     z = feats["z"]
     splits = splits_of(meta)
@@ -83,7 +90,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
     scoped = {}
     for split in dict.fromkeys(m.fit_passes_on for m in methods
                                if m.fit_passes_on not in (None, "all")):
-        need = registry.passes_for([m for m in methods if m.fit_passes_on == split])
+        need = registry.fit_passes_for(methods, split)
         sub = [items[i] for i in splits[split].tolist()]
         scoped[split], _ = Collector(actor, cache_dir, max_new_tokens).run(
             sub, passes=need, label=f"{', '.join(need)} ({split} split)")
@@ -97,6 +104,11 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
     for name, c in scores.items():
         held[name] = {m: round(fn(c, z[df].numpy()), 4) for m, fn in METRICS.items()}
         held[name]["bce"] = round(bce(c, z[df].numpy()), 5)
+    novelty_log = None
+    if novelty:
+        heads.novelty, novelty_log = novelty_stage(col, items, feats, splits,
+                                                   novelty_per_family, seed)
+        heads.novelty_alpha = ALPHA
     reader_rate = float(z[splits["reader"]].float().mean())
     prior = prior_check(scores, z[df].numpy(), reader_rate)
     info = {
@@ -111,12 +123,85 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         # the question-only baseline of `evaluate`: accuracy of each normalised question
         # form on the fitting data
         "question_prior": question_prior(items, z.numpy()),
+        "novelty": novelty_log,
         "seconds": dict(col.seconds),
     }
     console.log(f"fitted heads: AUROC on defer split {held[DEFER_METHOD]['auroc']}, "
                 f"ECE-15 {held[DEFER_METHOD]['ece']}, tau {heads.policy.tau:.3f}, "
                 f"coverage {heads.policy.coverage:.3f}")
     return heads, info
+
+
+# ------------------------------------------------------------------ novelty stage
+def novelty_items(items: list[Item], per_family: int = NOVELTY_PER_FAMILY, seed: int = 0
+                  ) -> list[Item]:
+    """Corrupted copies of `items`: for every family of `models.shift`, a deterministic
+    sample of `per_family` of them (all when fewer), severities 1..5 in turn, as the shift
+    study's pool was built."""
+    out: list[Item] = []
+    for k, fam in enumerate(FAMILIES):
+        base = sample(items, per_family, seed=seed + 100 + k)
+        out += [shift_items([it], fam, SEVERITIES[j % len(SEVERITIES)])[0]
+                for j, it in enumerate(base)]
+    return out
+
+
+def fit_novelty(clean: dict, shifted: dict, calibration: dict) -> Novelty:
+    """The shipped detector: logistic score, clean vs corrupted features, calibrated on a
+    clean split disjoint from the fitting one (feature dicts with `extract`'s keys)."""
+    nov = Novelty(SHIPPED_KIND, SHIPPED_FEATURE)
+    nov.fit(features(nov.feature, clean), features(nov.feature, shifted))
+    return nov.calibrate(features(nov.feature, calibration))
+
+
+def _rows(feats: dict, idx) -> dict:
+    idx = torch.as_tensor(idx, dtype=torch.long)
+    return {k: v[idx] for k, v in feats.items()}
+
+
+def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
+                  per_family: int, seed: int = 0) -> tuple[Novelty, dict]:
+    """Readouts of corrupted reader-split items (cached by the collector), the detector
+    fitted on them and calibrated on the clean defer split, and what the card logs."""
+    from sklearn.metrics import roc_auc_score
+
+    reader = [items[i] for i in splits["reader"].tolist()]
+    shifted_items = novelty_items(reader, per_family, seed)
+    shifted, _ = col.run(shifted_items, label="readouts (novelty, corrupted reader items)")
+    nov = fit_novelty(_rows(feats, splits["reader"]), shifted, _rows(feats, splits["defer"]))
+    log: dict = {"per_family": per_family, "n_shifted": len(shifted_items),
+                 "families": list(FAMILIES), "severities": "1..5 in turn",
+                 "fitted_on": "clean reader split vs corrupted copies of reader-split items",
+                 "calibrated_on": "clean defer split",
+                 # with n calibration scores no p-value is below 1/(n + 1): under 99 clean
+                 # defer items the detector can never flag at α = 0.01
+                 "smallest_p_value": round(1 / (len(splits["defer"]) + 1), 6)}
+    if log["smallest_p_value"] >= ALPHA:
+        console.log(f"[yellow]novelty detector: {len(splits['defer'])} calibration items "
+                    f"cannot give a p-value below alpha {ALPHA}; it will never flag[/yellow]")
+    # flag rates at α on clean data: the calibration split itself, and the temperature
+    # split, which neither fitting nor calibration saw (≈ α expected on both)
+    for split in ("defer", "temperature"):
+        if len(splits[split]):
+            p = nov.p_value(features(nov.feature, _rows(feats, splits[split])))
+            log[f"{split}_split_flag_rate"] = round(float((p < ALPHA).mean()), 4)
+    # held-out separation: refit on reader_train images, score reader_val images, clean
+    # vs their corrupted copies (no extra readouts; the shipped detector uses all of them)
+    val_imgs = {items[i].image_id for i in splits["reader_val"].tolist()}
+    in_val = np.array([it.image_id in val_imgs for it in shifted_items])
+    tr, va = splits["reader_train"], splits["reader_val"]
+    if len(tr) and len(va) and in_val.any() and not in_val.all():
+        probe = fit_novelty(_rows(feats, tr), _rows(shifted, np.nonzero(~in_val)[0]),
+                            _rows(feats, va))
+        s_clean = probe.score(features(probe.feature, _rows(feats, va)))
+        s_shift = probe.score(features(probe.feature, _rows(shifted, np.nonzero(in_val)[0])))
+        y = np.r_[np.zeros(len(s_clean)), np.ones(len(s_shift))]
+        log["heldout_auroc"] = round(float(roc_auc_score(y, np.r_[s_clean, s_shift])), 4)
+        log["heldout"] = "fitted on reader_train images, scored on reader_val images"
+    console.log(f"novelty detector: {len(shifted_items)} corrupted readouts, held-out AUROC "
+                f"{log.get('heldout_auroc')}, temperature-split flag rate "
+                f"{log.get('temperature_split_flag_rate')} at alpha {ALPHA}")
+    return nov, log
 
 
 def bce(c: np.ndarray, z: np.ndarray) -> float:

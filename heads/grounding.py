@@ -188,12 +188,20 @@ def paired_vs(ref: str, scores: dict[str, np.ndarray], z: np.ndarray, clusters: 
     return out
 
 
-def defer_on(c: np.ndarray, z: np.ndarray, tau: float, target_risk: float) -> dict:
+def defer_on(c: np.ndarray, z: np.ndarray, tau: float, target_risk: float,
+             novel: np.ndarray | None = None) -> dict:
     """The heads' defer rule on the evaluated data: coverage, risk among kept answers,
-    and whether that risk is within r."""
+    and whether that risk is within r. `novel` marks the items the novelty detector
+    flags (deferred whatever their confidence); None for heads without one."""
     kept = np.asarray(c, float) >= tau
+    out = {}
+    if novel is not None:
+        novel = np.asarray(novel, bool)
+        out["novelty_flag_rate"] = float(novel.mean()) if len(novel) else float("nan")
+        out["coverage_tau_only"] = float(kept.mean()) if len(kept) else float("nan")
+        kept = kept & ~novel
     risk = float(1 - np.mean(z[kept])) if kept.any() else float("nan")
     return {"tau": float(tau), "target_risk": float(target_risk),
             "coverage": float(kept.mean()) if len(kept) else float("nan"),
             "risk": risk, "n_kept": int(kept.sum()),
-            "risk_within_target": bool(kept.any() and risk <= target_risk)}
+            "risk_within_target": bool(kept.any() and risk <= target_risk), **out}

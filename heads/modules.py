@@ -96,19 +96,20 @@ def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tenso
 
 def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
                offset: torch.Tensor | None = None, steps: int = 1000, lr: float = 1e-3,
-               l2: float = 1e-3) -> dict:
+               l2: float = 1e-3, weight: torch.Tensor | None = None) -> dict:
     """BCE + L2, full batch, fixed steps (SPEC: 1000 steps, lr 1e-3).
 
     With `offset` the reader fits the residual: ℓ = offset + reader(x) (P-Visual on top of
-    a frozen P-State).
+    a frozen P-State). `weight` weighs each row's BCE (a weighted mean; default equal).
     """
     reader.norm.fit(x)
     base = torch.zeros(len(x)) if offset is None else offset.detach()
+    w_row = torch.ones(len(x)) if weight is None else weight.float() / weight.float().mean()
     # Start the bias at the prior log-odds (a residual starts at 0: its offset carries the
     # prior): on standardised inputs Adam at lr 1e-3 moves a bias by about 1 in 1000 steps,
     # while a 92% base rate needs ≈ 2.5, so from 0 the head ended worse than the base rate.
     with torch.no_grad():
-        prior = z.float().mean().clamp(1e-4, 1 - 1e-4)
+        prior = (w_row * z.float()).mean().clamp(1e-4, 1 - 1e-4)
         bias0 = torch.log(prior / (1 - prior)) if offset is None else torch.zeros(())
         reader.net[-1].bias.fill_(float(bias0))
         reader.net[-1].weight.zero_()
@@ -117,15 +118,17 @@ def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
     for _ in range(steps):
         logits = base + reader(x)
         w = reader.net[-1].weight
-        loss = F.binary_cross_entropy_with_logits(logits, z.float()) + l2 * (w ** 2).sum()
+        loss = F.binary_cross_entropy_with_logits(logits, z.float(), weight=w_row) \
+            + l2 * (w ** 2).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
     reader.eval()
     with torch.no_grad():
-        bce = F.binary_cross_entropy_with_logits(base + reader(x), z.float()).item()
+        bce = F.binary_cross_entropy_with_logits(base + reader(x), z.float(),
+                                                 weight=w_row).item()
     return {"steps": steps, "train_bce": round(bce, 5),
-            "prior_bce": round(prior_bce(z.float().mean().item()), 5)}
+            "prior_bce": round(prior_bce(float(prior)), 5)}
 
 
 def prior_bce(rate: float, z_rate: float | None = None) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,17 +32,29 @@ LOGISTIC_C = 0.1           # inverse L2 strength on standardised features
 ALPHA = 0.01
 MAX_BANK = 50_000          # fitting tokens kept for token_knn (a deterministic subsample)
 
-# Named feature maps from a feature dict (heads.features.extract plus `h_image` [N, M, D]).
+SHIPPED_KIND, SHIPPED_FEATURE = "logistic", "pre_img_mean_std"   # docs/shift-study
+
+
+def _img_mean(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    # heads.features.extract stores the pooled states; the study's sets keep `h_image`
+    return f["img_mean"] if "img_mean" in f else f["h_image"].mean(1)
+
+
+def _img_std(f: dict[str, torch.Tensor]) -> torch.Tensor:
+    return f["img_std"] if "img_std" in f else f["h_image"].std(1)
+
+
+# Named feature maps from a feature dict: heads.features.extract (`img_mean`, `img_std`),
+# or the study's sets with `h_image` [N, M, D] (the token-level maps need it).
 FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "h_pre": lambda f: f["h_pre"],
     "h_close": lambda f: f["h_close"],
     "h_mid": lambda f: f["h_mid"],
-    "img_mean": lambda f: f["h_image"].mean(1),
-    "img_std": lambda f: f["h_image"].std(1),
-    "img_mean_std": lambda f: torch.cat([f["h_image"].mean(1), f["h_image"].std(1)], -1),
-    "pre_img_mean": lambda f: torch.cat([f["h_pre"], f["h_image"].mean(1)], -1),
-    "pre_img_mean_std": lambda f: torch.cat([f["h_pre"], f["h_image"].mean(1),
-                                             f["h_image"].std(1)], -1),
+    "img_mean": _img_mean,
+    "img_std": _img_std,
+    "img_mean_std": lambda f: torch.cat([_img_mean(f), _img_std(f)], -1),
+    "pre_img_mean": lambda f: torch.cat([f["h_pre"], _img_mean(f)], -1),
+    "pre_img_mean_std": lambda f: torch.cat([f["h_pre"], _img_mean(f), _img_std(f)], -1),
     "img_tokens": lambda f: f["h_image"].flatten(1),
     "img_token_set": lambda f: f["h_image"],
 }
@@ -59,6 +72,15 @@ def p_values(cal_scores: np.ndarray, scores: np.ndarray) -> np.ndarray:
     s = np.asarray(scores, float)
     at_least = len(cal) - np.searchsorted(cal, s, side="left")
     return (1 + at_least) / (len(cal) + 1)
+
+
+@dataclass(frozen=True)
+class NoveltyReading:
+    """One input's novelty: its score, conformal p-value and whether p < α."""
+
+    score: float
+    p_value: float
+    novel: bool
 
 
 class Novelty:
@@ -145,10 +167,20 @@ class Novelty:
     def novel(self, x: torch.Tensor, alpha: float = ALPHA) -> np.ndarray:
         return self.p_value(x) < alpha
 
+    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA
+             ) -> list[NoveltyReading]:
+        """Score, p-value and flag of each row of a feature dict (`extract`'s keys)."""
+        if "calibration" not in self.t:
+            raise RuntimeError("calibrate on a clean split before asking for p-values")
+        s = self.score(features(self.feature, feats))
+        p = p_values(self.t["calibration"].numpy(), s)
+        return [NoveltyReading(float(a), float(b), bool(b < alpha)) for a, b in zip(s, p)]
+
     # ------------------------------------------------------------------ artefacts
     def to_dict(self) -> dict:
         return {"kind": self.kind, "feature": self.feature, "k": self.k, "n_fit": self.n_fit,
                 "n_calibration": len(self.t.get("calibration", ())),
+                "C": LOGISTIC_C if self.kind == "logistic" else None,
                 "p_value": "(1 + #{i : s_i >= s(x)}) / (n + 1)"}
 
     def save(self, folder: str | Path, prefix: str = "novelty") -> None:

@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import clients.probes.text as trajectory_text
+import heads.features as features_module
 import models.canon as canon_module
+from heads.features import extract
 from models.canon import canon
 from models.counterfactuals import black_image
 
@@ -154,6 +157,26 @@ def run_samples(col: Collector, items: list[Item], meta: dict) -> dict[str, torc
     return {k: torch.tensor(v) for k, v in out.items()}
 
 
+def flipped_responses(responses: list[str], keys: list[str]) -> list[str | None]:
+    """Each response with its answer replaced by a wrong one of the same type (yes↔no,
+    another colour or shape: the TGS probe's answer-axis rule); None where no rule applies."""
+    return [trajectory_text.answer_variant(r, k) for r, k in zip(responses, keys)]
+
+
+def run_answer_flip(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
+    """Negatives for the post-answer readers, read at fit time only: the actor's own response
+    with a flipped answer, replayed teacher-forced. `flip_ok` marks the items that had a
+    flip; the others replay their own response unchanged (keeps the shard rectangular) and
+    must not be used."""
+    flips = flipped_responses(meta["responses"], [it.id for it in items])
+    texts = [f if f is not None else r for f, r in zip(flips, meta["responses"])]
+    res = col.actor.score([it.image() for it in items], [it.question for it in items], texts)
+    feats = [extract(r.readout, col.kappa) for r in res]
+    return {"flip_ok": torch.tensor([float(f is not None) for f in flips]),
+            "flip_h_close": torch.stack([f["h_close"] for f in feats]),
+            "flip_phi": torch.stack([f["phi"] for f in feats])}
+
+
 PASSES: dict[str, Pass] = {}
 # names older callers used for `Collector.run(extras=...)`
 LEGACY_NAMES = {"bicr": "black_image", "ptrue": "follow_up"}
@@ -186,5 +209,7 @@ register_pass(Pass("black_image", run_black_image, helpers=(black_image,)))
 register_pass(Pass("follow_up", run_follow_up, version=2,
                    helpers=(ptrue_probs, ptrue_text, answer_token_sets, ptrue_from_probs,
                             continuation_probs, PTRUE_PROMPT, PTRUE_YES, PTRUE_NO)))
+register_pass(Pass("answer_flip", run_answer_flip,
+                   helpers=(flipped_responses, trajectory_text, features_module)))
 register_pass(Pass("samples", run_samples,
                    helpers=(agreement, semantic_entropy, canon_module, K_SAMPLES, SC_KS)))

@@ -7,7 +7,9 @@ fitted on the image-disjoint splits, how it scores a batch of features, and its 
 registry, and the Collector runs the union of the passes the chosen methods need.
 
 To add a method: write a subclass in a new module under `heads/methods/` and add one
-`register(...)` line to `heads/methods/__init__.py`.
+`register(...)` line to `heads/methods/__init__.py`. A method `served` on `/answer` also
+needs its field in `clients.schemas.SERVED_CONFIDENCES` (the response schema and the serving
+dataclass are built from that list); registration refuses it otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from clients.schemas import SERVED_CONFIDENCES
 
 if TYPE_CHECKING:
     from heads.dualread import Heads
@@ -66,6 +70,9 @@ class Method:
     # Where fitting needs the passes: None (fitting reads none), "all" (every item) or a
     # split name (collected on that split only).
     fit_passes_on: str | None = None
+    # Passes only fitting reads (e.g. answer-flip negatives): collected where
+    # `fit_passes_on` says, never by `evaluate` or the server.
+    fit_passes: tuple[str, ...] = ()
     pass_share: float = 1.0    # share of its passes' measured time it uses
     served: bool = False       # a field of `/answer`'s confidence
     ours: bool = False         # DualRead and its branches: listed after baselines
@@ -89,6 +96,10 @@ _REGISTRY: dict[str, Method] = {}
 def register(method: Method) -> Method:
     if not method.name:
         raise ValueError("a method needs a name")
+    # `/answer`'s fields are one list the client can import; a served method must be on it.
+    if method.served and method.name not in SERVED_CONFIDENCES:
+        raise ValueError(f"method {method.name!r} is marked served but `/answer` has no such "
+                         "field: add it to clients.schemas.SERVED_CONFIDENCES")
     if method.name in _REGISTRY and _REGISTRY[method.name] is not method:
         raise ValueError(f"a method named {method.name!r} is already registered")
     _REGISTRY[method.name] = method
@@ -110,6 +121,17 @@ def names() -> tuple[str, ...]:
     return tuple(m.name for m in ms if not m.ours) + tuple(m.name for m in ms if m.ours)
 
 
+def check_served() -> None:
+    """The registered `served` methods are exactly `/answer`'s confidence fields. Called once
+    the shipped methods are registered (heads/methods), so a field without a method fails at
+    import, not on the first request."""
+    served = {m.name for m in registered() if m.served}
+    if served != set(SERVED_CONFIDENCES):
+        raise ValueError("served methods and /answer's confidence fields differ: methods "
+                         f"only {sorted(served - set(SERVED_CONFIDENCES))}, fields only "
+                         f"{sorted(set(SERVED_CONFIDENCES) - served)}")
+
+
 def get(name: str) -> Method:
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(names())}")
@@ -124,6 +146,13 @@ def select(chosen: tuple[str, ...] | list[str] | None = None) -> list[Method]:
 def passes_for(methods: list[Method]) -> tuple[str, ...]:
     """The union of the passes the methods read, in first-seen order."""
     return tuple(dict.fromkeys(p for m in methods for p in m.passes))
+
+
+def fit_passes_for(methods: list[Method], where: str) -> tuple[str, ...]:
+    """The passes fitting needs on `where` ("all" or a split name): what the methods
+    fitted there read at scoring time plus what they read only while fitting."""
+    ms = [m for m in methods if m.fit_passes_on == where]
+    return tuple(dict.fromkeys(p for m in ms for p in (*m.passes, *m.fit_passes)))
 
 
 def readers_for(methods: list[Method]) -> dict[str, ReaderSpec]:

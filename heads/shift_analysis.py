@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from heads.calibration import fit_temperature, fuse
+from heads import registry
 from heads.defer import choose_threshold
 from heads.dualread import Heads
-from heads.fit import image_split
+from heads.fit import fit_methods, image_split
 from heads.metrics import auroc, ece
-from heads.modules import PSR_HIDDEN, Reader, fit_linear, fit_mlp
 from heads.novelty import Novelty, features, p_values
+from heads.registry import FitData
 from models.data import Item
 from models.shift import FAMILIES
 
@@ -29,6 +29,8 @@ UNSUPERVISED = [(f, k) for f in ("h_pre", "h_close", "h_mid", "img_mean", "img_s
                                  "img_mean_std", "pre_img_mean", "img_tokens", "pixels")
                 for k in ("mahalanobis", "knn")] + [("img_token_set", "token_knn")]
 SUPERVISED_FEATURE = "pre_img_mean_std"
+# The registry methods whose fits set DualRead's readers and temperatures, in fitting order
+DUALREAD_FITS = ("psr", "p_state", "per")
 HEAD_KEYS = ("h_pre", "h_close", "phi", "h_mid", "msp", "mean_logprob", "entropy", "mu")
 
 
@@ -70,43 +72,32 @@ def splits(meta: dict) -> np.ndarray:
 
 # ------------------------------------------------------------------ (b) augmented heads
 class RefitDualRead:
-    """DualRead's readers, temperatures and τ refitted as heads.fit does (SPEC §1), from the
-    low-level pieces only: PSR (MLP on h_pre, early stopping on held-out images), P-State
-    (linear on h_close) with P-Visual (linear on φ) on its residual, a temperature per
-    branch, log-odds fusion, τ on a clean defer split (its guarantee is for clean inputs)."""
+    """DualRead's readers, temperatures and τ refitted by the registry's own fits (SPEC §1,
+    `heads.fit.fit_methods` with PSR, P-State and PER, in registration order) on the study's
+    split labels; τ on a clean defer split (its guarantee is for clean inputs)."""
 
     def __init__(self, dim: int) -> None:
-        self.psr, self.state, self.visual = Reader(dim, PSR_HIDDEN), Reader(dim), \
-            Reader(4 * dim)
-        self.offset, self.t_pre, self.t_post, self.tau = 0.0, 1.0, 1.0, 1.5
-
-    @torch.no_grad()
-    def logits(self, f: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.psr(f["h_pre"]) + self.offset,
-                self.state(f["h_close"]) + self.visual(f["phi"]))
+        # Readers start from the global RNG state, as `fit_heads` creates them.
+        self.heads = Heads.new(dim)
+        self.tau = 1.5
 
     def p(self, f: dict) -> np.ndarray:
-        pre, post = self.logits(f)
-        return fuse(torch.sigmoid(pre.double() / self.t_pre),
-                    torch.sigmoid(post.double() / self.t_post)).numpy()
+        return registry.get("dualread").score(self.heads, f)
 
     def fit(self, feats: dict, split: np.ndarray, clean_defer: dict, target_risk: float,
             delta: float, seed: int = 0) -> RefitDualRead:
         torch.manual_seed(seed)
-        z = feats["z"]
-        rd = torch.from_numpy(np.nonzero(split == "reader")[0])
-        tp = torch.from_numpy(np.nonzero(split == "temperature")[0])
-        val = torch.tensor([image_split(i, "es") == "defer" for i in feats["_image_ids"][rd]])
-        tr, va = rd[~val], rd[val]
-        info = fit_mlp(self.psr, feats["h_pre"][tr], z[tr], feats["h_pre"][va], z[va],
-                       seed=seed)
-        self.offset = info["prior_offset"]
-        fit_linear(self.state, feats["h_close"][rd], z[rd])
-        with torch.no_grad():
-            l_state = self.state(feats["h_close"][rd])
-        fit_linear(self.visual, feats["phi"][rd], z[rd], offset=l_state)
-        pre, post = self.logits(subset(feats, tp))
-        self.t_pre, self.t_post = fit_temperature(pre, z[tp]), fit_temperature(post, z[tp])
+        # PSR's early-stopping hold-out: the reader images `heads.fit` holds out
+        es_val = np.array([image_split(i, "es") == "defer" for i in feats["_image_ids"]])
+        reader = split == "reader"
+        masks = {"reader": reader, "reader_train": reader & ~es_val,
+                 "reader_val": reader & es_val, "temperature": split == "temperature"}
+        splits = {k: torch.from_numpy(np.nonzero(m)[0]) for k, m in masks.items()}
+        tensors = {k: v for k, v in feats.items() if torch.is_tensor(v)}
+        # No `scoped` passes: the study caches natural readouts only, so no extra-pass rows
+        # (answer flips) join the post-answer readers' fits.
+        fit_methods(self.heads, FitData(tensors, feats["z"], splits, seed=seed),
+                    [registry.get(n) for n in DUALREAD_FITS])
         pol = choose_threshold(self.p(clean_defer), clean_defer["z"].numpy(), target_risk,
                                delta)
         self.tau = pol.tau

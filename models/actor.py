@@ -213,9 +213,36 @@ class Actor:
         return tap.states["last"][0].float(), tap.states["mid"][0].float()
 
     # ---------------------------------------------------------------- readout assembly
+    def _token_stats(self, last: torch.Tensor, seq: torch.Tensor, lp: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Next-token log-probabilities at each response step of a batch ([B, N, V]), the
+        log-prob of the response token taken there and the predictive entropy ([B, N]).
+
+        `last` [B, L, D] and `seq` [B, L'] cover [prompt ; response]; N is the response
+        width. One LM-head pass for the whole batch: per item, the calls cost more than
+        the arithmetic. On the embedded actor the rows are bitwise the per-item results.
+        """
+        logp = torch.log_softmax(self._logits(last[:, lp - 1: seq.shape[1] - 1]), -1)
+        tgt = seq[:, lp: lp + logp.shape[1]].to(logp.device)
+        tok = logp.gather(-1, tgt[..., None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return logp, tok, ent
+
+    def _responses(self, resp_ids: list[list[int]], last: torch.Tensor,
+                   mid: torch.Tensor | None, seq: torch.Tensor, lp: int) -> list[Response]:
+        """Every item's Response, the token statistics computed once for the batch."""
+        stats = self._token_stats(last, seq, lp)
+        return [self._response(r, last[b], mid[b] if mid is not None else None, seq[b], lp,
+                               tuple(x[b] for x in stats))
+                for b, r in enumerate(resp_ids)]
+
     def _response(self, ids: list[int], last: torch.Tensor, mid: torch.Tensor | None,
-                  input_ids: torch.Tensor, lp: int) -> Response:
-        """Assemble one item's Response from its states over [prompt ; response]."""
+                  input_ids: torch.Tensor, lp: int,
+                  stats: tuple[torch.Tensor, ...] | None = None) -> Response:
+        """Assemble one item's Response from its states over [prompt ; response].
+
+        `stats`: this item's rows of `_token_stats` (needed when `last` is given).
+        """
         ids = self._trim(ids)
         finished = bool(ids) and ids[-1] in self.eos_ids
         body = ids[:-1] if finished else ids
@@ -237,11 +264,7 @@ class Actor:
         last_pos = lp + len(body) - 1 if body else t_prompt
         img_pos = (input_ids[:lp] == self.image_token_id).nonzero().flatten()
         n = len(ids)
-        logits = self._logits(last[lp - 1: lp - 1 + n])
-        logp = torch.log_softmax(logits, -1)
-        tgt = torch.tensor(ids, device=logp.device)
-        tok_lp = logp.gather(-1, tgt[:, None]).squeeze(-1) if n else logp.new_zeros(0)
-        ent = -(logp.exp() * logp).sum(-1) if n else logp.new_zeros(0)
+        logp, tok_lp, ent = (x[:n] for x in stats)
         digits = self._digit_probs(text, spans, last, lp, logp)
         ro = Readout(
             h_pre=last[t_prompt].cpu(), h_close=last[close_pos].cpu(),
@@ -316,12 +339,10 @@ class Actor:
         elif readout == "replay":
             full = self.encode(images, questions, resp_ids)
             last, mid = self.forward_states(full)
-            res = [self._response(r, last[b], mid[b], full.input_ids[b], lp)
-                   for b, r in enumerate(resp_ids)]
+            res = self._responses(resp_ids, last, mid, full.input_ids, lp)
         else:
             last, mid = self._captured(out, batch, gen, resp_ids, tap)
-            res = [self._response(r, last[b], mid[b], out.sequences[b], lp)
-                   for b, r in enumerate(resp_ids)]
+            res = self._responses(resp_ids, last, mid, out.sequences, lp)
         return Answers(res, StageTimings(t1 - t0, time.perf_counter() - t1))
 
     def _trim(self, ids: list[int]) -> list[int]:
@@ -383,8 +404,7 @@ class Actor:
                                batch.attention_mask, batch.type_ids,
                                batch.vision.get("image_grid_thw"))
         last, mid = self.forward_states(batch, attn, pos)
-        out = [self._response(r, last[b], mid[b], batch.input_ids[b], batch.prompt_len)
-               for b, r in enumerate(ids)]
+        out = self._responses(ids, last, mid, batch.input_ids, batch.prompt_len)
         if mask is not None:
             for b, r in enumerate(out):
                 r.readout.positions["masked"] = masked[b].nonzero().flatten().tolist()

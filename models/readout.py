@@ -63,20 +63,20 @@ class Readout:
     digit_probs: torch.Tensor | None  # [11] P(C=c), renormalised over digits; None if no cue
     positions: dict[str, object] = field(default_factory=dict)
 
+    # The properties are thin: their logic sits in plain functions below, which mutation
+    # testing can reach (it skips decorated functions).
     @property
     def h_ans(self) -> torch.Tensor:
-        return self.h_answer.mean(0)
+        return mean_answer_state(self.h_answer)
 
     @property
     def verbalized_mu(self) -> float | None:
         """μ(C) = Σ_c (c/10)·P(C=c) (SPEC §3)."""
-        if self.digit_probs is None:
-            return None
-        return float(mu_from_digit_probs(self.digit_probs))
+        return stated_mu(self.digit_probs)
 
     @property
     def answer_logprobs(self) -> torch.Tensor:
-        return self.token_logprobs[self.answer_index]
+        return answer_span_logprobs(self.token_logprobs, self.answer_index)
 
     def shapes(self) -> dict[str, list[int]]:
         out = {}
@@ -86,6 +86,24 @@ class Readout:
             if value is not None:
                 out[name] = list(value.shape)
         return out
+
+
+def mean_answer_state(h_answer: torch.Tensor) -> torch.Tensor:
+    """h_ans: the mean state over the answer span [|A|, D] -> [D]."""
+    return h_answer.mean(0)
+
+
+def stated_mu(digit_probs: torch.Tensor | None) -> float | None:
+    """μ(C) of one readout; None when the response stated no confidence cue."""
+    if digit_probs is None:
+        return None
+    return float(mu_from_digit_probs(digit_probs))
+
+
+def answer_span_logprobs(token_logprobs: torch.Tensor, answer_index: torch.Tensor
+                         ) -> torch.Tensor:
+    """Log-probs of the answer tokens, in the order of `answer_index`."""
+    return token_logprobs[answer_index]
 
 
 def mu_from_digit_probs(probs: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,10 @@ from PIL import Image
 
 from models.tiny import FAMILIES, build_tiny_actor
 
-torch.set_num_threads(2)
+# The shared assertion helpers report their operands like assertions in a test module.
+pytest.register_assert_rewrite("tests.helpers")
+# `make mutation` runs two test workers on two cores: one thread each (DUALREAD_TEST_THREADS=1)
+torch.set_num_threads(int(os.environ.get("DUALREAD_TEST_THREADS", "2")))
 
 
 @pytest.fixture(scope="session")

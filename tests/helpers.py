@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
+from clients.bench import ServeProcess
 from heads.defer import choose_threshold
 from heads.dualread import Heads
 
@@ -35,3 +41,70 @@ def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def assert_reports_close(a, b, path: str = "") -> None:
+    """Equal reports: floats to 1e-6 (batches differ between runs, and with them the last
+    bits of a float), everything else exactly; `path` names the first difference."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-6), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_reports_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_reports_close(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+class LiveServer(ServeProcess):
+    """The bench's `dualread serve` subprocess on a free loopback port, with the server's
+    log kept in a file: a failed start raises with the log's tail. Flags are `serve`
+    options by their Python names (`max_new_tokens=8`)."""
+
+    def __init__(self, actor_dir: str, heads_dir: str, **flags: object) -> None:
+        super().__init__({"actor": actor_dir, "heads": heads_dir, **flags},
+                         ready_timeout_s=180.0)
+        # A file, not a pipe: an unread pipe fills after ~64 KB of access log and then
+        # blocks the server on its next log line.
+        self.log = tempfile.TemporaryFile(mode="w+")
+
+    def start(self) -> LiveServer:
+        if self.proc is None:
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log,
+                                         stderr=self.log, text=True)
+        return self
+
+    def wait_ready(self) -> LiveServer:
+        try:
+            super().wait_ready()
+        except RuntimeError as e:
+            self.log.seek(0)
+            raise RuntimeError(f"{e}\n{self.log.read()[-4000:]}") from None
+        return self
+
+    def close(self) -> None:
+        """Stop the server and drop its log (`stop` keeps the log for a failed start's
+        message: the bench's `wait_ready` stops a server that never got ready)."""
+        self.stop()
+        self.log.close()
+
+
+@contextmanager
+def live_servers(actor_dir: str, heads_dir: str, n: int = 1, **flags: object
+                 ) -> Iterator[list[str]]:
+    """The URLs of `n` ready `dualread serve` processes of one deployment; all stopped on
+    exit, also when one fails to start."""
+    servers: list[LiveServer] = []
+    try:
+        for _ in range(n):
+            servers.append(LiveServer(actor_dir, heads_dir, **flags))
+        for s in servers:
+            s.wait_ready()
+        yield [s.url for s in servers]
+    finally:
+        for s in servers:
+            s.close()

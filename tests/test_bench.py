@@ -62,6 +62,7 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
         # greedy decoding from the same inputs must give the same tokens in every mode
         assert blk["greedy_tokens_identical"] is True
     assert math.isfinite(saved["heads_us"]) and saved["heads_us"] > 0
+    assert saved["heads"]["batch8_median_us"] > 0     # 8 readouts: one batch of 8
     assert "http" not in saved
     names = [t["target"] for t in res["targets"]]
     assert "capture / plain generate, b1" in names and "heads alone (µs per item)" in names
@@ -191,3 +192,72 @@ def test_state_tap_equals_output_hidden_states(actors, images, family):
                       output_hidden_states=True, use_cache=False, **actor._vision_kwargs(batch))
     torch.testing.assert_close(last, out.hidden_states[-1].float(), rtol=0, atol=0)
     torch.testing.assert_close(mid, out.hidden_states[actor.mid_layer].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("readout", ["capture", "replay"])
+def test_batched_token_statistics_equal_each_item_alone(readout):
+    """The capture path computes log-probs and entropies for the whole batch in one pass;
+    every item must get the rows its own pass over its states gives (a wrong offset or a
+    padded target would shift them). The embedded actor, because the tiny random ones
+    repeat one token, which hides a shift."""
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    actor = load_actor()
+    items = sample(load("easyvqa:test"), 4, seed=3)
+    imgs, qs = [it.image() for it in items], [it.question for it in items]
+    # 12 new tokens: items differ in length and some stop on the limit, so padded rows
+    # and the extra cached step both occur in the batch
+    res = actor.answer(imgs, qs, max_new_tokens=12, readout=readout)
+    assert len({len(r.token_ids) for r in res}) > 1 or not all(r.finished for r in res)
+    full = actor.encode(imgs, qs, [r.token_ids for r in res])
+    last, _ = actor.forward_states(full)
+    lp = full.prompt_len
+    for b, r in enumerate(res):
+        n = len(r.token_ids)
+        logp = torch.log_softmax(actor._logits(last[b, lp - 1: lp - 1 + n]), -1)
+        want_lp = logp[torch.arange(n), torch.tensor(r.token_ids)]
+        want_ent = -(logp.exp() * logp).sum(-1)
+        torch.testing.assert_close(r.readout.token_logprobs, want_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.readout.token_entropy, want_ent, atol=1e-5, rtol=0)
+
+
+def test_confidence_batch_equals_each_readout_scored_alone(actors, images, tmp_path):
+    """One call of the readers for a batch gives each item what scoring it alone gives
+    (the reference below is the per-method scoring of one readout, written out)."""
+    from heads import registry
+    from heads.dualread import Heads
+    from heads.features import extract
+    from tests.conftest import QUESTIONS
+
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path / "heads", actor), actor.fingerprint)
+    res = actor.answer(images[:5], QUESTIONS[:5], max_new_tokens=6)
+    got = heads.confidence_batch([r.readout for r in res])
+    assert len(got) == 5 and heads.confidence_batch([]) == []
+    served = [m for m in registry.registered() if m.served and heads.has(m)]
+    assert {m.name for m in served} >= {"dualread", "psr", "per", "verbalized"}
+    for r, conf in zip(res, got):
+        f = {k: v[None] for k, v in extract(r.readout, heads.kappa).items()}
+        want = {m.name: float(m.score(heads, f)[0]) for m in served}
+        assert conf.keys() == want.keys()
+        for name in want:
+            assert conf[name] == pytest.approx(want[name], abs=1e-6), name
+
+
+def test_threads_setting_from_the_environment_sets_torch_threads(monkeypatch):
+    """`--threads` / DUALREAD_THREADS reaches torch; unset, torch keeps its own count."""
+    from app.settings import Settings, apply_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        apply_threads(Settings())                    # not given: left alone
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("DUALREAD_THREADS", "1")
+        s = Settings()
+        assert s.threads == 1
+        apply_threads(s)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -81,7 +81,8 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
                                    "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
-                                   "--cache", str(tmp_path / "cache"), "--allow-dirty"])
+                                   "--cache", str(tmp_path / "cache"), "--allow-dirty",
+                                   "--novelty-per-family", "2"])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())
@@ -104,3 +105,27 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     # heads fitted through the CLI carry the label: the question decides correctness
     assert d["methods"]["dualread"]["auroc"] >= 0.9
     assert "| dualread |" in (report_dir / "report.md").read_text()
+
+
+def test_evaluate_actor_on_four_items(actors, actor_dirs, tmp_path):
+    """Two references are the actor's own greedy answers, two are wrong: real-image
+    accuracy is 0.5 exactly, by answer type as labelled; the blank drop is the difference."""
+    actor = actors["gemma3"]
+    imgs = [random_image(700 + k, 32, 32) for k in range(4)]
+    qs = QS
+    own = [r.answer for r in actor.answer(imgs, qs, 64, readout="none")]
+    rows = []
+    for k, (img, q, a) in enumerate(zip(imgs, qs, own)):
+        img.save(tmp_path / f"e{k}.png")
+        rows.append({"id": f"e{k}", "image": f"e{k}.png", "question": q,
+                     "answer": a if k < 2 else "definitely wrong",
+                     "answer_type": "mine" if k < 2 else "wrong"})
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    res = CliRunner().invoke(app, ["evaluate-actor", "--actor", actor_dirs["gemma3"],
+                                   "--data", f"jsonl:{tmp_path / 'e.jsonl'}", "--batch", "4"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["real"]["n"] == 4 and out["real"]["accuracy"] == 0.5
+    assert out["real"]["by_type"] == {"mine": 1.0, "wrong": 0.0}
+    assert out["blank"]["n"] == 4
+    assert out["blank_drop"] == pytest.approx(0.5 - out["blank"]["accuracy"], abs=1e-4)

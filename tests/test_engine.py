@@ -237,3 +237,67 @@ def test_hooks_see_every_batch():
 
     run(body())
     assert seen == [("x", [1, 2], [2, 2]), ("x", [3], [1])]
+
+
+# A window no test waits out: a batch that waited for it would trip the 60 s timeouts below.
+HUGE_WAIT_MS = 3_600_000
+
+
+def test_a_lone_job_does_not_wait_for_the_window():
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=HUGE_WAIT_MS, queue_limit=16)
+        b.start()
+        try:
+            job = b.submit("x", 5, deadline())
+            return await asyncio.wait_for(job.future, 60)
+        finally:
+            await b.stop()
+
+    assert run(body()) == 10
+    assert h.batches == [[5]]
+
+
+def test_window_waits_for_as_many_callers_as_the_last_batch():
+    """After a batch of two, a lone job waits for company, and a second arrival (not the
+    window) ends the wait: both run as one batch."""
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=HUGE_WAIT_MS, queue_limit=16)
+        b.start()
+        try:
+            pair = b.submit_many("x", [1, 2], deadline())
+            await asyncio.wait_for(asyncio.gather(*(j.future for j in pair)), 60)
+            third = b.submit("x", 3, deadline())
+            while b.depth:                      # the batcher has taken job 3 and waits
+                await asyncio.sleep(0.001)
+            assert not third.future.done() and not b.inflight
+            fourth = b.submit("x", 4, deadline())
+            return await asyncio.wait_for(asyncio.gather(third.future, fourth.future), 60)
+        finally:
+            await b.stop()
+
+    assert run(body()) == [6, 8]
+    assert h.batches == [[1, 2], [3, 4]]
+
+
+def test_company_expected_in_one_group_does_not_delay_another():
+    """A batch of two score jobs does not make a lone answer job wait for company."""
+    a, s = Recorder(), Recorder()
+
+    async def body():
+        b = Batcher({"answer": a, "score": s}, max_batch=8, wait_ms=HUGE_WAIT_MS,
+                    queue_limit=16)
+        b.start()
+        try:
+            pair = b.submit_many("score", [1, 2], deadline())
+            await asyncio.wait_for(asyncio.gather(*(j.future for j in pair)), 60)
+            lone = b.submit("answer", 3, deadline())
+            return await asyncio.wait_for(lone.future, 60)
+        finally:
+            await b.stop()
+
+    assert run(body()) == 6
+    assert s.batches == [[1, 2]] and a.batches == [[3]]

@@ -47,7 +47,7 @@ def test_fit_save_load_and_evaluate(actors, dataset, tmp_path):
     actor = actors["gemma3"]
     items = load(dataset)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=MAX_NEW,
-                            target_risk=0.3)
+                            target_risk=0.3, novelty_per_family=3)
     assert info["accuracy"] == pytest.approx(0.5, abs=0.05)
     assert sum(info["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 120
     assert heads.t_pre > 0 and heads.t_post > 0 and heads.policy is not None

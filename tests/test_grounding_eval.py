@@ -121,6 +121,12 @@ def test_defer_rule_on_evaluated_data():
     assert d["risk_within_target"] is False and d["n_kept"] == 3
     d = grounding.defer_on(c, z, tau=0.92, target_risk=0.05)
     assert (d["coverage"], d["risk"], d["risk_within_target"]) == (0.2, 0.0, True)
+    # a novelty flag defers an item whatever its confidence: the 0.9 (wrong) one here
+    d = grounding.defer_on(c, z, tau=0.85, target_risk=0.05,
+                           novel=np.array([False, True, False, False, True]))
+    assert d["coverage"] == pytest.approx(0.4) and d["risk"] == 0.0 and d["n_kept"] == 2
+    assert d["novelty_flag_rate"] == pytest.approx(0.4)
+    assert d["coverage_tau_only"] == pytest.approx(0.6)
 
 
 def test_question_only_baseline():

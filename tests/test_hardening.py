@@ -240,6 +240,29 @@ def test_question_token_budget(service):
         assert_error(r, 422, "tokens")
 
 
+def test_token_check_messages_are_exact(service):
+    """Questions and trajectories share one token check; each keeps its own wording."""
+    from app.errors import QuestionInvalid, TrajectoryInvalid
+
+    cases = [
+        (lambda: service.check_question("is <|image_pad|> red?", 500, 100), QuestionInvalid,
+         r"question contains reserved token\(s\) <\|image_pad\|>"),
+        (lambda: service.check_question("red " * 40, 500, 5), QuestionInvalid,
+         r"question is (\d+) tokens, over the limit of 5"),
+        (lambda: service.check_response("<answer><|im_start|></answer>", 100),
+         TrajectoryInvalid, r"contains reserved token\(s\) <\|im_start\|>"),
+        (lambda: service.check_response("<answer>" + "red " * 40 + "</answer>", 5),
+         TrajectoryInvalid, r"(\d+) tokens, over the limit of 5"),
+    ]
+    for call, error, pattern in cases:
+        with pytest.raises(error) as e:
+            call()
+        m = re.fullmatch(pattern, e.value.detail)
+        assert m, (pattern, e.value.detail)
+        if m.groups():
+            assert int(m.group(1)) >= 40       # 40 words cannot fit in fewer tokens
+
+
 # ------------------------------------------------------------------ 8. deadlines
 def test_deadline_stops_decoding(qwen3):
     img = random_image(4)
@@ -448,6 +471,21 @@ def test_extra_fields_and_content_types(api):
     files = {"file": ("x.png", png_bytes(random_image(0)))}
     assert_error(api.post("/answer", files=files, data={"question": Q, "extra": "1"}), 422,
                  "unexpected")
+
+
+@pytest.mark.parametrize("content_type, body, detail", [
+    ("multipart/form-data", b"question=x", "Missing boundary in multipart."),
+    ("multipart/form-data; boundary=abc",
+     b'--zzz\r\nContent-Disposition: form-data; name="question"\r\n\r\nx\r\n--zzz--\r\n',
+     "Invalid multipart data."),
+    ("multipart/form-data; boundary=abc", b"--abc\r\nnot a header\r\n\r\nx\r\n--abc--\r\n",
+     "Invalid multipart data."),
+])
+def test_malformed_multipart_is_400(api, content_type, body, detail):
+    """A multipart body the parser cannot read: 400 in the one error shape, before any
+    field is looked at (so not the 422 of a readable body that lacks its `file` part)."""
+    r = api.post("/answer", content=body, headers={"content-type": content_type})
+    assert assert_error(r, 400)["detail"] == detail
 
 
 def test_unknown_route_and_method_are_json(api):

@@ -7,7 +7,7 @@ from scipy.stats import binom
 from sklearn.covariance import LedoitWolf
 from sklearn.neighbors import NearestNeighbors
 
-from heads.novelty import Novelty, p_values
+from heads.novelty import Novelty, features, p_values
 
 
 def gaussian(n: int, d: int, seed: int) -> torch.Tensor:
@@ -101,3 +101,16 @@ def test_wrong_use_is_an_error():
         Novelty().fit(gaussian(10, 2, 0)).p_value(gaussian(2, 2, 1))
     with pytest.raises(ValueError, match=r"\[N, M, D\]"):
         Novelty("token_knn").fit(gaussian(10, 2, 0))
+
+
+def test_pooled_image_keys_and_token_states_give_the_same_features():
+    # heads.features.extract stores img_mean / img_std; the study's sets keep h_image
+    tokens = gaussian(6 * 5, 3, 0).reshape(6, 5, 3)
+    pre = gaussian(6, 3, 1)
+    t = tokens.numpy()
+    want = np.concatenate([pre.numpy(), t.mean(1), t.std(1, ddof=1)], 1)
+    pooled = {"h_pre": pre, "img_mean": torch.from_numpy(t.mean(1)),
+              "img_std": torch.from_numpy(t.std(1, ddof=1))}
+    for f in ({"h_pre": pre, "h_image": tokens}, pooled):
+        assert np.allclose(features("pre_img_mean_std", f).numpy(), want)
+        assert np.allclose(features("img_mean_std", f).numpy(), want[:, 3:])

@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -20,53 +14,15 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from clients.probes.runner import same_deployment
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import assert_reports_close, live_servers, random_heads
 
 
 @pytest.fixture(scope="module")
 def two_services(actor_dirs, actors, tmp_path_factory):
     """Two `dualread serve` processes of one deployment (same tiny actor, same heads)."""
-    from tests.helpers import random_heads
-
     heads = random_heads(tmp_path_factory.mktemp("shard-heads"), actors["qwen3_vl"])
-    procs, urls = [], []
-    for _ in range(2):
-        port = _free_port()
-        log = tempfile.TemporaryFile(mode="w+")     # an unread pipe would fill and block
-        procs.append((subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--actor", actor_dirs["qwen3_vl"],
-             "--heads", heads, "--port", str(port), "--max-new-tokens", "8"],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=log), log))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        for (proc, log), url in zip(procs, urls):
-            deadline = time.time() + 180
-            while time.time() < deadline:
-                try:
-                    if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(log.read()[-3000:])
-                time.sleep(0.2)
-            else:
-                raise RuntimeError(f"{url} did not become ready")
+    with live_servers(actor_dirs["qwen3_vl"], heads, n=2, max_new_tokens=8) as urls:
         yield urls
-    finally:
-        for proc, log in procs:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
 
 
 def _dataset(folder: Path, n_images: int) -> tuple[str, list[str]]:
@@ -88,22 +44,6 @@ def _answers_served(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "dualread_requests_total" and s.labels.get("route") == "/answer")
-
-
-def _close(a, b, path: str = "") -> None:
-    """Equal reports: floats to 1e-6 (batches differ between runs), the rest exactly."""
-    if isinstance(a, float) or isinstance(b, float):
-        assert a == pytest.approx(b, abs=1e-6), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 def _probe(urls: list[str], data: str, out: Path) -> str:
@@ -135,7 +75,7 @@ def test_two_endpoints_split_the_items_into_one_resumable_file(two_services, tmp
     # the same report as one endpoint alone
     single = tmp_path / "single"
     _probe([a], data, single)
-    _close(json.loads((shard / "report.json").read_text()),
+    assert_reports_close(json.loads((shard / "report.json").read_text()),
            json.loads((single / "report.json").read_text()))
 
     # resumable, with either endpoint set: the results are keyed by the deployment

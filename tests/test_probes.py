@@ -7,9 +7,7 @@ import asyncio
 import io
 import json
 import math
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from clients.probes import images, stats, text
 from clients.probes import reliance as reliance_probe
 from clients.probes import tgs as tgs_probe
 from clients.probes.runner import Config, Store
+from tests.helpers import assert_reports_close, live_servers, random_heads
 
 CFG = Config(data="test", bootstrap=200)
 IFACES = ("dualread", "psr", "per", "verbalized")
@@ -283,6 +282,20 @@ def test_control_box_search():
 
 
 # ---------------------------------------------------------------- storage and client
+def test_run_parameters_of_every_probe():
+    """The fields a stored run is matched on (written out by hand: a change here silently
+    orphans every stored result, so it must be deliberate)."""
+    cfg = Config(data="d.jsonl", seed=3, max_new_tokens=16, severities=(0.0, 1.0),
+                 mask_ratios=(0.0, 0.5), mask_seeds=(0, 1), deployment={"actor": "a"})
+    common = {"format": 1, "data": "d.jsonl", "max_new_tokens": 16,
+              "deployment": {"actor": "a"}}
+    assert ccg_probe.params(cfg) == {"probe": "ccg", "seed": 3, **common}
+    assert reliance_probe.params(cfg) == {"probe": "reliance", "seed": 3, **common}
+    assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0], **common}
+    assert tgs_probe.params(cfg) == {"probe": "tgs", "seed": 3, "ratios": [0.0, 0.5],
+                                     "seeds": [0, 1], **common}
+
+
 def test_store_resumes_and_drops_a_half_written_line(tmp_path):
     path = tmp_path / "p.jsonl"
     s = Store(path, {"a": 1})
@@ -362,9 +375,25 @@ def test_client_retries_and_honours_retry_after(monkeypatch):
         always.answer(b"img", "q")
 
 
-def test_async_score_batch_chunks_and_falls_back():
-    from clients.http import AsyncDualReadClient
+def _score_batch_70(kind: str, handler) -> list:
+    """70 trajectories through the blocking or the async client, against `handler`."""
+    from clients.http import AsyncDualReadClient, DualReadClient
 
+    trajs = [f"t{i}" for i in range(70)]
+    transport = httpx.MockTransport(handler)
+    if kind == "sync":
+        with DualReadClient("http://t", transport=transport) as c:
+            return c.score_batch(b"img", "q", trajs)
+
+    async def go() -> list:
+        async with AsyncDualReadClient("http://t", transport=transport, concurrency=2) as c:
+            return await c.score_batch(b"img", "q", trajs)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_score_batch_chunks_and_falls_back(kind):
     seen: list[tuple[str, int]] = []
 
     def batch_server(request: httpx.Request) -> httpx.Response:
@@ -374,12 +403,7 @@ def test_async_score_batch_chunks_and_falls_back():
                                                      for _ in body["trajectories"]],
                                          "request_id": "r"})
 
-    async def go(handler) -> list:
-        async with AsyncDualReadClient("http://t", transport=httpx.MockTransport(handler),
-                                       concurrency=2) as c:
-            return await c.score_batch(b"img", "q", [f"t{i}" for i in range(70)])
-
-    res = asyncio.run(go(batch_server))
+    res = _score_batch_70(kind, batch_server)
     assert seen == [("/probe/score_batch", 64), ("/probe/score_batch", 6)]
     assert len(res) == 70 and res[63].mu_c == 0.1 and res[64].mu_c == 0.2
 
@@ -392,53 +416,31 @@ def test_async_score_batch_chunks_and_falls_back():
         i = int(json.loads(request.content)["response"][1:])
         return httpx.Response(200, json={**_score_body(i / 100), "request_id": "r"})
 
-    res = asyncio.run(go(old_server))
+    res = _score_batch_70(kind, old_server)
     assert [r.mu_c for r in res] == pytest.approx([i / 100 for i in range(70)])
     # one probe of the batch route, then one /probe/score per trajectory
     assert [p for p, _ in seen].count("/probe/score_batch") == 1
     assert [p for p, _ in seen].count("/probe/score") == 70
 
+    seen.clear()
+
+    def refusing_server(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, 1))
+        return httpx.Response(422, json={"detail": "trajectories.3: bad"})
+
+    with pytest.raises(httpx.HTTPStatusError, match="422"):
+        _score_batch_70(kind, refusing_server)
+    assert seen == [("/probe/score_batch", 1)]     # an error, not a reason to fall back
+
 
 # ---------------------------------------------------------------- a live tiny service
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(actor_dirs, actors, tmp_path_factory):
     """The tiny random Qwen3-VL actor with random heads behind `dualread serve`."""
-    from tests.helpers import random_heads
-
     heads = random_heads(tmp_path_factory.mktemp("probe-heads"), actors["qwen3_vl"])
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--actor", actor_dirs["qwen3_vl"],
-         "--heads", heads, "--port", str(port), "--max-new-tokens", "12",
-         "--max-batch-size", "16", "--batch-wait-ms", "20", "--queue-limit", "64"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read())
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("service did not become ready")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with live_servers(actor_dirs["qwen3_vl"], heads, max_new_tokens=12, max_batch_size=16,
+                      batch_wait_ms=20, queue_limit=64) as (url,):
+        yield url
 
 
 def _dataset(folder: Path, n_images: int) -> str:
@@ -502,22 +504,6 @@ def test_every_probe_against_a_live_service(service, tmp_path):
     assert json.loads((out / "report.json").read_text()) == rep
 
 
-def _same(a, b, path="") -> None:
-    """Equal reports: floats to 1e-6 (batches may differ between runs), the rest exactly."""
-    if isinstance(a, float) or isinstance(b, float):
-        assert a == pytest.approx(b, abs=1e-6), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def test_resume_after_kill_gives_the_same_report(service, tmp_path):
     data = _dataset(tmp_path, 5)                        # 11 items
 
@@ -547,7 +533,7 @@ def test_resume_after_kill_gives_the_same_report(service, tmp_path):
     subprocess.run(cmd(whole), check=True, stdout=subprocess.DEVNULL, timeout=300)
     a = json.loads((killed / "report.json").read_text())
     b = json.loads((whole / "report.json").read_text())
-    _same(a, b)
+    assert_reports_close(a, b)
     assert a["reliance"]["n"] == 11 and a["reliance"]["is"] is not None
 
 

@@ -165,10 +165,49 @@ def test_heads_score_keeps_its_readout_only_keys():
 
 def test_served_methods_are_the_answer_schema_fields():
     """`/answer`'s confidence fields come from the registry: the two must agree."""
-    from clients.schemas import Confidence
+    from clients.schemas import SERVED_CONFIDENCES, Confidence
 
     served = {m.name for m in registry.registered() if m.served}
     assert served == set(Confidence.model_fields) == {"dualread", "psr", "per", "verbalized"}
+    assert list(SERVED_CONFIDENCES) == ["dualread", "psr", "per", "verbalized"]  # JSON order
+    registry.check_served()                        # the import-time check agrees
+
+
+class ServedToy(Method):
+    name = "served_toy"
+    served = True
+
+    def score(self, heads, f):
+        return np.zeros(1)
+
+
+def test_a_served_method_missing_from_the_schema_list_is_refused():
+    with pytest.raises(ValueError, match="'served_toy' is marked served.*SERVED_CONFIDENCES"):
+        registry.register(ServedToy())
+    assert "served_toy" not in registry.names()
+
+
+def test_a_served_method_that_is_listed_registers(monkeypatch):
+    import clients.schemas
+
+    monkeypatch.setitem(clients.schemas.SERVED_CONFIDENCES, "served_toy", "a toy")
+    try:
+        registry.register(ServedToy())
+        registry.check_served()
+    finally:
+        registry.unregister("served_toy")
+
+
+def test_a_schema_field_without_a_served_method_is_caught(monkeypatch):
+    import clients.schemas
+
+    monkeypatch.setitem(clients.schemas.SERVED_CONFIDENCES, "orphan", "no method serves it")
+    with pytest.raises(ValueError, match=r"fields only \['orphan'\]"):
+        registry.check_served()
+    monkeypatch.delitem(clients.schemas.SERVED_CONFIDENCES, "orphan")
+    monkeypatch.setattr(registry.get("psr"), "served", False)   # a method dropped from serving
+    with pytest.raises(ValueError, match=r"fields only \['psr'\]"):
+        registry.check_served()
 
 
 def test_toy_method_is_fitted_saved_and_found_in_the_evaluation_table(toy, tmp_path):

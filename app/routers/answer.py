@@ -9,17 +9,17 @@ from pydantic import ValidationError
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
 from app.errors import InvalidInput, UnsupportedMediaType, explain
-from app.routers.common import ERRORS
+from app.routers.common import ERRORS, confidence
 from app.schemas import (
     MAX_NEW_TOKENS,
     AnswerRequest,
     AnswerResponse,
-    Confidence,
     FeedbackRequest,
     FeedbackResponse,
     Timings,
 )
 from app.serving import AnswerItem, AnswerResult, Serving
+from clients.schemas import Novelty
 
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
@@ -73,9 +73,10 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
     c, t = res.confidence, res.timings
     return AnswerResponse(
         answer=res.answer, response=res.response,
-        confidence=Confidence(dualread=c.dualread, psr=c.psr, per=c.per,
-                              verbalized=c.verbalized),
+        confidence=confidence(c),
         defer=res.defer, defer_reason=res.defer_reason, defer_threshold=backend.threshold,
+        novelty=None if res.novelty is None else Novelty(
+            score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
         timings_ms=Timings(queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),

@@ -6,9 +6,8 @@ from fastapi import APIRouter, Depends, Request
 
 from app.deps import get_serving, request_id, require_json, require_key
 from app.errors import InvalidInput
-from app.routers.common import ERRORS
+from app.routers.common import ERRORS, confidence
 from app.schemas import (
-    Confidence,
     CounterfactualRequest,
     CounterfactualResponse,
     MaskRequest,
@@ -19,17 +18,13 @@ from app.schemas import (
     ScoreResponse,
     TrajectoryScore,
 )
-from app.serving import AnswerItem, AnswerResult, Confidences, ScoreResult, Serving
+from app.serving import AnswerItem, AnswerResult, ScoreResult, Serving
 from clients.grounding import classify_pair
 from models.canon import is_correct
 from models.counterfactuals import blank_image
 from models.masking import MaskSpec
 
 router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json)])
-
-
-def confidence(c: Confidences) -> Confidence:
-    return Confidence(dualread=c.dualread, psr=c.psr, per=c.per, verbalized=c.verbalized)
 
 
 def run(r: AnswerResult, correct: bool | None) -> Run:

@@ -12,15 +12,14 @@ import numpy as np
 from clients.ccg import Pair
 from clients.ccg import summarise as ccg_summary
 from clients.grounding import classify_pair
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, short
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, run_params, short
 from models.data import Item
 
 NAME = "ccg"
 
 
 def params(cfg: Config) -> dict:
-    return {"probe": NAME, "format": 1, "data": cfg.data, "seed": cfg.seed,
-            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+    return run_params(NAME, cfg, seed=cfg.seed)
 
 
 async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from clients.probes.images import blur_region, control_box, mask_region, png
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, short
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, run_params, short
 from clients.probes.stats import NAN_CI, bootstrap, emvr, mean, tvr
 from models.data import Item, shape_box
 
@@ -27,8 +27,7 @@ VARIANTS = ("mask", "blur", "control")
 
 
 def params(cfg: Config) -> dict:
-    return {"probe": NAME, "format": 1, "data": cfg.data, "severities": list(cfg.severities),
-            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+    return run_params(NAME, cfg, severities=list(cfg.severities))
 
 
 def critical_box(item: Item) -> tuple[int, int, int, int] | None:

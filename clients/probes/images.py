@@ -1,5 +1,10 @@
 """Image conditions the probes send: blank, region mask, region blur, matched control box
-(SPEC §4, §5). Boxes are [x0, y0, x1, y1) in pixels."""
+(SPEC §4, §5). Boxes are [x0, y0, x1, y1) in pixels.
+
+Pillow is imported at the top: the probe suites read their datasets through `models.data`
+and so run with the `server` extra, unlike the bare HTTP client. The blank image itself is
+`clients.counterfactual.blank_image`, the one the server uses for `"blank"`.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageFilter
 
+from clients.counterfactual import BLANK_RGB, blank_image
+from clients.counterfactual import BLANK_SIZE as BLANK_SIZE  # re-exported: the old home
+
 Box = tuple[int, int, int, int]
-GRAY = (128, 128, 128)
-BLANK_SIZE = (224, 224)
+GRAY = BLANK_RGB      # the region-mask fill (SPEC §4) is the blank image's gray
 
 
 def png(img: Image.Image) -> bytes:
@@ -22,8 +29,8 @@ def png(img: Image.Image) -> bytes:
 
 
 def blank() -> Image.Image:
-    """SPEC §5 blank condition: 224×224 RGB (128, 128, 128)."""
-    return Image.new("RGB", BLANK_SIZE, GRAY)
+    """SPEC §5 blank condition (`clients.counterfactual.blank_image`)."""
+    return blank_image()
 
 
 def mask_rect(box: Box, severity: float) -> Box:

@@ -18,7 +18,7 @@ import numpy as np
 
 from clients.probes import text
 from clients.probes.images import blank, png
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, short
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, run_params, short
 from clients.probes.stats import cluster_bootstrap, mean, reliance, sign_flip_p
 from models.data import Item
 
@@ -29,8 +29,7 @@ METRICS = ("vrs", "bd", "is", "vbr", "vhr", "nvcr", "hvrr")
 
 
 def params(cfg: Config) -> dict:
-    return {"probe": NAME, "format": 1, "data": cfg.data, "seed": cfg.seed,
-            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+    return run_params(NAME, cfg, seed=cfg.seed)
 
 
 async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:

@@ -57,6 +57,13 @@ class Probe(Protocol):
     def figures(self, records: list[dict], section: dict, out: Path) -> list[str]: ...
 
 
+def run_params(name: str, cfg: Config, **own: Any) -> dict:
+    """What identifies a probe's run (its stored lines carry a hash of it): the fields
+    every probe shares, with the probe's own (seed, severities, mask ratios) in between."""
+    return {"probe": name, "format": FORMAT, "data": cfg.data, **own,
+            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+
+
 # ---------------------------------------------------------------- storage
 def tag_of(params: dict) -> str:
     blob = json.dumps(params, sort_keys=True, default=str)

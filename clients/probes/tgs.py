@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from clients.probes import text
-from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels
+from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, run_params
 from clients.probes.stats import NAN_CI, cluster_bootstrap, mean, share_close
 from models.data import Item
 
@@ -33,9 +33,8 @@ CLOSE = 0.02                  # |c_pre − c_post| ≤ .02 counts as "no change"
 
 
 def params(cfg: Config) -> dict:
-    return {"probe": NAME, "format": 1, "data": cfg.data, "seed": cfg.seed,
-            "ratios": list(cfg.mask_ratios), "seeds": list(cfg.mask_seeds),
-            "max_new_tokens": cfg.max_new_tokens, "deployment": cfg.deployment}
+    return run_params(NAME, cfg, seed=cfg.seed, ratios=list(cfg.mask_ratios),
+                      seeds=list(cfg.mask_seeds))
 
 
 def plan(response: str, question: str, key: str, cfg: Config

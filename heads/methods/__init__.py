@@ -13,7 +13,7 @@ from heads.methods.sequence import (
     Verbalized,
 )
 from heads.methods.state_baselines import SAPLMA, BlindImageContrast
-from heads.registry import register
+from heads.registry import check_served, register
 
 register(PSR())
 register(PState())
@@ -30,3 +30,5 @@ register(SelfConsistency(4))
 register(SelfConsistency(8))
 register(SemanticUncertainty())
 register(BlindImageContrast())
+
+check_served()   # every field of `/answer`'s confidence has its method

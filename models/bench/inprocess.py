@@ -4,11 +4,13 @@ Modes, all on the same images, questions and `max_new_tokens`:
 - `plain`: what a user writes with transformers — processor inputs, then
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
-- `capture`: `Actor.answer(readout="capture")` + the heads + the defer decision (what
-  `/answer` runs).
+- `capture`: `Actor.answer(readout="capture")` + the heads (one batched call of the
+  readers, as `Service.answer_batch` makes it) + the defer decision (what `/answer` runs).
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
-- `sc8`: eight sampled completions per item at temperature 1 (`Actor.sample`, as the
-  evaluation's SC@K runs it). The greedy answer SC@K also needs is not counted.
+- `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
+  exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
+  of every item of a unit are one batched `generate` (K·batch rows), not K calls. The
+  greedy answer SC@K also needs is not counted.
 
 Modes are interleaved unit by unit (a unit is one item at batch 1, one batch of 8 at
 batch 8), their order rotated from unit to unit, so drift in machine load falls on all
@@ -59,12 +61,21 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
     return [actor._trim(row) for row in gen.tolist()]
 
 
+def decide_all(heads, readouts: Sequence) -> list[bool]:
+    """Confidence (one batched call of the readers), novelty and the defer rule for every
+    readout, as `Service.answer_batch` runs them."""
+    out = []
+    for ro, conf in zip(readouts, heads.confidence_batch(list(readouts))):
+        nov = heads.novelty_of(ro)
+        out.append(heads.decide(conf["dualread"], nov.p_value if nov else None)[0])
+    return out
+
+
 def answer_with_dualread(actor, heads, images, questions, max_new_tokens: int,
                          readout: str) -> list:
     """`Actor.answer` + confidence + defer for every item, as the service does."""
     res = actor.answer(images, questions, max_new_tokens, readout=readout)
-    for r in res:
-        heads.defer(heads.confidence(r.readout)["dualread"])
+    decide_all(heads, [r.readout for r in res])
     return res
 
 
@@ -164,7 +175,11 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
 
 # ------------------------------------------------------------------ heads alone
 def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
-    """Microseconds per item for features + every reader + fusion + defer.
+    """Microseconds per item for features + every reader + fusion + novelty + defer.
+
+    Headline: one readout per call (batch 1, the dearest case); `batch8_median_us` is
+    the per-item cost when the service scores a batch of 8 in one call. The `cpu_` keys
+    are process CPU time: a call that is descheduled mid-way does not count its wait.
 
     Each call is timed alone and the median is the headline: on a shared CPU a call of
     half a millisecond is often descheduled mid-way, and that wait (in the mean and p90)
@@ -173,17 +188,23 @@ def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
     if not readouts:
         raise ValueError("no readouts to time the heads on")
 
-    def one(ro) -> None:
-        heads.defer(heads.confidence(ro)["dualread"])
-
     for ro in readouts[:4]:
-        one(ro)
-    calls = []
+        decide_all(heads, [ro])
+    calls, cpu, per_item8, cpu8 = [], [], [], []
+    groups = [readouts[s: s + 8] for s in range(0, len(readouts) - 7, 8)]
     for _ in range(rounds):
         for ro in readouts:
-            t = time.perf_counter()
-            one(ro)
+            t, c = time.perf_counter(), time.process_time()
+            decide_all(heads, [ro])
             calls.append((time.perf_counter() - t) * 1e6)
+            cpu.append((time.process_time() - c) * 1e6)
+        for g in groups:
+            t, c = time.perf_counter(), time.process_time()
+            decide_all(heads, g)
+            per_item8.append((time.perf_counter() - t) * 1e6 / len(g))
+            cpu8.append((time.process_time() - c) * 1e6 / len(g))
     return {"median_us": float(np.median(calls)), "mean_us": float(np.mean(calls)),
             "p90_us": float(np.percentile(calls, 90)), "items": len(readouts),
-            "calls": len(calls)}
+            "calls": len(calls), "cpu_median_us": float(np.median(cpu)),
+            "batch8_median_us": float(np.median(per_item8)) if per_item8 else None,
+            "batch8_cpu_median_us": float(np.median(cpu8)) if cpu8 else None}

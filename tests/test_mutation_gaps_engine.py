@@ -1,0 +1,178 @@
+"""Edges of the micro-batcher that mutation testing found untested: idleness, retries of
+small batches, jobs cancelled while their batch runs, what the hooks are told, the worker
+thread, and the error messages.
+
+No timing thresholds: waits are ceilings the tests never reach (a full batch ends them),
+and durations are only checked against the elapsed time around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from app.engine import Batcher, BatcherHooks, queued_seconds
+from app.errors import DeadlineExceeded, EngineError
+from tests.test_engine import FAR, Recorder, run
+
+LONG_WAIT_MS = 600_000     # never reached: each batch below fills before it
+
+
+def deadline() -> float:
+    return time.monotonic() + FAR
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.001)
+
+
+def test_queued_seconds_by_hand():
+    assert queued_seconds(1.0, 3.5) == 2.5
+    assert queued_seconds(5.0, 3.0) == 0.0       # not started yet (started = 0)
+
+
+def test_idle_only_with_an_empty_queue_and_nothing_running():
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=1, wait_ms=0, queue_limit=8)
+        states = [b.idle()]                       # fresh
+        b.submit("x", 1, deadline())
+        states.append(b.idle())                   # queued, not started
+        b.start()
+        await _until(lambda: b.inflight)
+        states.append((b.depth, b.inflight, b.idle()))   # running, queue empty
+        gate.set()
+        await _until(lambda: b.inflight == 0)
+        states.append(b.idle())
+        await b.stop()
+        return states
+
+    assert run(body()) == [True, False, (0, 1, False), True]
+
+
+@pytest.mark.parametrize("payloads, batches", [
+    ([1], [[1]]),                        # a lone failing job is not retried
+    ([5, 1], [[5, 1], [5], [1]]),        # a failing pair is retried item by item
+])
+def test_retries_isolate_a_failure_only_in_a_batch_of_several(payloads, batches):
+    h = Recorder(fail_on=1)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=2, wait_ms=0, queue_limit=8)
+        jobs = b.submit_many("x", payloads, deadline())
+        b.start()
+        out = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        await b.stop()
+        return out
+
+    out = run(body())
+    assert isinstance(out[-1], ValueError)
+    assert out[:-1] == [10] * (len(payloads) - 1)
+    assert h.batches == batches
+
+
+def test_a_job_cancelled_while_its_batch_runs_does_not_stop_the_others():
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=3, wait_ms=LONG_WAIT_MS, queue_limit=8)
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        b.start()
+        await _until(lambda: b.inflight)
+        jobs[1].future.cancel()                   # its caller gave up mid-batch
+        gate.set()
+        out = await asyncio.gather(jobs[0].future, jobs[2].future)
+        await b.stop()
+        return out
+
+    assert run(body()) == [2, 6]
+    assert h.batches == [[1, 2, 3]]
+
+
+def test_hooks_see_depths_finished_batches_and_queue_times():
+    depths, finished = [], []
+
+    class Hooks(BatcherHooks):
+        def depth_changed(self, depth):
+            depths.append(depth)
+
+        def batch_finished(self, handler, jobs, seconds):
+            finished.append((handler, [j.payload for j in jobs], seconds))
+
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=2, wait_ms=0, queue_limit=8, hooks=Hooks())
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        t0 = time.perf_counter()
+        b.start()
+        await asyncio.gather(*(j.future for j in jobs))
+        elapsed = time.perf_counter() - t0
+        await b.stop()
+        return jobs, elapsed
+
+    jobs, elapsed = run(body())
+    # submitted 3; after the first batch is gathered 1 is left, after the second none
+    assert depths == [3, 1, 0]
+    assert [(n, p) for n, p, _ in finished] == [("x", [1, 2]), ("x", [3])]
+    assert all(0 <= s <= elapsed for _, _, s in finished)
+    assert [j.batch for j in jobs] == [2, 2, 1]
+    assert all(0 <= j.queued_s <= elapsed for j in jobs)
+    assert jobs[0].started == jobs[1].started <= jobs[2].started
+
+
+def test_the_handler_runs_in_the_model_thread():
+    names = []
+
+    def handler(payloads, deadlines):
+        names.append(threading.current_thread().name)
+        return payloads
+
+    async def body():
+        b = Batcher({"x": handler}, max_batch=8, wait_ms=0, queue_limit=8)
+        job = b.submit("x", 1, deadline())
+        b.start()
+        await job.future
+        await b.stop()
+
+    run(body())
+    assert len(names) == 1 and names[0].startswith("model")
+
+
+@pytest.mark.parametrize("returned, says", [
+    (lambda p: p[:-1], "handler returned 2 results for 3 jobs"),
+    (lambda p: None, "handler returned NoneType results for 3 jobs"),
+])
+def test_wrong_number_of_results_says_what_came_back(returned, says):
+    async def body():
+        b = Batcher({"x": lambda p, d: returned(list(p))}, max_batch=8, wait_ms=0,
+                    queue_limit=8)
+        jobs = b.submit_many("x", [1, 2, 3], deadline())
+        b.start()
+        out = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        await b.stop()
+        return out
+
+    out = run(body())
+    assert all(isinstance(o, EngineError) and str(o) == says for o in out), out
+
+
+def test_error_messages_name_the_cause():
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=8)
+        with pytest.raises(EngineError, match="no handler 'nope'"):
+            b.submit("nope", 1, deadline())
+        late = b.submit("x", 1, time.monotonic() - 1)
+        b.start()
+        out = await asyncio.gather(late.future, return_exceptions=True)
+        await b.stop()
+        return out[0]
+
+    late = run(body())
+    assert isinstance(late, DeadlineExceeded)
+    assert str(late) == "deadline passed while queued"

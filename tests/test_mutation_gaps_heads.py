@@ -1,0 +1,302 @@
+"""The heads artefact and the small views around it, where mutation testing found no test:
+the card's fields, loading cards that lack optional fields, the attribute views
+(temperatures, readers, Platt keys, τ) and their error messages.
+
+Expectations are written out by hand here (the card as JSON, the defaults SPEC states).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from heads.defer import DEFER_ALL_TAU, DeferPolicy
+from heads.dualread import (
+    EMBEDDED_HEADS,
+    FingerprintMismatch,
+    Heads,
+    canonical_platt_keys,
+    threshold_of,
+    with_legacy_platt_keys,
+)
+
+POLICY = DeferPolicy(tau=0.625, target_risk=0.1, delta=0.05, coverage=0.5, empirical_risk=0.04,
+                     risk_upper_bound=0.09, n_calibration=40, feasible=True)
+
+
+def _heads(dim: int = 3) -> Heads:
+    torch.manual_seed(0)
+    h = Heads.new(dim)
+    h.temperatures = {"psr": 1.5, "per": 0.75}
+    h.platt_maps = {"sc_2": (2.0, -0.5)}
+    h.offsets = {"psr": -0.25}
+    h.policy = POLICY
+    h.kappa = 0.3
+    h.actor_fingerprint = "fp1"
+    return h
+
+
+# ------------------------------------------------------------------ the card
+def test_saved_card_fields_by_hand(tmp_path):
+    from heads.features import FEATURE_SCHEMA
+    from models.loading import FINGERPRINT_SCHEME
+
+    h = _heads()
+    folder = tmp_path / "a" / "b"                 # parents are created
+    # the caller's fields are kept; the artefact's own fields win over stale ones
+    h.save(folder, {"command": "test", "kappa": 99, "feature_dim": 0})
+    card = json.loads((folder / "heads_card.json").read_text())
+    assert card["command"] == "test"
+    assert card["card_version"] == 2
+    assert card["actor_fingerprint"] == "fp1"
+    assert card["fingerprint_scheme"] == FINGERPRINT_SCHEME
+    assert card["feature_dim"] == 3 and card["feature_schema"] == FEATURE_SCHEMA
+    assert card["kappa"] == 0.3
+    assert card["temperatures"] == {"psr": 1.5, "per": 0.75}
+    assert card["platt"] == {"sc_2": [2.0, -0.5]}
+    assert card["prior_offsets"] == {"psr": -0.25}
+    assert card["defer"] == {"tau": 0.625, "target_risk": 0.1, "delta": 0.05, "coverage": 0.5,
+                             "empirical_risk": 0.04, "risk_upper_bound": 0.09,
+                             "n_calibration": 40, "feasible": True}
+    # every method whose readers the artefact holds, the DualRead family among them
+    assert {"psr", "p_state", "per", "dualread", "saplma"} <= set(card["methods"])
+    assert h.card == card
+    # saved again into the same folder: overwritten, not refused
+    h.policy = None
+    h.save(folder, {})
+    assert json.loads((folder / "heads_card.json").read_text())["defer"] is None
+
+
+def test_load_round_trip_of_every_field(tmp_path):
+    h = _heads()
+    h.save(tmp_path, {"command": "test"})
+    back = Heads.load(tmp_path)                  # no fingerprint given: no check
+    assert back.temperatures == {"psr": 1.5, "per": 0.75}
+    assert back.platt_maps == {"sc_2": (2.0, -0.5)}
+    assert back.offsets == {"psr": -0.25}
+    assert back.policy == POLICY and back.kappa == 0.3 and back.dim == 3
+    assert back.actor_fingerprint == "fp1"
+    assert back.card == json.loads((tmp_path / "heads_card.json").read_text())
+    assert set(back.readers) == set(h.readers)
+    for name, reader in back.readers.items():
+        assert not reader.training, name          # loaded for inference (dropout off)
+        for k, v in reader.state_dict().items():
+            torch.testing.assert_close(v, h.readers[name].state_dict()[k], rtol=0, atol=0)
+
+
+def test_a_card_without_optional_fields_loads_with_the_defaults(tmp_path):
+    """The oldest cards carry only the fingerprint and the feature width."""
+    h = Heads.new(2)
+    tensors = {f"state.{k}": v for k, v in h.state.state_dict().items()}
+    save_file(tensors, str(tmp_path / "heads.safetensors"))
+    (tmp_path / "heads_card.json").write_text(json.dumps(
+        {"actor_fingerprint": "old", "feature_dim": 2}))
+    back = Heads.load(tmp_path)
+    assert set(back.readers) == {"state"}         # what the file holds, nothing more
+    assert back.temperatures == {} and back.platt_maps == {} and back.offsets == {}
+    assert back.policy is None and back.kappa == 0.1      # SPEC §1's κ
+    assert back.temperature("p_state") == 1.0 and back.t_state == 1.0
+    assert back.defer_threshold == DEFER_ALL_TAU and back.defer(0.99)
+
+
+def test_missing_folder_and_wrong_actor_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="expected heads_card.json"):
+        Heads.load(tmp_path)
+    _heads().save(tmp_path, {})
+    with pytest.raises(FingerprintMismatch, match="not for the loaded actor other"):
+        Heads.load(tmp_path, "other")
+    assert Heads.load(tmp_path, "fp1").actor_fingerprint == "fp1"
+
+
+def test_load_without_a_folder_reads_the_embedded_heads():
+    card = json.loads((EMBEDDED_HEADS / "heads_card.json").read_text())
+    h = Heads.load()
+    assert h.card == card and h.actor_fingerprint == card["actor_fingerprint"]
+
+
+def test_legacy_warning_names_the_fix(tmp_path, monkeypatch):
+    import heads.dualread as dualread
+
+    _heads().save(tmp_path, {})
+    card = json.loads((tmp_path / "heads_card.json").read_text())
+    del card["fingerprint_scheme"]
+    (tmp_path / "heads_card.json").write_text(json.dumps(card))
+    monkeypatch.setitem(dualread.LEGACY_FINGERPRINTS, "new-fp", "fp1")
+    with pytest.warns(UserWarning) as rec:
+        Heads.load(tmp_path, "new-fp")
+    msg = str(rec[0].message)
+    assert "predate fingerprint scheme" in msg
+    assert "today's feature definitions; refit them with `dualread fit-heads`" in msg
+
+
+# ------------------------------------------------------------------ attribute views
+def test_temperature_views_default_to_one_and_store_plain_floats(tmp_path):
+    h = Heads.new(2)
+    for view in ("t_pre", "t_post", "t_state", "t_saplma", "t_bicr", "t_msp"):
+        assert getattr(h, view) == 1.0, view
+    assert h.temperature("anything") == 1.0
+    h.t_pre = np.float32(1.25)                    # numpy scalars become JSON-able floats
+    assert type(h.temperatures["psr"]) is float and h.temperatures["psr"] == 1.25
+    h.save(tmp_path, {})
+    assert Heads.t_pre.method == "psr"            # the class attribute is the descriptor
+
+
+def test_readers_by_attribute_and_copies():
+    h = Heads.new(2)
+    assert h.visual is h.readers["visual"]
+    with pytest.raises(AttributeError, match="no_such_reader"):
+        h.no_such_reader  # noqa: B018
+    # copying looks attributes up before `readers` exists
+    for twin in (copy.deepcopy(h), pickle.loads(pickle.dumps(h))):
+        assert set(twin.readers) == set(h.readers)
+
+
+def test_platt_keys_and_errors():
+    maps = {"sc2": (1.0, 0.0), "semantic": [2.0, 1.0], "mean_token_logprob": (3.0, -1.0)}
+    canonical = canonical_platt_keys(maps)
+    assert canonical == {"sc_2": (1.0, 0.0), "semantic_uncertainty": (2.0, 1.0),
+                         "mean_token_logprob": (3.0, -1.0)}
+    assert with_legacy_platt_keys(canonical) == {**canonical, "sc2": (1.0, 0.0),
+                                                 "semantic": (2.0, 1.0)}
+    h = Heads.new(2)
+    h.platt = maps
+    assert h.platt_maps == canonical
+    assert h.platt["semantic"] == (2.0, 1.0) and "sc4" not in h.platt
+    assert h.platt_map("nothing", (0.5, 0.5)) == (0.5, 0.5)
+    with pytest.raises(KeyError, match="no Platt map for 'nothing'"):
+        h.platt_map("nothing")
+
+
+def test_threshold_of_a_policy():
+    assert threshold_of(POLICY) == 0.625
+    assert threshold_of(None) == DEFER_ALL_TAU > 1
+    h = Heads.new(2)
+    assert h.defer_threshold == DEFER_ALL_TAU
+    h.policy = POLICY
+    assert h.defer_threshold == 0.625
+    assert math.isclose(h.defer_threshold, h.policy.tau)
+
+
+# ------------------------------------------------------------------ saturated probabilities
+def test_logit_clamps_so_saturated_branches_fuse_to_finite_values():
+    from heads.calibration import fuse, logit
+
+    edge = math.log((1 - 1e-6) / 1e-6)           # logit of the clamp bounds, by hand
+    torch.testing.assert_close(logit(torch.tensor([0.0, 1.0])),
+                               torch.tensor([-edge, edge], dtype=torch.float64))
+    # float64 whatever comes in: float32 log-odds would move confidences near τ
+    assert logit(torch.tensor([0.3], dtype=torch.float32)).dtype == torch.float64
+    assert logit(0.3).dtype == torch.float64
+    one, zero = torch.tensor([1.0], dtype=torch.float64), torch.tensor([0.0], dtype=torch.float64)
+    # a branch saturated each way: the mean log-odds is 0, not inf − inf
+    assert fuse(one, zero).item() == pytest.approx(0.5, abs=1e-9)
+    assert fuse(one, one).item() == pytest.approx(1 - 1e-6, abs=1e-12)
+
+
+# ------------------------------------------------------------------ metric edges
+def test_metric_edges_by_hand():
+    from heads.metrics import aurc, ece
+
+    assert math.isnan(aurc(np.array([]), np.array([])))
+    # one item: coverage 1/1, and its risk is whether it is wrong
+    assert aurc(np.array([0.7]), np.array([0])) == 1.0
+    assert aurc(np.array([0.7]), np.array([1])) == 0.0
+    with pytest.raises(ValueError) as err:
+        ece(np.array([1.5]), np.array([1]))
+    assert str(err.value) == "ece needs confidences in [0, 1] (got values outside, or NaN)"
+
+
+# ------------------------------------------------------------------ calibration edges
+def test_fit_temperature_is_clamped_to_its_stated_range():
+    """Separable logits want T → 0, logits of the wrong sign want T → ∞: the fit stops at
+    the bounds 0.05 and 100 (a T of 0 or ∞ would make every confidence 0, ½ or 1)."""
+    from heads.calibration import fit_temperature
+
+    # small logits: the optimum lies far below 0.05 before the loss flattens out
+    small = torch.tensor([0.02, -0.02, 0.01, -0.01])
+    assert fit_temperature(small, torch.tensor([1.0, 0.0, 1.0, 0.0])) == 0.05
+    # large logits of the wrong sign: far above 100
+    large = torch.tensor([50.0, -50.0, 40.0, -40.0])
+    assert fit_temperature(large, torch.tensor([0.0, 1.0, 0.0, 1.0])) == 100.0
+
+
+def test_platt_edges_by_hand():
+    from sklearn.linear_model import LogisticRegression
+
+    from heads.calibration import fit_platt, fuse, platt_inverted, platt_log
+
+    assert fit_platt(np.array([]), np.array([])) == (0.0, 0.0)       # no data: p = ½
+    # a constant statistic, or one class only: slope 0, which is not "inverted"
+    assert not platt_inverted(np.full(6, 0.4), np.array([0, 1, 1, 0, 1, 1]))
+    assert not platt_inverted(np.arange(6.0), np.ones(6))
+    # the card's record of a map, against sklearn's sign of the slope
+    rng = np.random.default_rng(3)
+    s = rng.normal(size=300)
+    z = (rng.uniform(size=300) < 1 / (1 + np.exp(2 * s))).astype(int)   # ranks backwards
+    assert LogisticRegression(C=1e4).fit(s[:, None], z).coef_[0, 0] < 0
+    assert platt_log(s, z, (0.1234567, -2.7654321)) == {
+        "slope": 0.123457, "intercept": -2.765432, "inverted": True}
+    assert platt_log(-s, z, (1.0, 0.0))["inverted"] is False
+    # fusion keeps the caller's precision
+    p = torch.tensor([0.2, 0.9], dtype=torch.float32)
+    assert fuse(p, p).dtype == torch.float32
+
+
+# ------------------------------------------------------------------ defer search edges
+def test_min_kept_at_the_ends_of_the_risk_range():
+    from heads.defer import min_kept
+
+    # r = 0: no number of items can show it (the bound 1 − level^(1/k) is never 0)
+    assert min_kept(0.0, 0.1) > 10 ** 9 and min_kept(-0.2, 0.1) > 10 ** 9
+    # r ≥ 1: any single item passes
+    assert min_kept(1.0, 0.1) == 1 and min_kept(1.5, 0.1) == 1
+
+
+def test_choose_threshold_defaults_and_a_single_candidate():
+    from heads.defer import choose_threshold
+
+    c, z = np.linspace(0.01, 1, 100), np.linspace(0.01, 1, 100) > 0.2
+    assert choose_threshold(c, z) == choose_threshold(c, z, 0.05, 0.1)
+    pol = choose_threshold(c, z)
+    assert (pol.target_risk, pol.delta) == (0.05, 0.1)
+    # one item, r = δ = ½: one test at level ½; 0 errors of 1 has bound 1 − ½ = ½ ≤ r
+    one = choose_threshold(np.array([0.7]), np.array([1]), 0.5, 0.5)
+    assert one.feasible and one.tau == 0.7 and one.coverage == 1.0
+    assert one.risk_upper_bound == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ the defer rule, intercept
+def test_decide_by_hand():
+    h = Heads.new(2)
+    h.policy = POLICY                                  # τ = 0.625
+    assert h.decide(0.6) == (True, None) and h.decide(0.7) == (False, None)
+    assert h.decide(0.7, problem="truncated") == (True, "truncated")
+    assert h.decide(0.7, novelty_p=0.001) == (False, None)      # no detector: p ignored
+    h.novelty, h.novelty_alpha = object(), 0.05        # only its presence matters here
+    novel = "image unlike the fitting data (novelty p < 0.05)"
+    assert h.decide(0.7, novelty_p=0.01) == (True, novel)
+    assert h.decide(0.7, novelty_p=0.05) == (False, None)       # p < α, strictly
+    assert h.decide(0.7, novelty_p=None) == (False, None)
+    assert h.decide(0.9, 0.01, "truncated") == (True, "truncated; " + novel)
+
+
+def test_natural_intercept_matches_the_mean_label():
+    from scipy.optimize import brentq
+
+    from heads.methods.dualread import natural_intercept
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, generator=g) * 2
+    z = (torch.rand(200, generator=g) < 0.3).double()
+    ref = brentq(lambda b: float(torch.sigmoid(logits.double() + b).mean() - z.mean()), -20, 20,
+                 xtol=1e-12)
+    assert natural_intercept(logits, z) == pytest.approx(ref, abs=1e-8)
+    assert natural_intercept(torch.zeros(4), torch.tensor([1.0, 1, 1, 0])) == \
+        pytest.approx(math.log(3), abs=1e-9)

@@ -1,0 +1,325 @@
+"""The novelty detector as part of the defer rule (SPEC §8): fitting stage, artefact,
+decision, and `/answer`'s `novelty` field."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from scipy.stats import binom
+from sklearn.linear_model import LogisticRegression
+from typer.testing import CliRunner
+
+from app.main import create_app
+from app.service import Service
+from app.settings import Settings
+from heads.collect import Collector
+from heads.defer import DeferPolicy
+from heads.dualread import Heads
+from heads.features import extract
+from heads.fit import fit_heads, fit_novelty, image_split, novelty_items, splits_of
+from heads.novelty import Novelty, features, p_values
+from models.actor import Answers, StageTimings
+from models.data import Item, load
+from models.shift import FAMILIES
+from tests.conftest import random_image
+from tests.helpers import b64, png_bytes, random_heads
+
+Q = "what color is the shape?"
+TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
+# the rule and reason as the brief states them, typed out here rather than imported
+RULE_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the response does "
+                "not parse")
+RULE_OLD = "defer if DualRead < tau or the response does not parse"
+REASON = "image unlike the fitting data (novelty p < 0.01)"
+
+
+def feats(n: int, d: int, seed: int, shift: float = 0.0) -> dict[str, torch.Tensor]:
+    """Feature dicts with `extract`'s novelty keys; `shift` moves the image-state mean."""
+    g = torch.Generator().manual_seed(seed)
+    f = {k: torch.randn(n, d, generator=g) for k in ("h_pre", "img_mean", "img_std")}
+    f["img_mean"] = f["img_mean"] + shift
+    return f
+
+
+# ------------------------------------------------------------------ fitting stage
+def test_corrupted_copies_cover_every_family_with_severities_in_turn():
+    items = [Item(id=f"i{k}", question=Q, answer="red", image_path="x.png",
+                  image_id=f"img{k}") for k in range(7)]
+    few = novelty_items(items, per_family=5)
+    assert len(few) == 8 * 5
+    by_family = {f: [it for it in few if it.family == f] for f in FAMILIES}
+    for fam, got in by_family.items():
+        assert [it.severity for it in got] == [1, 2, 3, 4, 5], fam
+        assert all(it.id == f"{it.source_id}~{fam}:{it.severity}" for it in got)
+    every = novelty_items(items, per_family=10)           # fewer items than asked: all
+    assert len(every) == 8 * 7
+    assert [it.severity for it in every if it.family == "blur"] == [1, 2, 3, 4, 5, 1, 2]
+    assert {it.image_id for it in every} == {it.image_id for it in items}
+
+
+def test_fitted_detector_flags_a_shifted_input_and_not_a_clean_one():
+    d = 4
+    nov = fit_novelty(feats(300, d, 0), feats(300, d, 1, shift=3.0), feats(199, d, 2))
+    # independent fit: sklearn on the same standardised [h_pre; img_mean; img_std]
+    x = np.concatenate([torch.cat([f["h_pre"], f["img_mean"], f["img_std"]], 1).double()
+                        .numpy() for f in (feats(300, d, 0), feats(300, d, 1, shift=3.0))])
+    clean = x[:300]
+    z = (x - clean.mean(0)) / clean.std(0, ddof=1)
+    lr = LogisticRegression(C=0.1, max_iter=5000).fit(z, np.r_[np.zeros(300), np.ones(300)])
+    assert np.allclose(nov.t["coef"].numpy(), lr.coef_[0], rtol=1e-3, atol=1e-4)
+    far = feats(5, d, 3, shift=8.0)
+    centre = {k: torch.zeros(1, d) for k in ("h_pre", "img_mean")}
+    centre["img_std"] = torch.zeros(1, d)
+    got_far = nov.read(far)
+    assert all(r.novel and r.p_value == pytest.approx(1 / 200) for r in got_far)
+    [got_centre] = nov.read(centre)
+    assert not got_centre.novel and got_centre.p_value > 0.2
+
+
+@pytest.mark.parametrize(("alpha", "exact"), [(0.01, 1 / 200), (0.05, 9 / 200)])
+def test_clean_flag_rate_is_at_most_alpha(alpha, exact):
+    """Simulated, no actor: R independent (calibration of 199, one fresh clean input) draws
+    against one fitted detector. With n = 199, p < α happens exactly when the input's score
+    beats all but ⌈α·200⌉ − 1 calibration scores: probability 1/200 (α = 0.01), 9/200
+    (α = 0.05) for exchangeable inputs."""
+    d, n, reps = 3, 199, 4000
+    nov = fit_novelty(feats(200, d, 0), feats(200, d, 1, shift=2.0), feats(n, d, 2))
+    pool = feats(reps * (n + 1), d, 5)
+    s = nov.score(torch.cat([pool["h_pre"], pool["img_mean"], pool["img_std"]], 1))
+    s = s.reshape(reps, n + 1)
+    p = np.array([p_values(row[:n], row[n:])[0] for row in s])
+    flagged = int((p < alpha).sum())
+    assert flagged <= binom.ppf(0.999, reps, alpha), (flagged, reps)
+    # and not vacuous (p-values that are always 1 would pass the line above)
+    assert flagged >= binom.ppf(0.001, reps, exact), (flagged, reps)
+
+
+def test_extract_gives_the_image_state_mean_and_std(qwen3):
+    ro = qwen3.score([random_image(1)], [Q], [TRAJ], cue=False)[0].readout
+    f = extract(ro)
+    h = ro.h_image.double().numpy()
+    assert np.allclose(f["img_mean"].numpy(), h.mean(0), atol=1e-5)
+    assert np.allclose(f["img_std"].numpy(), h.std(0, ddof=1), atol=1e-5)
+
+
+# ------------------------------------------------------------------ the decision
+def _policy(tau: float) -> DeferPolicy:
+    return DeferPolicy(tau=tau, target_risk=0.05, delta=0.1, coverage=0.5, empirical_risk=0.0,
+                       risk_upper_bound=0.05, n_calibration=100, feasible=True)
+
+
+def test_the_defer_rule():
+    heads = Heads(dim=2, policy=_policy(0.5))
+    heads.novelty = fit_novelty(feats(50, 2, 0), feats(50, 2, 1, shift=3.0), feats(99, 2, 2))
+    assert heads.decide(0.9, 0.001) == (True, REASON)          # novelty alone defers
+    assert heads.decide(0.9, 0.5) == (False, None)             # both fine
+    assert heads.decide(0.9, 0.01) == (False, None)            # p = α is not below α
+    assert heads.decide(0.3, 0.5) == (True, None)              # τ alone: no reason
+    assert heads.decide(0.9, 0.5, "truncated") == (True, "truncated")
+    assert heads.decide(0.3, 0.001, "truncated") == (True, "truncated; " + REASON)
+    assert heads.defer_rule == RULE_NOVELTY
+    plain = Heads(dim=2, policy=_policy(0.5))                  # no detector: the old rule
+    assert plain.decide(0.9, 0.001) == (False, None) and plain.defer_rule == RULE_OLD
+
+
+# ------------------------------------------------------------------ artefact and service
+def _detector(dim: int, flag_everything: bool) -> Novelty:
+    """A logistic detector on the actor's feature size whose calibration scores lie below
+    (flag everything: p = 1/200) or above (p = 1) any score a real input can get."""
+    nov = fit_novelty(feats(60, dim, 0), feats(60, dim, 1, shift=3.0), feats(199, dim, 2))
+    nov.t["calibration"] = torch.full((199,), -1e9 if flag_everything else 1e9,
+                                      dtype=torch.float64)
+    return nov
+
+
+@pytest.fixture(scope="module")
+def qwen_heads(actors, tmp_path_factory):
+    return random_heads(tmp_path_factory.mktemp("plain-heads"), actors["qwen3_vl"])
+
+
+def _with_detector(folder: str, target, flag_everything: bool) -> Heads:
+    heads = Heads.load(folder)
+    heads.novelty = _detector(heads.dim, flag_everything)
+    heads.policy = _policy(0.0)            # DualRead is never below τ: novelty alone decides
+    heads.save(target, {k: v for k, v in heads.card.items() if k != "novelty"})
+    return heads
+
+
+def _served(actor_dir: str, heads_dir, monkeypatch) -> dict:
+    service = Service(actor_dir, str(heads_dir))
+
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        # a well-formed, finished response: the parse check cannot be why it defers
+        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
+                                 cue=False)
+        for r in rs:
+            r.finished = True
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+    monkeypatch.setattr(service, "needs_tag", True)
+    with TestClient(create_app(Settings(max_new_tokens=8, batch_wait_ms=1), service)) as c:
+        r = c.post("/answer", json={"image": b64(png_bytes(random_image(0))), "question": Q})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("flag_everything", [True, False])
+def test_answer_defers_on_novelty_alone(actor_dirs, qwen_heads, tmp_path, monkeypatch,
+                                        flag_everything):
+    _with_detector(qwen_heads, tmp_path / "h", flag_everything)
+    body = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch)
+    assert body["defer_threshold"] == 0.0
+    assert set(body["novelty"]) == {"score", "p_value", "novel"}
+    if flag_everything:
+        assert body["novelty"]["p_value"] == pytest.approx(1 / 200)
+        assert body["novelty"]["novel"] is True
+        assert body["defer"] is True and body["defer_reason"] == REASON
+    else:
+        assert body["novelty"]["p_value"] == pytest.approx(1.0)
+        assert body["novelty"]["novel"] is False
+        assert body["defer"] is False and body["defer_reason"] is None
+
+
+def test_save_load_gives_the_same_p_values(actors, qwen_heads, tmp_path):
+    actor = actors["qwen3_vl"]
+    heads = _with_detector(qwen_heads, tmp_path / "h", flag_everything=False)
+    # a real calibration again: clean draws of the fitting distribution
+    heads.novelty.calibrate(features("pre_img_mean_std", feats(99, heads.dim, 7)))
+    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
+    back = Heads.load(tmp_path / "h", actor.fingerprint)
+    assert back.novelty is not None and back.card["defer_rule"] == RULE_NOVELTY
+    assert back.card["novelty"]["n_calibration"] == 99 and back.card["novelty"]["alpha"] == 0.01
+    imgs = [random_image(k) for k in range(3)]
+    res = actor.score(imgs, [Q] * 3, [TRAJ] * 3, cue=False)
+    cal = np.sort(heads.novelty.t["calibration"].numpy())
+    for r in res:
+        a, b = heads.novelty_of(r.readout), back.novelty_of(r.readout)
+        assert (a.score, a.p_value) == (b.score, b.p_value)
+        # independently: standardised [h_pre; mean; std of image states] · coef + intercept
+        ro = r.readout
+        v = torch.cat([ro.h_pre, ro.h_image.mean(0), ro.h_image.std(0)]).double().numpy()
+        t = {k: x.numpy() for k, x in back.novelty.t.items()}
+        s = ((v - t["mean"]) / t["scale"]) @ t["coef"] + t["intercept"][0]
+        assert b.score == pytest.approx(s, rel=1e-6, abs=1e-9)
+        assert b.p_value == pytest.approx((1 + (cal >= b.score).sum()) / 100)
+
+
+def test_an_artefact_without_novelty_loads_and_serves_null(actor_dirs, qwen_heads, tmp_path,
+                                                           monkeypatch):
+    card_path = tmp_path / "h" / "heads_card.json"
+    Heads.load(qwen_heads).save(tmp_path / "h", {"command": "older artefact"})
+    card = json.loads(card_path.read_text())
+    assert card["novelty"] is None and card["defer_rule"] == RULE_OLD
+    # written before the detector existed: neither key at all
+    for key in ("novelty", "defer_rule"):
+        card.pop(key)
+    card_path.write_text(json.dumps(card))
+    loaded = Heads.load(tmp_path / "h")
+    assert loaded.novelty is None
+    assert loaded.decide(0.99, 0.0) == (loaded.defer(0.99), None)   # p ignored without one
+    body = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch)
+    assert body["novelty"] is None
+    assert body["defer_reason"] is None
+
+
+def test_the_shipped_heads_still_load():
+    heads = Heads.load()
+    assert heads.novelty is None or heads.card["novelty"]["alpha"] == heads.novelty_alpha
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def tiny_data(actors, tmp_path_factory):
+    """As tests/test_fit_evaluate.py: the reference is the actor's own answer for one
+    question and a wrong one for the other, so every split holds both classes."""
+    actor = actors["gemma3"]
+    root = tmp_path_factory.mktemp("nov-ds")
+    qs = ["what color is the shape?", "is there a red circle?"]
+    imgs = [random_image(500 + i, 32, 32) for i in range(30)]
+    for i, img in enumerate(imgs):
+        img.save(root / f"{i}.png")
+    pairs = [(i, j) for i in range(30) for j in range(2)]
+    res = actor.answer([imgs[i] for i, _ in pairs], [qs[j] for _, j in pairs], 4,
+                       readout="none")
+    rows = [{"id": f"{i}-{j}", "image": f"{i}.png", "question": qs[j],
+             "answer": r.answer if j == 0 else "definitely wrong"}
+            for (i, j), r in zip(pairs, res)]
+    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return f"jsonl:{root / 'd.jsonl'}"
+
+
+def test_fit_with_novelty_writes_the_detector_and_the_card(actors, tiny_data, tmp_path):
+    actor, per_family = actors["gemma3"], 3
+    items = load(tiny_data)
+    heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
+                            target_risk=0.3, novelty_per_family=per_family)
+    heads.save(tmp_path / "heads", {"command": "test", **info})
+    folder = tmp_path / "heads"
+    assert (folder / "novelty.safetensors").exists() and (folder / "novelty.json").exists()
+    card = json.loads((folder / "heads_card.json").read_text())
+    n_defer = sum(image_split(it.image_id) == "defer" for it in items)
+    nov = card["novelty"]
+    assert card["defer_rule"] == RULE_NOVELTY
+    assert (nov["kind"], nov["feature"], nov["alpha"], nov["C"]) == \
+        ("logistic", "pre_img_mean_std", 0.01, 0.1)
+    assert nov["n_calibration"] == n_defer == card["splits"]["defer_calibration"]
+    assert nov["smallest_p_value"] == pytest.approx(1 / (n_defer + 1), abs=1e-6)
+    n_reader = sum(image_split(it.image_id) == "reader" for it in items)
+    assert nov["n_shifted"] == 8 * min(per_family, n_reader)
+    assert nov["n_fit"] == n_reader
+    assert 0 <= nov["temperature_split_flag_rate"] <= 1
+    # the detector is the logistic fit of clean reader vs corrupted reader copies: refit
+    # with sklearn from the collector's (cached) readouts
+    col = Collector(actor, tmp_path / "cache", 4)
+    clean, meta = col.run(items)
+    reader = splits_of(meta)["reader"]
+    shifted, _ = col.run(novelty_items([items[i] for i in reader.tolist()], per_family))
+
+    def stack(f, idx=None):
+        x = torch.cat([f["h_pre"], f["img_mean"], f["img_std"]], 1).double().numpy()
+        return x if idx is None else x[idx.numpy()]
+
+    xc, xs = stack(clean, reader), stack(shifted)
+    mean, sd = xc.mean(0), np.clip(xc.std(0, ddof=1), 1e-6, None)
+    lr = LogisticRegression(C=0.1, max_iter=5000).fit(
+        (np.r_[xc, xs] - mean) / sd, np.r_[np.zeros(len(xc)), np.ones(len(xs))])
+    back = Heads.load(folder, actor.fingerprint)
+    coef = back.novelty.t["coef"].numpy()
+    assert np.allclose(coef, lr.coef_[0], rtol=1e-2, atol=1e-3 * np.abs(coef).max())
+    # calibrated on the clean defer split: its sorted scores are the reference
+    d_idx = splits_of(meta)["defer"].numpy()
+    s_defer = ((stack(clean)[d_idx] - mean) / sd) @ coef + float(back.novelty.t["intercept"][0])
+    assert np.allclose(back.novelty.t["calibration"].numpy(), np.sort(s_defer), rtol=1e-6,
+                       atol=1e-8)
+
+
+def test_fit_heads_flags_reach_the_fit(actor_dirs, tiny_data, tmp_path, monkeypatch):
+    from app.cli import app
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(actor, items, **kw):
+        seen.append(kw)
+        raise Stop
+
+    monkeypatch.setattr("heads.fit.fit_heads", fake)
+    base = ["fit-heads", "--actor", actor_dirs["gemma3"], "--data", tiny_data, "--out",
+            str(tmp_path / "h"), "--allow-dirty"]
+    for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"]):
+        res = CliRunner().invoke(app, base + extra)
+        assert isinstance(res.exception, Stop), res.output
+    assert [(k["novelty"], k["novelty_per_family"]) for k in seen] == \
+        [(True, 250), (False, 250), (True, 7)]
+
+
+def test_fit_without_novelty_keeps_the_old_rule(tmp_path):
+    heads = Heads(dim=2, policy=_policy(0.5))
+    heads.save(tmp_path, {"novelty": None})
+    assert not (tmp_path / "novelty.json").exists()
+    assert Heads.load(tmp_path).novelty is None
