@@ -231,6 +231,10 @@ def evaluate(
     cache: Annotated[Path | None, typer.Option(
         "--cache", "--cache-dir", help="readout cache folder")] = None,
     device: DeviceOpt = "cpu",
+    grounding: Annotated[bool, typer.Option(
+        "--grounding/--no-grounding",
+        help="CCG-AUC on donor runs (one extra answer per pair); off for a quick shift grid")
+    ] = True,
 ) -> None:
     """The table of every confidence method next to DualRead, with CIs, costs and plots."""
     from heads.dualread import Heads
@@ -243,8 +247,11 @@ def evaluate(
     # None: every registered method (heads.registry)
     chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
     cmd = "dualread evaluate " + " ".join(f"--data {s}" for s in specs) + \
-        (f" --limit {limit}" if limit else "") + f" --out {out}"
-    run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd)
+        (f" --limit {limit}" if limit else "") + (f" --methods {methods}" if methods else "") + \
+        (f" --bootstrap {bootstrap}" if bootstrap != 1000 else "") + \
+        ("" if grounding else " --no-grounding") + f" --out {out}"
+    run(act, hd, specs, out, chosen, limit, bootstrap, cache, command=cmd,
+        grounding_on=grounding)
     console.print((out / "report.md").read_text())
     console.print(f"wrote {out}/report.json, report.md and plots")
 
