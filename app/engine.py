@@ -7,9 +7,12 @@ full queue is refused at once (429) rather than growing latency.
 
 A batch takes every compatible job already queued (those that arrived while the previous
 batch ran). It then waits up to the wait window for more only while it holds fewer jobs
-than the previous batch of its group did: that many callers were recently active and are
-likely about to send again. A lone caller therefore never pays the window, and concurrent
-callers still meet in one batch.
+than its group's previous batch held plus the group's jobs that arrived while that batch
+ran: that many callers were recently active and are likely about to send again. A lone
+caller therefore never pays the window, concurrent callers meet in one batch, and a caller
+that arrives while a batch runs is waited for next time (counting only the previous batch
+locked staggered callers into batches of one). Jobs whose caller has gone (future done)
+or whose deadline passed are dropped right before each model call, never run.
 
 Contract with a handler: it receives the payloads and deadlines of one batch and returns
 one entry per job, in order: a result, or an exception instance for that job alone. If it
@@ -86,8 +89,11 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.inflight = 0
         self.closed = False
-        # size of each group's previous batch: how many callers its window waits for
+        # how many callers each group's window waits for: its previous batch plus the
+        # jobs that arrived while that batch ran
         self.expect: dict[tuple[str, Hashable], int] = {}
+        # jobs submitted per group so far (arrivals during a run are a difference of two)
+        self.seen: dict[tuple[str, Hashable], int] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -128,6 +134,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         jobs = [Job(handler, key, p, deadline, loop.create_future()) for p in payloads]
         self.queue.extend(jobs)
+        group = (handler, key)
+        self.seen[group] = self.seen.get(group, 0) + len(jobs)
         self.arrived.set()
         self.hooks.depth_changed(self.depth)
         return jobs
@@ -188,8 +196,10 @@ class Batcher:
             if first is None:      # closed
                 return
             batch = await self._gather(first)
-            self.expect[first.group] = len(batch)
+            before = self.seen.get(first.group, 0)
             await self._dispatch(batch)
+            during = self.seen.get(first.group, 0) - before
+            self.expect[first.group] = min(self.max_batch, len(batch) + during)
 
     async def _dispatch(self, jobs: list[Job]) -> None:
         """Run jobs taken off the queue: still-usable ones, one model call per group.
@@ -203,10 +213,12 @@ class Batcher:
         self.hooks.depth_changed(self.depth)
         groups: dict[tuple[str, Hashable], list[Job]] = {}
         for job in jobs:
-            if self._usable(job):
-                groups.setdefault(job.group, []).append(job)
+            groups.setdefault(job.group, []).append(job)
         for group in groups.values():
-            await self._run(group)
+            # checked right before the call: a caller may leave while an earlier group runs
+            live = [j for j in group if self._usable(j)]
+            if live:
+                await self._run(live)
 
     async def _run(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -223,8 +235,7 @@ class Batcher:
             retry = isinstance(outcomes, BaseException) and not isinstance(outcomes, EngineError)
             if len(batch) > 1 and retry:
                 # isolate the failure: each job alone, so only the bad one fails
-                outcomes = [await self._call(loop, fn, [j]) for j in batch]
-                outcomes = [o if isinstance(o, BaseException) else o[0] for o in outcomes]
+                outcomes = [await self._alone(loop, fn, j) for j in batch]
             elif isinstance(outcomes, BaseException):
                 outcomes = [outcomes] * len(batch)
             for job, outcome in zip(batch, outcomes):
@@ -237,6 +248,14 @@ class Batcher:
         finally:
             self.inflight = 0
             self.hooks.batch_finished(name, batch, time.perf_counter() - t)
+
+    async def _alone(self, loop: asyncio.AbstractEventLoop, fn: Handler, job: Job) -> Any:
+        """One job's outcome on its own; None, without a call, when its caller has gone
+        or its deadline passed while the batch ran (its future is settled already)."""
+        if not self._usable(job):
+            return None
+        out = await self._call(loop, fn, [job])
+        return out if isinstance(out, BaseException) else out[0]
 
     async def _call(self, loop: asyncio.AbstractEventLoop, fn: Handler, jobs: list[Job]
                     ) -> list[Any] | BaseException:

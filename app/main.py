@@ -75,7 +75,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         await serving.stop()
 
     app = FastAPI(title="dualread", version="0.1.0", lifespan=lifespan,
-                  description=DESCRIPTION, docs_url=None, redoc_url=None, openapi_url=None)
+                  description=DESCRIPTION, docs_url=None, redoc_url=None, openapi_url=None,
+                  # a bare 307 to "/feedback" answered before auth, and not as JSON
+                  redirect_slashes=False)
     app.state.settings = settings
     app.state.serving = app.state.core = serving
     app.state.metrics = metrics
@@ -84,5 +86,6 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets):
         app.include_router(router)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
-                       draining=lambda: serving.draining)
+                       draining=lambda: serving.draining,
+                       body_timeout_s=settings.body_timeout_s)
     return app

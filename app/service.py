@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from models.quality import response_problem, uses_answer_tag
 from models.readout import Response
 
 log = logging.getLogger("dualread.service")
+# C0 and C1 controls except tab, newline and carriage return; DEL; bidi embeddings,
+# overrides and isolates (questions only: a trajectory may hold newlines).
+CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 AnswerJob = AnswerItem   # the earlier name
 
 
@@ -67,6 +71,11 @@ class Service:
 
     # ------------------------------------------------------------------ input checks
     def check_question(self, question: str, max_chars: int, max_tokens: int) -> str:
+        bad = CONTROL.search(question)
+        if bad:
+            # NUL, ESC or a bidi override reach the model unseen by whoever reads the log
+            raise QuestionInvalid(f"question contains a control character "
+                                  f"(U+{ord(bad.group()):04X}); remove it")
         q = question.strip()
         if not q:
             raise QuestionInvalid("question is empty")
@@ -120,7 +129,11 @@ class Service:
         t = time.perf_counter()
         try:
             confs = self.heads.confidence_batch(list(readouts.values()))
-        except Exception:
+        except Exception as e:
+            # once per batch: the per-item fallback hides the failure from the caller
+            log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
+                                    "error": type(e).__name__, "detail": str(e)[:200]}),
+                        exc_info=e)
             return {}
         each = (time.perf_counter() - t) / len(readouts)
         return {k: (c, each) for k, c in zip(readouts, confs)}

@@ -23,6 +23,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of every job (504)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
                                 description="request body limit (413 before reading more)")
+    body_timeout_s: float = Field(30.0, gt=0,
+                                  description="time to receive a whole request body (408)")
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="per image (413)")
     max_image_pixels: int = Field(40_000_000, ge=1,
                                   description="per image, DICOM frames included (413)")

@@ -27,7 +27,8 @@ class AnswerRequest(_Request):
         {"image": B64_EXAMPLE, "question": "what color is the shape?"}]})
     image: str = Field(..., description="PNG, JPEG or DICOM bytes, base64 (one line)")
     question: str = Field(..., min_length=1)
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    # strict: `true` or "8" is a client bug, not a request for 1 or 8 tokens
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
 
 
 # The confidence fields of `/answer` (and of the probe routes), in response order, with
@@ -114,7 +115,8 @@ class CounterfactualRequest(_Request):
     # Bounded: grading runs on the event loop, and a reference is a short answer.
     reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
     counterfactual_reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    # strict: `true` or "8" is a client bug, not a request for 1 or 8 tokens
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
 
 
 class Run(BaseModel):
@@ -191,7 +193,7 @@ class ScoreBatchResponse(BaseModel):
 class FeedbackRequest(_Request):
     request_id: str = Field(..., min_length=1, max_length=64,
                             description="the request_id of an earlier /answer response")
-    correct: bool
+    correct: bool = Field(..., strict=True, description="true or false (not 1 or \"yes\")")
 
 
 class FeedbackResponse(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,10 @@ from heads.registry import Method
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
-CARD_VERSION = 2
+# 3: the card carries the novelty detector and the defer rule. A server that predates a
+# card's version could load it and silently drop a term of its rule, so `Heads.load`
+# refuses any version newer than this one.
+CARD_VERSION = 3
 # the method whose confidence the defer policy thresholds
 DEFER_METHOD = "dualread"
 # card keys written before the registry -> canonical method names
@@ -56,6 +60,10 @@ def novelty_reason(alpha: float) -> str:
 
 class FingerprintMismatch(RuntimeError):
     pass
+
+
+class CardTooNew(RuntimeError):
+    """A heads card written by a newer version of this code than the one loading it."""
 
 
 def _legacy_match(card: dict, actor_fingerprint: str, folder: Path) -> bool:
@@ -233,15 +241,39 @@ class Heads:
 
     def decide(self, p_dualread: float, novelty_p: float | None = None,
                problem: str | None = None) -> tuple[bool, str | None]:
-        """The whole defer rule in one place: (defer, reason). Defer when DualRead < τ,
+        """The whole defer rule for one item: (defer, reason). Defer when DualRead < τ,
         when the novelty p-value is below α, or when the response has a `problem`; the
-        reason names the problem and/or the novelty flag (None when only τ decides)."""
-        novel = novelty_p is not None and self.novelty is not None and \
-            novelty_p < self.novelty_alpha
-        reasons = [r for r in (problem, novelty_reason(self.novelty_alpha) if novel else None)
-                   if r is not None]
-        defer = self.defer(p_dualread) or bool(reasons)
-        return defer, "; ".join(reasons) or None
+        reason names the problem and/or the novelty flag (None when only τ decides).
+        The flags come from `defer_reasons`, the one rule that `evaluate` applies too."""
+        why = {k: bool(v[0]) for k, v in self.defer_reasons([p_dualread], [novelty_p],
+                                                            [problem]).items()}
+        reasons = [r for r in (problem, novelty_reason(self.novelty_alpha)
+                               if why["novelty"] else None) if r is not None]
+        return any(why.values()), "; ".join(reasons) or None
+
+    def defer_reasons(self, p_dualread: Sequence[float] | np.ndarray,
+                      novelty_p: Sequence[float | None] | np.ndarray | None = None,
+                      problems: Sequence[str | None] | None = None) -> dict[str, np.ndarray]:
+        """The defer rule over a batch, one boolean array per reason: "tau" (DualRead < τ;
+        every item without a policy), "novelty" (p-value < α, only with a detector; a None
+        p-value never flags) and "problem" (the response does not parse). An item is
+        deferred when any of them holds (`defer_mask`)."""
+        p = np.asarray(p_dualread, float)
+        tau = p < self.policy.tau if self.policy is not None else np.ones(len(p), bool)
+        novel = np.zeros(len(p), bool)
+        if novelty_p is not None and self.novelty is not None:
+            pv = np.array([np.nan if v is None else v for v in novelty_p], float)
+            novel = pv < self.novelty_alpha          # NaN (no p-value) compares False
+        bad = np.zeros(len(p), bool) if problems is None else \
+            np.array([q is not None for q in problems], bool)
+        return {"tau": tau, "novelty": novel, "problem": bad}
+
+    def defer_mask(self, p_dualread: Sequence[float] | np.ndarray,
+                   novelty_p: Sequence[float | None] | np.ndarray | None = None,
+                   problems: Sequence[str | None] | None = None) -> np.ndarray:
+        """`decide` vectorised: True where an item is deferred, for any reason."""
+        why = self.defer_reasons(p_dualread, novelty_p, problems)
+        return why["tau"] | why["novelty"] | why["problem"]
 
     # ------------------------------------------------------------- artefacts
     def save(self, folder: str | Path, card: dict) -> None:
@@ -286,6 +318,12 @@ class Heads:
         if not card_path.exists():
             raise FileNotFoundError(f"no heads at {folder} (expected heads_card.json)")
         card = json.loads(card_path.read_text())
+        version = int(card.get("card_version", 1))
+        if version > CARD_VERSION:
+            raise CardTooNew(
+                f"heads in {folder} have card version {version}, newer than this code reads "
+                f"(up to {CARD_VERSION}): it could drop parts of their defer rule; upgrade "
+                "dualread or load heads fitted by this version")
         if actor_fingerprint is not None and card["actor_fingerprint"] != actor_fingerprint \
                 and not _legacy_match(card, actor_fingerprint, folder):
             raise FingerprintMismatch(

@@ -19,6 +19,8 @@ from heads.dualread import DEFER_METHOD, Heads
 from heads.fit import question_only
 from heads.metrics import METRICS, cluster_bootstrap, risk_coverage
 from models.data import load, sample
+from models.parse import parse_response
+from models.quality import response_problem, uses_answer_tag
 
 SHOWN = ("auroc", "ece", "ece10", "brier", "aurc", "hce90")
 # the question-only baseline: accuracy of the question's normalised form when fitting
@@ -106,13 +108,19 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
             entry.update(_grounding(heads, col, items, plan, feats, meta, scores, chosen,
                                     passes, rows, bootstrap))
         if DEFER_METHOD in scores and heads.policy is not None:
-            # the artefact's whole rule: τ on DualRead, and the novelty flag when it has one
-            flagged = None
+            # the artefact's whole rule, as the service applies it: τ on DualRead, the
+            # novelty p-value when it has a detector, and the responses that do not parse
+            novelty_p = None
             if heads.novelty is not None:
-                flagged = np.array([r.novel for r in heads.novelty.read(feats,
-                                                                        heads.novelty_alpha)])
-            entry["defer"] = grounding.defer_on(scores[DEFER_METHOD], z, heads.policy.tau,
-                                                heads.policy.target_risk, flagged)
+                novelty_p = [r.p_value for r in heads.novelty.read(feats, heads.novelty_alpha)]
+            problems = response_problems(actor, meta.get("responses"), max_new_tokens)
+            why = heads.defer_reasons(scores[DEFER_METHOD], novelty_p, problems)
+            if heads.novelty is None:
+                del why["novelty"]
+            if problems is None:           # a cache written without the responses
+                del why["problem"]
+            entry["defer"] = grounding.defer_on(z, why, heads.policy.tau,
+                                                heads.policy.target_risk)
         report["datasets"][spec] = entry
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
@@ -124,6 +132,26 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     return report
+
+
+def response_problems(actor, responses: list[str] | None, max_new_tokens: int
+                      ) -> list[str | None] | None:
+    """Why each generated response is unusable (`models.quality.response_problem`, as the
+    service computes it), or None without the responses. The collector keeps the text, not
+    the ids: they are re-encoded, and a response that stopped on its own (an EOS) has fewer
+    than `max_new_tokens` tokens before the EOS, a truncated one exactly that many (exact
+    when the text re-encodes to as many tokens as were generated)."""
+    if responses is None or getattr(actor, "tokenizer", None) is None:
+        return None
+    card = Path(actor.folder) / "actor_card.json"
+    fmt = json.loads(card.read_text()).get("response_format") if card.exists() else None
+    needs_tag = uses_answer_tag(fmt)
+    out: list[str | None] = []
+    for text in responses:
+        ids = actor.tokenizer.encode(text, add_special_tokens=False)
+        out.append(response_problem(parse_response(text), ids, len(ids) < max_new_tokens,
+                                    needs_tag))
+    return out
 
 
 def _grounding(heads: Heads, col: Collector, items: list, plan, feats: dict, meta: dict,
@@ -197,7 +225,10 @@ def _grounding_md(d: dict) -> list[str]:
                   f"({'≤' if f['risk_within_target'] else '>'} r = {f['target_risk']})."
                   + (f" Novelty flags {f['novelty_flag_rate']:.3f} of items (coverage with "
                      f"τ alone {f['coverage_tau_only']:.3f})." if "novelty_flag_rate" in f
-                     else ""), ""]
+                     else "")
+                  + (" Share deferred by each reason (an item may have several): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in f["deferred_share"].items())
+                     + "." if f.get("deferred_share") else ""), ""]
     rows = d["methods"]
     types = sorted({t for r in rows.values() for t in r.get("auroc_by_type", {})})
     if "ccg_pairs" in d:

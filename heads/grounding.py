@@ -188,20 +188,31 @@ def paired_vs(ref: str, scores: dict[str, np.ndarray], z: np.ndarray, clusters: 
     return out
 
 
-def defer_on(c: np.ndarray, z: np.ndarray, tau: float, target_risk: float,
-             novel: np.ndarray | None = None) -> dict:
+def defer_on(z: np.ndarray, reasons: dict[str, np.ndarray], tau: float,
+             target_risk: float) -> dict:
     """The heads' defer rule on the evaluated data: coverage, risk among kept answers,
-    and whether that risk is within r. `novel` marks the items the novelty detector
-    flags (deferred whatever their confidence); None for heads without one."""
-    kept = np.asarray(c, float) >= tau
-    out = {}
-    if novel is not None:
-        novel = np.asarray(novel, bool)
-        out["novelty_flag_rate"] = float(novel.mean()) if len(novel) else float("nan")
-        out["coverage_tau_only"] = float(kept.mean()) if len(kept) else float("nan")
-        kept = kept & ~novel
+    whether that risk is within r, and the share of items each reason defers.
+
+    `reasons` holds one boolean array per reason (`Heads.defer_reasons`: "tau",
+    "novelty", "problem"); an item is kept when none holds. Leave "novelty" out for heads
+    without a detector. An item can be deferred for several reasons, so the shares may add
+    up to more than 1 − coverage."""
+    z = np.asarray(z)
+    flags = {k: np.asarray(v, bool) for k, v in reasons.items()}
+    deferred = np.zeros(len(z), bool)
+    for v in flags.values():
+        deferred |= v
+    kept = ~deferred
+
+    def share(x: np.ndarray) -> float:
+        return float(x.mean()) if len(x) else float("nan")
+
+    out: dict = {"deferred_share": {k: share(v) for k, v in flags.items()}}
+    if "novelty" in flags:
+        out["novelty_flag_rate"] = share(flags["novelty"])
+    if "tau" in flags:
+        out["coverage_tau_only"] = share(~flags["tau"])
     risk = float(1 - np.mean(z[kept])) if kept.any() else float("nan")
     return {"tau": float(tau), "target_risk": float(target_risk),
-            "coverage": float(kept.mean()) if len(kept) else float("nan"),
-            "risk": risk, "n_kept": int(kept.sum()),
+            "coverage": share(kept), "risk": risk, "n_kept": int(kept.sum()),
             "risk_within_target": bool(kept.any() and risk <= target_risk), **out}

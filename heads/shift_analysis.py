@@ -18,6 +18,7 @@ from heads import registry
 from heads.defer import choose_threshold
 from heads.dualread import Heads
 from heads.fit import fit_methods, image_split
+from heads.methods import dualread as dm
 from heads.metrics import auroc, ece
 from heads.novelty import Novelty, features, p_values
 from heads.registry import FitData
@@ -31,6 +32,10 @@ UNSUPERVISED = [(f, k) for f in ("h_pre", "h_close", "h_mid", "img_mean", "img_s
 SUPERVISED_FEATURE = "pre_img_mean_std"
 # The registry methods whose fits set DualRead's readers and temperatures, in fitting order
 DUALREAD_FITS = ("psr", "p_state", "per")
+# docs/shift-study's approach (b) was fitted with post-answer L2 1e-3 and no answer flips.
+# The shipped post branch has since moved (answer flips, POST_L2), so the study passes its
+# own settings to the fits rather than inheriting whatever the service ships.
+STUDY_POST = {"flip_weight": 0.0, "l2": 1e-3}
 HEAD_KEYS = ("h_pre", "h_close", "phi", "h_mid", "msp", "mean_logprob", "entropy", "mu")
 
 
@@ -71,6 +76,14 @@ def splits(meta: dict) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ (b) augmented heads
+def study_methods(post: dict | None = None) -> list:
+    """DUALREAD_FITS as the study fits them: the registry's PSR, and P-State/PER instances
+    with the study's post-answer settings (`STUDY_POST` unless given)."""
+    post = STUDY_POST if post is None else post
+    return [dm.PState(**post) if n == "p_state" else dm.PER(**post) if n == "per"
+            else registry.get(n) for n in DUALREAD_FITS]
+
+
 class RefitDualRead:
     """DualRead's readers, temperatures and τ refitted by the registry's own fits (SPEC §1,
     `heads.fit.fit_methods` with PSR, P-State and PER, in registration order) on the study's
@@ -97,7 +110,7 @@ class RefitDualRead:
         # No `scoped` passes: the study caches natural readouts only, so no extra-pass rows
         # (answer flips) join the post-answer readers' fits.
         fit_methods(self.heads, FitData(tensors, feats["z"], splits, seed=seed),
-                    [registry.get(n) for n in DUALREAD_FITS])
+                    study_methods())
         pol = choose_threshold(self.p(clean_defer), clean_defer["z"].numpy(), target_risk,
                                delta)
         self.tau = pol.tau

@@ -22,6 +22,10 @@ from models.readout import Readout, Response, StateTap, locate, token_spans
 ReadoutMode = Literal["capture", "replay", "none"]
 CONFIDENCE_CUE = "<confidence>"
 SAPLMA_DEPTH = 0.625
+# Most logits (rows x vocabulary) the token statistics hold at once: a batch of 64 with 64
+# response tokens and a 152k vocabulary is ~0.6G elements, ~10 GB with the log-softmax and
+# the entropy's temporaries, so it is computed in slices of at most this many elements.
+TOKEN_STATS_ELEMENTS = 64 * 2**20
 
 
 def saplma_layer(num_layers: int) -> int:
@@ -213,20 +217,37 @@ class Actor:
         return tap.states["last"][0].float(), tap.states["mid"][0].float()
 
     # ---------------------------------------------------------------- readout assembly
-    def _token_stats(self, last: torch.Tensor, seq: torch.Tensor, lp: int
+    def _token_stats(self, last: torch.Tensor, seq: torch.Tensor, lp: int,
+                     limit: int = TOKEN_STATS_ELEMENTS
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Next-token log-probabilities at each response step of a batch ([B, N, V]), the
-        log-prob of the response token taken there and the predictive entropy ([B, N]).
+        """At each response step of a batch: the log-prob of the response token taken there
+        and the predictive entropy ([B, N]), and the log-probs of the known confidence
+        digits ([B, N, K], for `_digit_probs`).
 
         `last` [B, L, D] and `seq` [B, L'] cover [prompt ; response]; N is the response
-        width. One LM-head pass for the whole batch: per item, the calls cost more than
-        the arithmetic. On the embedded actor the rows are bitwise the per-item results.
+        width. The LM head runs on slices of whole items, at most `limit` logits each (one
+        item a slice when one alone is over it), so memory stays bounded while the calls
+        stay few. Whole items because an item's rows are bitwise the same alone or in any
+        batch, while splitting an item's steps into smaller matrix products changes bits.
         """
-        logp = torch.log_softmax(self._logits(last[:, lp - 1: seq.shape[1] - 1]), -1)
-        tgt = seq[:, lp: lp + logp.shape[1]].to(logp.device)
-        tok = logp.gather(-1, tgt[..., None]).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        return logp, tok, ent
+        h = last[:, lp - 1: seq.shape[1] - 1]
+        b, n = h.shape[:2]
+        tgt = seq[:, lp: lp + n].to(h.device)
+        digits = torch.tensor([d for d in self.digit_ids if d is not None], dtype=torch.long,
+                              device=h.device)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        items = max(1, limit // max(1, n * vocab))   # whole items per slice
+        tok = torch.empty(b, n, device=h.device)
+        ent = torch.empty(b, n, device=h.device)
+        dlp = torch.empty(b, n, len(digits), device=h.device)
+        for i in range(0, b, items):
+            sl = slice(i, i + items)
+            logp = torch.log_softmax(self._logits(h[sl]), -1)
+            tok[sl] = logp.gather(-1, tgt[sl][..., None]).squeeze(-1)
+            ent[sl] = -(logp.exp() * logp).sum(-1)
+            dlp[sl] = logp[..., digits]
+            del logp                                  # freed before the next slice's logits
+        return tok, ent, dlp
 
     def _responses(self, resp_ids: list[list[int]], last: torch.Tensor,
                    mid: torch.Tensor | None, seq: torch.Tensor, lp: int) -> list[Response]:
@@ -264,8 +285,8 @@ class Actor:
         last_pos = lp + len(body) - 1 if body else t_prompt
         img_pos = (input_ids[:lp] == self.image_token_id).nonzero().flatten()
         n = len(ids)
-        logp, tok_lp, ent = (x[:n] for x in stats)
-        digits = self._digit_probs(text, spans, last, lp, logp)
+        tok_lp, ent, digit_lp = (x[:n] for x in stats)
+        digits = self._digit_probs(text, spans, last, lp, digit_lp)
         ro = Readout(
             h_pre=last[t_prompt].cpu(), h_close=last[close_pos].cpu(),
             h_answer=last[ans_pos].cpu(), h_image=last[img_pos].cpu(),
@@ -279,12 +300,12 @@ class Actor:
         return resp
 
     def _digit_probs(self, text: str, spans, last: torch.Tensor, lp: int,
-                     logp: torch.Tensor | None = None) -> torch.Tensor | None:
+                     digit_lp: torch.Tensor | None = None) -> torch.Tensor | None:
         """P(C=c) at the position whose next token is the verbalized level (SPEC §3).
 
-        `logp` holds the response's next-token log-probabilities (row k predicts response
-        token k); when it covers the cue's position its row is reused instead of a second
-        LM-head pass.
+        `digit_lp` holds the response's next-token log-probabilities of the known digits
+        (row k predicts response token k; `_token_stats`); when it covers the cue's
+        position its row is reused instead of a second LM-head pass.
         """
         cue = text.find(CONFIDENCE_CUE)
         if cue < 0 or all(d is None for d in self.digit_ids):
@@ -294,13 +315,14 @@ class Actor:
         if not idx:
             return None
         row = idx[0] + 1
-        if logp is not None and row < len(logp):
-            p = logp[row].exp()
+        known = [k for k, d in enumerate(self.digit_ids) if d is not None]
+        if digit_lp is not None and row < len(digit_lp):
+            p_known = digit_lp[row].exp()
         else:
             p = torch.softmax(self._logits(last[lp + idx[0]]), -1)
-        known = [k for k, d in enumerate(self.digit_ids) if d is not None]
+            p_known = p[[self.digit_ids[k] for k in known]]
         probs = torch.zeros(len(self.digit_ids))
-        probs[known] = p[[self.digit_ids[k] for k in known]].float().cpu()
+        probs[known] = p_known.float().cpu()
         return probs / probs.sum().clamp_min(1e-12)
 
     # ---------------------------------------------------------------- public API

@@ -9,7 +9,9 @@ Policy (the service documents the same):
 - DICOM: single-frame only (a multi-frame object is a series; send the frame you mean);
   MONOCHROME1/2 are windowed with the file's own centre/width (else min–max) to 8 bits,
   MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
-  interpretations are refused. Malformed tags are refused with the tag's name.
+  interpretations are refused. Malformed tags (also finite ones that overflow once
+  applied) are refused with the tag's name.
+- JPEG/PNG EXIF orientation is applied, so the pixels are the upright image.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200
@@ -112,11 +114,25 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
         lo, hi = (0.0, 255.0) if a.max() <= 255 and a.min() >= 0 else (a.min(), a.max())
         a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
         return Image.fromarray(a.astype(np.uint8), "RGB")
-    a = a * slope + intercept
-    if centre is not None and width is not None and width > 0:
-        lo, hi = centre - width / 2, centre + width / 2
-    else:
-        lo, hi = float(a.min()), float(a.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        # finite tags can still overflow once applied (slope 1e308 × a pixel of 64)
+        a = a * slope
+        if not np.isfinite(a).all():
+            raise ImageInvalid("malformed DICOM tag RescaleSlope: rescaled pixels overflow")
+        a = a + intercept
+        if not np.isfinite(a).all():
+            raise ImageInvalid("malformed DICOM tag RescaleIntercept: rescaled pixels "
+                               "overflow")
+        if centre is not None and width is not None and width > 0:
+            lo, hi = centre - width / 2, centre + width / 2
+            if not np.isfinite([lo, hi]).all():
+                raise ImageInvalid("malformed DICOM tags WindowCenter/WindowWidth: the "
+                                   "window overflows")
+        else:
+            lo, hi = float(a.min()), float(a.max())
+            if not np.isfinite(hi - lo):
+                raise ImageInvalid("malformed DICOM tag RescaleSlope: the pixel range "
+                                   "overflows")
     a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
     if photometric == "MONOCHROME1":
         a = 255 - a
@@ -140,6 +156,9 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
                 img.load()
+                # A camera's EXIF orientation: the model must see the scene upright (a
+                # rotated shape read as another one, confidently, in the attack report).
+                img = ImageOps.exif_transpose(img)
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):

@@ -204,3 +204,26 @@ def test_generated_token_logprobs_match_the_model(qwen3, images):
         want_lp, want_ent = _model_logprobs(qwen3, img, q, r.token_ids)
         torch.testing.assert_close(r.readout.token_logprobs, want_lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(r.readout.token_entropy, want_ent, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("slices", ["one", "two items", "one item"])
+def test_token_stats_in_slices_are_bitwise_the_whole_batch(qwen3, images, slices):
+    """The LM head runs on bounded slices of whole items; every limit (down to one item a
+    slice) gives bitwise the statistics of the whole batch in one pass (the formula
+    inline)."""
+    ids = [qwen3.tokenizer.encode(t, add_special_tokens=False)
+           for t in (TRAJ + "<confidence>7", "<answer>blue</answer>", TRAJ)]
+    batch = qwen3.encode(images[:3], QUESTIONS[:3], ids)
+    last, _ = qwen3.forward_states(batch)
+    seq, lp = batch.input_ids, batch.prompt_len
+    n = seq.shape[1] - lp
+    vocab = qwen3.model.get_output_embeddings().weight.shape[0]
+    limit = {"one": 10**12, "two items": 2 * n * vocab, "one item": 1}[slices]
+    tok, ent, dlp = qwen3._token_stats(last, seq, lp, limit=limit)
+    logp = torch.log_softmax(qwen3._logits(last[:, lp - 1: seq.shape[1] - 1]), -1)
+    want_tok = logp.gather(-1, seq[:, lp:, None]).squeeze(-1)
+    want_ent = -(logp.exp() * logp).sum(-1)
+    digits = [d for d in qwen3.digit_ids if d is not None]
+    assert len(digits) == 11
+    assert torch.equal(tok, want_tok) and torch.equal(ent, want_ent)
+    assert torch.equal(dlp, logp[..., digits])

@@ -14,7 +14,9 @@ from heads.collect import Collector
 from heads.dualread import Heads
 from heads.methods.dualread import (
     FLIP_PASS,
+    FLIP_WEIGHTS,
     PER,
+    POST_L2,
     PState,
     p_post,
     post_logits,
@@ -52,6 +54,15 @@ def _flip(h: torch.Tensor, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _fit(with_flips: bool) -> Heads:
+    data = _data(with_flips)
+    torch.manual_seed(0)
+    heads = Heads.new(DIM)
+    PState().fit(heads, data)
+    PER().fit(heads, data)
+    return heads
+
+
+def _data(with_flips: bool) -> FitData:
     g = torch.Generator().manual_seed(0)
     n_reader, n_temp = 400, 300
     h, phi, z = _states(n_reader + n_temp, g)
@@ -64,12 +75,7 @@ def _fit(with_flips: bool) -> Heads:
         ok[:10] = 0                                  # items with no flip rule are left out
         scoped["reader"] = {"flip_ok": ok, "z": z[:n_reader], "flip_h_close": fh,
                             "flip_phi": fphi}
-    data = FitData({"h_close": h, "phi": phi}, z, splits, scoped)
-    torch.manual_seed(0)
-    heads = Heads.new(DIM)
-    PState().fit(heads, data)
-    PER().fit(heads, data)
-    return heads
+    return FitData({"h_close": h, "phi": phi}, z, splits, scoped)
 
 
 def _drop_on_flip(heads: Heads) -> torch.Tensor:
@@ -176,3 +182,72 @@ def test_flip_pass_is_cached_by_the_collector(items, tmp_path):
         torch.testing.assert_close(second[k], first[k], rtol=0, atol=0)
     # the replayed states are of the flipped text, not the natural one
     assert not torch.equal(first["flip_h_close"], first["h_close"])
+
+
+# ------------------------------------------------------------------ settings and logs
+def test_fit_log_has_natural_bce_after_the_intercept_refit():
+    from sklearn.metrics import log_loss
+
+    data = _data(with_flips=True)
+    torch.manual_seed(0)
+    heads = Heads.new(DIM)
+    logs = {"state": PState().fit(heads, data), "post": PER().fit(heads, data)}
+    nat = {k: v[data.splits["reader"]] for k, v in data.feats.items()}
+    z = data.y("reader").numpy()
+    for name, fn in (("state", state_logits), ("post", post_logits)):
+        log = logs[name]
+        # correctly answered items past the 10 without a flip rule
+        assert log["flipped_rows"] == int(z[10:].sum()) > 300
+        p = torch.sigmoid(fn(heads, nat)).double().numpy()    # after the refit, natural rows
+        assert log["natural_bce"] == pytest.approx(log_loss(z, p), abs=2e-5)
+        assert log["natural_prior_bce"] == pytest.approx(
+            log_loss(z, [z.mean()] * len(z)), abs=2e-5)
+        assert log["natural_bce"] < log["natural_prior_bce"]
+
+
+def test_explicit_settings_override_the_shipped_ones():
+    from heads.modules import Reader, fit_linear
+
+    data = _data(with_flips=True)
+    torch.manual_seed(0)
+    heads = Heads.new(DIM)
+    log = PState(flip_weight=0.0, l2=0.5).fit(heads, data)
+    assert log["flipped_rows"] == 0 and log["l2"] == 0.5 and log["flip_weight"] == 0.0
+    # the plain fit on the natural reader rows at that L2
+    expected = Reader(DIM)
+    fit_linear(expected, data.x("h_close", "reader"), data.y("reader"), l2=0.5)
+    torch.testing.assert_close(heads.readers["state"].net[-1].weight, expected.net[-1].weight)
+    # without arguments the shipped constants apply, read when fitting
+    log = PState().fit(Heads.new(DIM), data)
+    assert log["flip_weight"] == FLIP_WEIGHTS["state"] and log["l2"] == POST_L2
+
+
+def test_consistent_flip_replaces_the_word_everywhere_on_word_boundaries():
+    from heads.flip_sweep import consistent_flip
+
+    text = ("<think>A red circle; reddish border. Red is the colour.</think>"
+            "<answer>red</answer>")
+    assert consistent_flip(text, "red", "blue") == (
+        "<think>A blue circle; reddish border. blue is the colour.</think>"
+        "<answer>blue</answer>")
+    assert consistent_flip("<answer>circle</answer>", "square", "circle") is None
+
+
+def _row(lam, l2, auroc, drop, bce_state=0.2, bce_per=0.2):
+    return {"flip_weight": lam, "l2": l2, "defer_prior_bce": 0.25,
+            "defer": {"p_state": {"bce": bce_state}, "per": {"bce": bce_per},
+                      "dualread": {"auroc": auroc}},
+            "answer_drop": {"dualread": drop}}
+
+
+def test_sweep_criterion_picks_the_largest_drop_among_admissible_points():
+    from heads.flip_sweep import choose
+
+    rows = [_row(0.0, 1e-3, 0.780, 0.00), _row(0.0, 1e-2, 0.790, 0.01),
+            _row(0.1, 1e-3, 0.786, 0.05),                  # AUROC within .005 of .790
+            _row(0.5, 1e-3, 0.784, 0.20),                  # AUROC too low
+            _row(1.0, 1e-2, 0.795, 0.30, bce_per=0.26),    # PER worse than the prior
+            _row(0.25, 1e-2, 0.7851, 0.05)]                # same drop, larger λ: loses
+    assert (choose(rows)["flip_weight"], choose(rows)["l2"]) == (0.1, 1e-3)
+    # nothing admissible but the no-flip fits: the best of them
+    assert choose(rows[:2] + rows[3:5])["l2"] == 1e-2

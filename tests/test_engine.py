@@ -301,3 +301,106 @@ def test_company_expected_in_one_group_does_not_delay_another():
 
     assert run(body()) == 6
     assert s.batches == [[1, 2]] and a.batches == [[3]]
+
+
+class Gated(Recorder):
+    """A Recorder whose first call waits at a gate (the later ones run at once)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.first_gate = gate
+
+    def __call__(self, payloads: list, deadlines: list[float]) -> list:
+        if not self.batches:
+            self.first_gate.wait(10)
+        return super().__call__(payloads, deadlines)
+
+
+# Long enough that a client's next request (one event-loop turn away) always lands inside
+# it; only the final lone job waits it out.
+WINDOW_MS = 200
+
+
+def test_staggered_clients_coalesce_after_the_first_batch():
+    """Client B arrives while A's first job runs. Counting only the previous batch's size
+    (1) ran every later job alone, A and B alternating; counting B's arrival as well makes
+    the next batch wait for A's next request, and from then on both share each batch."""
+    gate = threading.Event()
+    h = Gated(gate)
+    n = 8
+
+    async def client(b: Batcher, tag: str) -> None:
+        for k in range(n):
+            await b.submit("x", f"{tag}{k}", deadline()).future
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=WINDOW_MS, queue_limit=16)
+        b.start()
+        try:
+            a = asyncio.ensure_future(client(b, "a"))
+            while not b.inflight:               # A's first job holds the worker at the gate
+                await asyncio.sleep(0.001)
+            c = asyncio.ensure_future(client(b, "b"))
+            while not b.depth:                  # B's first job waits in the queue
+                await asyncio.sleep(0.001)
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(a, c), 60)
+        finally:
+            await b.stop()
+
+    run(body())
+    sizes = [len(x) for x in h.batches]
+    assert sum(sizes) == 2 * n
+    assert sizes[0] == 1 and h.batches[0] == ["a0"]
+    # after the first batch only B's last job (A has finished) may run alone
+    assert sizes[1:].count(1) <= 1, sizes
+    assert sizes[1:-1] == [2] * (n - 1), sizes
+
+
+def test_jobs_abandoned_during_a_failed_batch_are_not_retried():
+    """A batch that raises is retried item by item; an item whose caller left meanwhile
+    (its future cancelled) is dropped, not run again."""
+    gate = threading.Event()
+    h = Recorder(fail_on=3, gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=0, queue_limit=16)
+        jobs = b.submit_many("x", [1, 2, 3, 4], deadline())
+        b.start()
+        try:
+            while not b.inflight:
+                await asyncio.sleep(0.001)
+            jobs[1].future.cancel()               # its caller gave up (504) while it ran
+            gate.set()
+            return await asyncio.wait_for(asyncio.gather(
+                *(jobs[k].future for k in (0, 2, 3)), return_exceptions=True), 60)
+        finally:
+            await b.stop()
+
+    one, three, four = run(body())
+    assert (one, four) == (2, 8) and isinstance(three, ValueError)
+    assert h.batches == [[1, 2, 3, 4], [1], [3], [4]]
+
+
+def test_dispatch_drops_a_job_abandoned_while_an_earlier_group_ran():
+    """`_dispatch` (the Ray path) may get several groups: one whose caller leaves while
+    an earlier group runs is dropped before its own call, not run."""
+    gate = threading.Event()
+    a, s = Recorder(gate=gate), Recorder()
+
+    async def body():
+        b = Batcher({"answer": a, "score": s}, max_batch=8, wait_ms=0, queue_limit=16)
+        jobs = [b.submit("answer", 1, deadline()), b.submit("score", 10, deadline()),
+                b.submit("score", 20, deadline())]
+        task = asyncio.ensure_future(b._dispatch(jobs))
+        while not b.inflight:                    # the answer group holds the worker
+            await asyncio.sleep(0.001)
+        jobs[1].future.cancel()
+        gate.set()
+        await asyncio.wait_for(task, 60)
+        out = [jobs[0].future.result(), jobs[2].future.result()]
+        await b.stop()
+        return out
+
+    assert run(body()) == [2, 40]
+    assert a.batches == [[1]] and s.batches == [[20]]

@@ -10,6 +10,9 @@ from sklearn.metrics import roc_auc_score
 
 from clients.maths import Pair
 from heads import grounding
+from heads.defer import DeferPolicy
+from heads.dualread import Heads
+from heads.evaluate import response_problems
 from heads.fit import question_only, question_prior
 from models.data import Item
 
@@ -113,20 +116,54 @@ def test_paired_difference_of_auroc():
     assert out["b"]["auroc"]["nan_resamples"] == 0
 
 
+def _heads(tau: float, alpha: float | None = None) -> Heads:
+    """Heads with a policy at τ and, given α, a detector (only its presence is read)."""
+    h = Heads(dim=2, policy=DeferPolicy(tau=tau, target_risk=0.05, delta=0.1, coverage=0.5,
+                                        empirical_risk=0.0, risk_upper_bound=0.05,
+                                        n_calibration=100, feasible=True))
+    if alpha is not None:
+        h.novelty, h.novelty_alpha = object(), alpha
+    return h
+
+
 def test_defer_rule_on_evaluated_data():
     c = np.array([0.95, 0.9, 0.85, 0.5, 0.2])
     z = np.array([1, 0, 1, 1, 0])
-    d = grounding.defer_on(c, z, tau=0.85, target_risk=0.05)
+    d = grounding.defer_on(z, {"tau": _heads(0.85).defer_mask(c)}, tau=0.85, target_risk=0.05)
     assert d["coverage"] == pytest.approx(0.6) and d["risk"] == pytest.approx(1 / 3)
     assert d["risk_within_target"] is False and d["n_kept"] == 3
-    d = grounding.defer_on(c, z, tau=0.92, target_risk=0.05)
+    d = grounding.defer_on(z, {"tau": _heads(0.92).defer_mask(c)}, tau=0.92, target_risk=0.05)
     assert (d["coverage"], d["risk"], d["risk_within_target"]) == (0.2, 0.0, True)
     # a novelty flag defers an item whatever its confidence: the 0.9 (wrong) one here
-    d = grounding.defer_on(c, z, tau=0.85, target_risk=0.05,
-                           novel=np.array([False, True, False, False, True]))
+    heads = _heads(0.85, alpha=0.01)
+    why = heads.defer_reasons(c, [0.5, 0.001, 0.5, 0.5, 0.001])
+    del why["problem"]
+    d = grounding.defer_on(z, why, tau=0.85, target_risk=0.05)
     assert d["coverage"] == pytest.approx(0.4) and d["risk"] == 0.0 and d["n_kept"] == 2
     assert d["novelty_flag_rate"] == pytest.approx(0.4)
     assert d["coverage_tau_only"] == pytest.approx(0.6)
+    # a response that does not parse is deferred too: the 0.95 (right) one here
+    why = heads.defer_reasons(c, [0.5, 0.5, 0.5, 0.5, 0.001], ["no answer tag", None, None,
+                                                                None, None])
+    d = grounding.defer_on(z, why, tau=0.85, target_risk=0.05)
+    assert d["coverage"] == pytest.approx(0.4) and d["risk"] == pytest.approx(0.5)
+    assert d["deferred_share"] == {"tau": pytest.approx(0.4), "novelty": pytest.approx(0.2),
+                                   "problem": pytest.approx(0.2)}
+
+
+def test_defer_mask_is_the_rule_item_by_item():
+    """τ = 0.625, α = 0.05, by hand: below τ; p-value below α (0.05 itself and None do
+    not flag); a problem; all fine; p-value flag without a detector is ignored."""
+    p = [0.6, 0.7, 0.7, 0.7, 0.9, 0.9]
+    nov = [None, 0.01, 0.05, None, 0.5, 0.2]
+    problems = [None, None, None, None, "truncated", None]
+    heads = _heads(0.625, alpha=0.05)
+    np.testing.assert_array_equal(heads.defer_mask(p, nov, problems),
+                                  [True, True, False, False, True, False])
+    np.testing.assert_array_equal(_heads(0.625).defer_mask(p, nov, problems),
+                                  [True, False, False, False, True, False])
+    # without a policy everything is deferred
+    assert Heads(dim=2).defer_mask(p).all()
 
 
 def test_question_only_baseline():
@@ -136,3 +173,23 @@ def test_question_only_baseline():
     assert table == {"is it red": [2, 3], "what shape": [1, 1]}
     got = question_only(table, ["IS IT RED?", "what shape", "never seen?"])
     np.testing.assert_allclose(got, [(2 + 1) / (3 + 2), (1 + 1) / (1 + 2), (3 + 1) / (4 + 2)])
+
+
+class _Words:
+    """A tokenizer of whitespace-separated words (distinct ids: no repetition)."""
+
+    @staticmethod
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(range(len(text.split())))
+
+
+def test_response_problems_as_the_service_sees_them(tmp_path):
+    (tmp_path / "actor_card.json").write_text('{"response_format": "<answer>x</answer>"}')
+    actor = type("A", (), {"folder": str(tmp_path), "tokenizer": _Words()})()
+    got = response_problems(actor, ["<answer>red</answer>", "I think red",
+                                    "<answer></answer>", "<answer>a b c d e f g h</answer>"],
+                            max_new_tokens=8)
+    # the last one has 8 words = the limit: it never reached its end
+    assert got == [None, "no answer tag", "empty answer",
+                   "truncated (no end of response within max_new_tokens)"]
+    assert response_problems(actor, None, 8) is None

@@ -3,11 +3,14 @@ answered as documented (no 500s, no echo of request content, bounded work)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import dataclasses
 import io
+import json
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import DeadlineExceeded
@@ -539,3 +543,207 @@ def test_serve_help_shows_defaults():
     flat = " ".join(out.split())
     for needle in ("8000", "127.0.0.1", "64", "30", "max-response-tokens"):
         assert needle in flat, needle
+
+
+# ------------------------------------------------------------------ second hostile round
+def test_json_bounds_by_hand():
+    from app.middleware import json_problem
+
+    def obj(n: int) -> bytes:
+        return json.dumps({f"k{i}": 1 for i in range(n)}).encode()
+
+    def nest(n: int) -> bytes:
+        return b"[" * n + b"]" * n
+
+    assert json_problem(obj(32)) is None
+    assert "more than 32 fields" in json_problem(obj(33))
+    assert json_problem(json.dumps({"a": [0] * 256}).encode()) is None
+    assert "more than 256 items" in json_problem(json.dumps({"a": [0] * 257}).encode())
+    assert json_problem(nest(16)) is None
+    assert "deeper than 16" in json_problem(nest(17))
+    assert "deeper than 16" in json_problem(nest(100_000))
+    assert json_problem(b'{"x": ') is None                    # left to the route's parser
+    # keys, colons, commas and escaped quotes inside strings are text, not structure
+    text = 'k":1,"k2":[1,2],' * 1000
+    assert json_problem(json.dumps({"a": text, "b": [text] * 3}).encode()) is None
+    assert "more than 32 fields" in json_problem(
+        json.dumps({"a": text, **{f"k{i}": text for i in range(32)}}).encode())
+    # the largest legal body: 64 masked trajectories
+    t = {"response": "r", "mask": {"target": [0, 1], "ratio": 1.0, "seed": 0}}
+    assert json_problem(json.dumps({"image": "x", "question": "q",
+                                    "trajectories": [t] * 64}).encode()) is None
+
+
+def test_many_json_keys_are_422_and_do_not_block_the_loop(service, monkeypatch):
+    """The pre-check runs off the event loop: /health/live is answered while it is held."""
+    import app.middleware as mw
+
+    real, started, live_done, waited = mw.json_problem, threading.Event(), threading.Event(), []
+
+    def held(body: bytes) -> str | None:
+        started.set()
+        waited.append(live_done.wait(60))   # False only if /health/live never came back
+        return real(body)
+
+    monkeypatch.setattr(mw, "json_problem", held)
+    body = b"{" + b",".join(b'"k%d":1' % i for i in range(200_000)) + b"}"
+    with make(service) as c, cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(c.post, "/feedback", content=body,
+                          headers={"content-type": "application/json"})
+        assert started.wait(60)
+        assert c.get("/health/live").status_code == 200
+        live_done.set()
+        r = fut.result()
+    b = assert_error(r, 422, "more than 32 fields")
+    assert waited == [True] and "k1" not in b["detail"]
+
+
+def _exif_orientation(img: Image.Image, fmt: str, orientation: int = 6) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied():
+    upright = random_image(3, 24, 40)                 # 40 wide, 24 high
+    # Orientation 6: the stored pixels must turn 90° clockwise to be upright, so store the
+    # upright image turned 90° counter-clockwise.
+    stored = upright.transpose(Image.Transpose.ROTATE_90)
+    png = open_image(_exif_orientation(stored, "PNG"))
+    assert png.size == (40, 24)
+    assert np.array_equal(np.asarray(png), np.asarray(upright))
+    jpeg_bytes = _exif_orientation(stored, "JPEG")
+    raw = Image.open(io.BytesIO(jpeg_bytes)).convert("RGB")     # decoded, not turned
+    assert raw.size == (24, 40)
+    want = raw.transpose(Image.Transpose.ROTATE_270)            # 90° clockwise
+    assert np.array_equal(np.asarray(open_image(jpeg_bytes)), np.asarray(want))
+
+
+@pytest.mark.parametrize("extra, tag", [
+    ([(0x00281053, "LO", "1e308")], "RescaleSlope"),                   # × 3069 overflows
+    ([(0x00281052, "LO", "-1.7e308"), (0x00281053, "LO", "-1e304")], "RescaleIntercept"),
+    ([(0x00281050, "LO", "1.5e308"), (0x00281051, "LO", "1e308")], "WindowCenter"),
+])
+def test_dicom_tags_that_overflow_once_applied_are_422(api, extra, tag):
+    raw = _dicom(32, 32, pixels=MONO, extra=extra)
+    with pytest.raises(ImageInvalid, match=tag):
+        open_image(raw)
+    assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 422, tag)
+
+
+def test_mask_span_is_checked_against_the_response(api):
+    response = "<think>x</think><answer>triangle</answer>"
+    assert len(response) == 41
+    for span in ([41, 53], [53, 54], [5, 3]):
+        r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+                                           "mask": {"target": span}})
+        assert_error(r, 422, "outside the response", "length 41")
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+                                       "mask": {"target": [0, 41]}})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"])
+def test_control_characters_in_questions_are_422(api, char):
+    r = api.post("/answer", json={"image": IMG, "question": f"what{char} color?"})
+    assert_error(r, 422, "control character", f"U+{ord(char):04X}")
+
+
+def test_tab_and_newline_in_questions_are_accepted(api):
+    r = api.post("/answer", json={"image": IMG, "question": "what color\tis\nthe shape?"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("value", [True, "8", 8.5])
+def test_max_new_tokens_is_a_strict_integer(api, value):
+    assert_error(api.post("/answer", json={"image": IMG, "question": Q,
+                                           "max_new_tokens": value}), 422, "max_new_tokens")
+    assert_error(api.post("/probe/counterfactual", json={
+        "image": IMG, "question": Q, "counterfactual": "blank", "max_new_tokens": value}),
+        422, "max_new_tokens")
+
+
+# 8 as an Arabic-Indic, a full-width and a Devanagari digit
+@pytest.mark.parametrize("value", ["\u0668", "\uff18", "\u0968"])
+def test_multipart_max_new_tokens_is_ascii(api, value):
+    files = {"file": ("x.png", png_bytes(random_image(0)))}
+    r = api.post("/answer", files=files, data={"question": Q, "max_new_tokens": value})
+    assert_error(r, 422, "max_new_tokens")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "true", 0])
+def test_feedback_correct_is_a_strict_bool(api, value):
+    assert_error(api.post("/feedback", json={"request_id": "a" * 32, "correct": value}), 422,
+                 "correct")
+    r = api.post("/feedback", json={"request_id": "a" * 32, "correct": True})
+    assert r.status_code == 200 and r.json()["accepted"] is False
+
+
+# Raw ASGI calls: the client's side of the connection is scripted message by message.
+async def _asgi(app, path: str, content_type: str, chunks: list[bytes], then: str,
+                length: int) -> list[dict]:
+    """POST `chunks` (each with more_body), then 'disconnect' or 'hang' (slow loris)."""
+    queue = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        if then == "hang":
+            await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8000),
+             "client": ("127.0.0.1", 1234),
+             "headers": [(b"content-type", content_type.encode()),
+                         (b"content-length", str(length).encode())]}
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    return sent
+
+
+MULTIPART = ("multipart/form-data; boundary=xyz",
+             b'--xyz\r\nContent-Disposition: form-data; name="question"\r\n\r\nwhat')
+JSON_START = ("application/json", b'{"image": "iVBORw0KGgo')
+
+
+def _requests(app, status: str) -> float:
+    text = generate_latest(app.state.metrics.registry).decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "dualread_requests_total" and s.labels["status"] == status)
+
+
+@pytest.mark.parametrize("content_type, start", [JSON_START, MULTIPART])
+def test_client_disconnect_is_499_not_500(service, content_type, start):
+    app = create_app(Settings(max_new_tokens=8), service)
+    sent = asyncio.run(_asgi(app, "/answer", content_type, [start], "disconnect", 10_000))
+    assert sent == []                      # nobody to answer
+    assert _requests(app, "499") == 1 and _requests(app, "500") == 0
+
+
+@pytest.mark.parametrize("content_type, start", [JSON_START, MULTIPART])
+def test_slow_body_gets_408(service, content_type, start):
+    app = create_app(Settings(max_new_tokens=8, body_timeout_s=0.2), service)
+    sent = asyncio.run(_asgi(app, "/answer", content_type, [start], "hang", 1_000_000))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert "not received within 0.2 s" in body["detail"] and HEX32.match(body["request_id"])
+    assert _requests(app, "408") == 1
+
+
+def test_health_answers_head_and_no_slash_redirects(api):
+    for path in ("/health/live", "/health/ready"):
+        r = api.head(path)
+        assert r.status_code == 200 and r.content == b""
+    r = api.post("/feedback/", json={"request_id": "a" * 32, "correct": True},
+                 follow_redirects=False)
+    assert_error(r, 404)
+    assert_error(api.get("/health/live/", follow_redirects=False), 404)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.dualread import (
+    CARD_VERSION,
     EMBEDDED_HEADS,
     FingerprintMismatch,
     Heads,
@@ -54,7 +55,7 @@ def test_saved_card_fields_by_hand(tmp_path):
     h.save(folder, {"command": "test", "kappa": 99, "feature_dim": 0})
     card = json.loads((folder / "heads_card.json").read_text())
     assert card["command"] == "test"
-    assert card["card_version"] == 2
+    assert card["card_version"] == CARD_VERSION
     assert card["actor_fingerprint"] == "fp1"
     assert card["fingerprint_scheme"] == FINGERPRINT_SCHEME
     assert card["feature_dim"] == 3 and card["feature_schema"] == FEATURE_SCHEMA
@@ -131,9 +132,11 @@ def test_legacy_warning_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(dualread.LEGACY_FINGERPRINTS, "new-fp", "fp1")
     with pytest.warns(UserWarning) as rec:
         Heads.load(tmp_path, "new-fp")
-    msg = str(rec[0].message)
-    assert "predate fingerprint scheme" in msg
-    assert "today's feature definitions; refit them with `dualread fit-heads`" in msg
+    from models.loading import FINGERPRINT_SCHEME
+
+    assert str(rec[0].message) == (
+        f"heads in {tmp_path} predate fingerprint scheme {FINGERPRINT_SCHEME} and today's "
+        "feature definitions; refit them with `dualread fit-heads`")
 
 
 # ------------------------------------------------------------------ attribute views
@@ -208,6 +211,10 @@ def test_metric_edges_by_hand():
     # one item: coverage 1/1, and its risk is whether it is wrong
     assert aurc(np.array([0.7]), np.array([0])) == 1.0
     assert aurc(np.array([0.7]), np.array([1])) == 0.0
+    # ECE-15 by default: 0.49 and 0.52 share bin 7 of 15 (accuracy .5, mean .505), but
+    # not of 16 (bins 7 and 8: gaps .51 and .52)
+    c, z = np.array([0.49, 0.52]), np.array([1, 0])
+    assert ece(c, z) == pytest.approx(0.005) and ece(c, z, 16) == pytest.approx(0.515)
     with pytest.raises(ValueError) as err:
         ece(np.array([1.5]), np.array([1]))
     assert str(err.value) == "ece needs confidences in [0, 1] (got values outside, or NaN)"

@@ -108,3 +108,15 @@ def test_extract_without_answer_tokens_uses_the_whole_response():
     assert f["entropy"].tolist() == [1.0]
     for k in ("msp", "mean_logprob", "entropy", "mu"):
         assert f[k].shape == (1,), k
+
+
+def test_locate_a_cut_empty_answer_falls_back_to_the_last_token():
+    """An empty tagged answer whose closing tag was cut off: no answer and no closing
+    token, so t_close is the last usable token and A = [t_close]."""
+    from models.parse import parse_response
+    from models.readout import locate
+
+    parsed = parse_response("<answer></answer>")
+    assert parsed.tagged and parsed.answer_span == (8, 8)
+    assert locate(parsed, [(0, 3), (3, 8)], set()) == ([1], 1)     # "<ans", "wer>"
+    assert locate(parsed, [(0, 3), (3, 8)], {1}) == ([0], 0)       # the last one is special

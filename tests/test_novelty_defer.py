@@ -225,9 +225,27 @@ def test_an_artefact_without_novelty_loads_and_serves_null(actor_dirs, qwen_head
     assert body["defer_reason"] is None
 
 
-def test_the_shipped_heads_still_load():
+def test_the_shipped_heads_carry_a_detector_in_their_rule():
     heads = Heads.load()
-    assert heads.novelty is None or heads.card["novelty"]["alpha"] == heads.novelty_alpha
+    assert heads.novelty is not None
+    assert heads.card["novelty"]["alpha"] == heads.novelty_alpha
+    assert "novelty p-value < alpha" in heads.card["defer_rule"]
+    assert heads.defer_rule == heads.card["defer_rule"]
+
+
+def test_the_shipped_detector_gives_the_conformal_p_value_of_a_fixed_input():
+    # The fixed input is the detector's own feature mean: standardised it is 0, so the
+    # logistic score is the stored intercept, and the p-value is counted by hand from the
+    # stored calibration scores (valid whatever the shipped heads were refitted to).
+    nov = Heads.load().novelty
+    assert nov.kind == "logistic"
+    x = nov.t["mean"][None, :].clone()
+    s = float(nov.t["intercept"][0])
+    cal = nov.t["calibration"].numpy()
+    expected = (1 + sum(1 for c in cal if c >= s)) / (len(cal) + 1)
+    assert float(nov.p_value(x)[0]) == pytest.approx(expected, abs=1e-12)
+    # and a second load reads the same bytes: the same p-value exactly
+    assert float(Heads.load().novelty.p_value(x)[0]) == float(nov.p_value(x)[0])
 
 
 # ------------------------------------------------------------------ end to end
@@ -323,3 +341,28 @@ def test_fit_without_novelty_keeps_the_old_rule(tmp_path):
     heads.save(tmp_path, {"novelty": None})
     assert not (tmp_path / "novelty.json").exists()
     assert Heads.load(tmp_path).novelty is None
+
+
+# ------------------------------------------------------------------ card versions
+@pytest.mark.parametrize("delta", [1, 5])
+def test_a_card_newer_than_the_code_is_refused(tmp_path, delta):
+    from heads.dualread import CARD_VERSION, CardTooNew
+
+    h = Heads.new(4)
+    h.actor_fingerprint = "fp"
+    h.save(tmp_path / "h", {"command": "test"})
+    card_path = tmp_path / "h" / "heads_card.json"
+    card = json.loads(card_path.read_text())
+    assert card["card_version"] == CARD_VERSION == 3
+    assert Heads.load(tmp_path / "h").card["card_version"] == 3    # its own version loads
+    for older in (2, None):      # cards before the bump, and before versions were written
+        if older is None:
+            card.pop("card_version")
+        else:
+            card["card_version"] = older
+        card_path.write_text(json.dumps(card))
+        assert Heads.load(tmp_path / "h").actor_fingerprint == "fp"
+    card["card_version"] = 3 + delta
+    card_path.write_text(json.dumps(card))
+    with pytest.raises(CardTooNew, match=f"card version {3 + delta}, newer"):
+        Heads.load(tmp_path / "h")

@@ -109,10 +109,10 @@ def test_overload_gives_429_and_loses_nothing(server):
     assert codes.count(429) > 0 and codes.count(200) > 0
     assert all(r.headers.get("retry-after") for _, r in results if r.status_code == 429)
     for seed, r in results:
-        if r.status_code == 200:   # batched answers equal the ones computed alone
+        if r.status_code == 200:   # same response as alone, confidences within 1e-6
             assert r.json()["response"] == reference[seed]["response"]
             assert abs(r.json()["confidence"]["dualread"]
-                       - reference[seed]["confidence"]["dualread"]) < 1e-4
+                       - reference[seed]["confidence"]["dualread"]) < 1e-6
 
 
 FUZZ_REQUESTS = 1000

@@ -64,3 +64,29 @@ def test_refit_ranks_held_out_items_and_keeps_its_risk():
     kept = p_df >= refit.tau
     z_df = clean_defer["z"].numpy()
     assert not kept.any() or 1 - z_df[kept].mean() <= 0.2
+
+
+def test_refit_uses_the_study_settings_not_the_shipped_ones(monkeypatch):
+    # docs/shift-study's approach (b): post-answer L2 1e-3, no answer flips. Changing what
+    # the service ships must not change the study's refit.
+    import heads.methods.dualread as dm
+    from heads.modules import Reader, fit_linear
+    from heads.shift_analysis import STUDY_POST
+
+    assert STUDY_POST == {"flip_weight": 0.0, "l2": 1e-3}
+    f = _features(4)
+    split = np.array([image_split(i) for i in f["_image_ids"]])
+    clean_defer = _tensors(f, np.nonzero(split == "defer")[0])
+    test = _tensors(_features(5))
+    before = _fit(f, clean_defer).p(test)
+    monkeypatch.setattr(dm, "POST_L2", 10.0)
+    monkeypatch.setitem(dm.FLIP_WEIGHTS, "state", 1.0)
+    monkeypatch.setitem(dm.FLIP_WEIGHTS, "visual", 1.0)
+    refit = _fit(f, clean_defer)
+    np.testing.assert_array_equal(refit.p(test), before)
+    # P-State is the plain SPEC fit with l2 1e-3 on the reader rows (no flips, no refit)
+    reader = split == "reader"
+    expected = Reader(DIM)
+    fit_linear(expected, f["h_close"][reader], f["z"][reader], l2=1e-3)
+    torch.testing.assert_close(refit.heads.readers["state"].net[-1].weight,
+                               expected.net[-1].weight)

@@ -24,7 +24,7 @@ from clients.schemas import Novelty
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
 MULTIPART_FIELDS = {"file", "question", "max_new_tokens"}
-_INT = re.compile(r"^\d{1,4}$")
+_INT = re.compile(r"^[0-9]{1,4}$")   # ASCII: int() would take "٨" as 8
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
     "multipart/form-data": {"schema": {

@@ -29,11 +29,15 @@ ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css
 ASSET_URL = "/docs/assets/"
 
 
+# HEAD too (load balancers and uptime checkers probe with it); kept out of the schema,
+# where a second method of one function would repeat its operation id
+@router.head("/health/live", include_in_schema=False)
 @router.get("/health/live")
 async def live() -> dict:
     return {"status": "live"}
 
 
+@router.head("/health/ready", include_in_schema=False)
 @router.get("/health/ready", responses={503: {"model": ErrorResponse}})
 async def ready(request: Request, serving: Serving = Depends(get_serving)) -> JSONResponse:
     if serving.ready:

@@ -32,12 +32,18 @@ def run(r: AnswerResult, correct: bool | None) -> Run:
                confidence=confidence(r.confidence), correct=correct)
 
 
-def mask_spec(m: MaskRequest | None) -> MaskSpec | None:
+def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
+              ) -> MaskSpec | None:
     if m is None:
         return None
+    target = tuple(m.target) if isinstance(m.target, list | tuple) else m.target
+    # A span indexes the response as sent, not the confidence prompt scored after it
+    # (masking that would change what μ(C) reads).
+    if isinstance(target, tuple) and not 0 <= target[0] <= target[1] <= len(response):
+        raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
+                           f"(length {len(response)})")
     try:
-        return MaskSpec(tuple(m.target) if isinstance(m.target, list | tuple) else m.target,
-                        m.ratio, m.seed)
+        return MaskSpec(target, m.ratio, m.seed)
     except ValueError as e:
         raise InvalidInput(f"mask: {e}") from None
 
@@ -78,7 +84,7 @@ async def score(request: Request, body: ScoreRequest, serving: Serving = Depends
     """Teacher-forced confidence of a supplied trajectory, optionally masked (SPEC §3)."""
     serving.admit(request)
     question = serving.question(body.question)
-    mask = mask_spec(body.mask)
+    mask = mask_spec(body.mask, body.response)
     image = await serving.image_b64(body.image)
     [item] = await serving.score_items(image, question, [(body.response, mask)])
     [served] = await serving.score([item])
@@ -94,7 +100,8 @@ async def score_batch(request: Request, body: ScoreBatchRequest,
     results in the order given."""
     serving.admit(request)
     question = serving.question(body.question)
-    masks = [mask_spec(t.mask) for t in body.trajectories]
+    masks = [mask_spec(t.mask, t.response, f"trajectories.{k}")
+             for k, t in enumerate(body.trajectories)]
     image = await serving.image_b64(body.image)
     items = await serving.score_items(
         image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
