@@ -37,8 +37,11 @@ CLIENT_CLOSED = 499   # nginx's code for a client that went away before the repl
 
 
 # One JSON token: a whole string (escapes included) or a structural character. Numbers,
-# literals and whitespace are skipped; the route's parser still checks the syntax.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}:,]')
+# literals and whitespace are skipped; the route's parser still checks the syntax. The
+# string pattern is possessive and always matches (group 1 is its closing quote, None when
+# the string never closes): a backtracking pattern rescanned an unclosed string full of
+# escaped quotes from every quote, quadratic time with the GIL held.
+_TOKEN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(")?|[][{}:,]', re.S)
 _QUOTE, _OPEN, _CLOSE = ord('"'), b"{[", b"}]"
 
 
@@ -48,11 +51,17 @@ def json_problem(body: bytes) -> str | None:
     A scan of its tokens that stops at the first bound crossed: json.loads holds the GIL
     for its whole run (1.7 s of a stalled event loop on 1.2M keys, even in a thread),
     this returns after 33 keys. Invalid JSON is None: the route's parser says where."""
+    # JSON on the wire is UTF-8 (RFC 8259), which never holds a raw NUL; UTF-16/32 always
+    # do, and json.loads would decode them behind this byte-level scan.
+    if b"\x00" in body:
+        return "body: JSON must be UTF-8 text"
     stack: list[list] = []     # per open container: [is an object, keys or commas so far]
     values = 0
     for m in _TOKEN.finditer(body):
         c = body[m.start()]
         if c == _QUOTE:
+            if m.group(1) is None:
+                return None        # a string that never closes: invalid, the parser says so
             continue
         if c in _OPEN:
             stack.append([c == _OPEN[0], 0])

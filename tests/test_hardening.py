@@ -568,6 +568,14 @@ def test_json_bounds_by_hand():
     assert json_problem(json.dumps({"a": text, "b": [text] * 3}).encode()) is None
     assert "more than 32 fields" in json_problem(
         json.dumps({"a": text, **{f"k{i}": text for i in range(32)}}).encode())
+    # an unclosed string full of escaped quotes is invalid JSON, left to the parser; the
+    # old backtracking pattern rescanned it from every quote (minutes for this body)
+    assert json_problem(b'{"a":"' + b'\\"' * 200_000) is None
+    assert json_problem(b'{"a":"x\\') is None
+    # UTF-16/32 carry NULs; json.loads would decode them behind this byte-level scan
+    utf16 = json.dumps({"\u2022": 1, **{f"k{i}": 1 for i in range(100)}},
+                       ensure_ascii=False).encode("utf-16-le")
+    assert "UTF-8" in json_problem(utf16)
     # the largest legal body: 64 masked trajectories
     t = {"response": "r", "mask": {"target": [0, 1], "ratio": 1.0, "seed": 0}}
     assert json_problem(json.dumps({"image": "x", "question": "q",
@@ -643,6 +651,12 @@ def test_mask_span_is_checked_against_the_response(api):
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                        "mask": {"target": [0, 41]}})
     assert r.status_code == 200, r.text
+    # with a confidence tag, only the text before the cue is the response as scored: a
+    # span reaching the cue (appended again after it, read by μ(C)) is refused
+    tagged = response + "<confidence>9</confidence>"
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": tagged,
+                                       "mask": {"target": [41, 53]}})
+    assert_error(r, 422, "outside the response", "length 41")
 
 
 @pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"])

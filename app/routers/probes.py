@@ -20,6 +20,7 @@ from app.schemas import (
 )
 from app.serving import AnswerItem, AnswerResult, ScoreResult, Serving
 from clients.grounding import classify_pair
+from models.actor import Actor
 from models.canon import is_correct
 from models.counterfactuals import blank_image
 from models.masking import MaskSpec
@@ -37,11 +38,12 @@ def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
     if m is None:
         return None
     target = tuple(m.target) if isinstance(m.target, list | tuple) else m.target
-    # A span indexes the response as sent, not the confidence prompt scored after it
-    # (masking that would change what μ(C) reads).
-    if isinstance(target, tuple) and not 0 <= target[0] <= target[1] <= len(response):
+    # A span indexes the response as scored: the text before its confidence cue (the cue
+    # is appended again after it, and masking it would change what μ(C) reads).
+    scored = len(Actor.score_text(response, cue=False))
+    if isinstance(target, tuple) and not 0 <= target[0] <= target[1] <= scored:
         raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
-                           f"(length {len(response)})")
+                           f"before its confidence cue (length {scored})")
     try:
         return MaskSpec(target, m.ratio, m.seed)
     except ValueError as e:
