@@ -126,6 +126,7 @@ class RequestContext:
 
         received = 0
         body_done = False
+        precheck = False      # refused here, before routing: labelled apart from 404s
         deadline = time.monotonic() + self.body_timeout
 
         async def limited_receive() -> Message:
@@ -148,6 +149,7 @@ class RequestContext:
         async def checked_json() -> Receive | None:
             """Read a JSON body whole, pre-check it off the event loop; the receive that
             replays it, or None when a 4xx has been sent."""
+            nonlocal precheck
             chunks = []
             try:
                 while not body_done:
@@ -156,12 +158,14 @@ class RequestContext:
                         raise ClientDisconnect()
                     chunks.append(message.get("body", b""))
             except HTTPException as e:
+                precheck = True
                 await error_response(e.status_code, e.detail, rid)(scope, receive,
                                                                     send_with_ids)
                 return None
             body = b"".join(chunks)
             problem = await run_in_threadpool(json_problem, body)
             if problem:
+                precheck = True
                 await error_response(422, problem, rid)(scope, receive, send_with_ids)
                 return None
             replayed = False
@@ -178,6 +182,7 @@ class RequestContext:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
                 # refused before a byte of the body is read
+                precheck = True
                 await error_response(413, f"body over the limit of {self.max_body} bytes",
                                      rid)(scope, receive, send_with_ids)
             elif scope.get("method") in ("POST", "PUT", "PATCH") and _is_json(headers):
@@ -189,6 +194,7 @@ class RequestContext:
         except ClientDisconnect:
             # the client's own abort: not a server fault, so no 5xx in the metrics
             status = CLIENT_CLOSED
+            precheck = True   # labelled by its route when it had one
             log.info(json.dumps({"request_id": rid, "event": "client_disconnected"}))
         except Exception as e:
             log.error(json.dumps({"request_id": rid, "event": "unhandled",
@@ -198,7 +204,8 @@ class RequestContext:
                                                                  send_with_ids)
         finally:
             took = time.perf_counter() - t0
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = getattr(scope.get("route"), "path",
+                            "precheck" if precheck else "unmatched")
             self.metrics.request_duration.labels(route).observe(took)
             self.metrics.requests.labels(route, str(status)).inc()
             # Never image bytes, question text or the client's own id: patient data.

@@ -606,6 +606,17 @@ def test_many_json_keys_are_422_and_do_not_block_the_loop(service, monkeypatch):
     assert waited == [True] and "k1" not in b["detail"]
 
 
+def test_refusals_before_routing_are_labelled_precheck(api):
+    """A flood of pre-check refusals shows in the metrics apart from unknown paths."""
+    body = b"{" + b",".join(b'"k%d":1' % i for i in range(40)) + b"}"
+    assert api.post("/feedback", content=body,
+                    headers={"content-type": "application/json"}).status_code == 422
+    assert api.get("/no/such/path").status_code == 404
+    text = api.get("/metrics").text
+    assert 'dualread_requests_total{route="precheck",status="422"}' in text
+    assert 'dualread_requests_total{route="unmatched",status="404"}' in text
+
+
 def _exif_orientation(img: Image.Image, fmt: str, orientation: int = 6) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = orientation
