@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +32,27 @@ def random_heads(folder, actor, seed: int = 0) -> str:
     h.policy = choose_threshold(c, rng.uniform(size=500) < c, 0.3, 0.1)
     h.save(folder, {"command": "random heads for tests", "git_commit": "test"})
     return str(folder)
+
+
+def own_or_wrong_dataset(actor, root, n_images: int, seed: int, max_new_tokens: int) -> str:
+    """A jsonl data spec of two questions per random image: the reference is the actor's
+    own answer for the first and a wrong one for the second. Every split holds both
+    classes, and the label is a function of the question, which the readout carries, so
+    fitted heads can learn it."""
+    from tests.conftest import random_image
+
+    qs = ["what color is the shape?", "is there a red circle?"]
+    imgs = [random_image(seed + i, 32, 32) for i in range(n_images)]
+    for i, img in enumerate(imgs):
+        img.save(root / f"{i}.png")
+    pairs = [(i, j) for i in range(n_images) for j in range(2)]
+    res = actor.answer([imgs[i] for i, _ in pairs], [qs[j] for _, j in pairs],
+                       max_new_tokens, readout="none")
+    rows = [{"id": f"{i}-{j}", "image": f"{i}.png", "question": qs[j],
+             "answer": r.answer if j == 0 else "definitely wrong"}
+            for (i, j), r in zip(pairs, res)]
+    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return f"jsonl:{root / 'd.jsonl'}"
 
 
 def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:

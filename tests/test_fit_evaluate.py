@@ -9,7 +9,7 @@ from heads.dualread import Heads
 from heads.evaluate import METHODS, evaluate
 from heads.fit import fit_heads, image_split
 from models.data import load
-from tests.conftest import random_image
+from tests.helpers import own_or_wrong_dataset
 
 MAX_NEW = 6
 
@@ -19,20 +19,8 @@ def dataset(actors, tmp_path_factory):
     """Two questions per image: the reference is the actor's own answer for the first and
     a wrong one for the second. Every split holds both classes, and the label is a
     function of the question, which the readout carries, so fitted heads can learn it."""
-    actor = actors["gemma3"]
-    root = tmp_path_factory.mktemp("ds")
-    qs = ["what color is the shape?", "is there a red circle?"]
-    imgs = [random_image(100 + i, 32, 32) for i in range(60)]
-    for i, img in enumerate(imgs):
-        img.save(root / f"{i}.png")
-    pairs = [(i, j) for i in range(60) for j in range(2)]
-    res = actor.answer([imgs[i] for i, _ in pairs], [qs[j] for _, j in pairs], MAX_NEW,
-                       readout="none")
-    rows = [{"id": f"{i}-{j}", "image": f"{i}.png", "question": qs[j],
-             "answer": r.answer if j == 0 else "definitely wrong"}
-            for (i, j), r in zip(pairs, res)]
-    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return f"jsonl:{root / 'd.jsonl'}"
+    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("ds"), 60, 100,
+                                MAX_NEW)
 
 
 def test_image_split_is_disjoint_and_stable():

@@ -24,7 +24,7 @@ from models.actor import Answers, StageTimings
 from models.data import Item, load
 from models.shift import FAMILIES
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads
+from tests.helpers import b64, own_or_wrong_dataset, png_bytes, random_heads
 
 Q = "what color is the shape?"
 TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
@@ -251,22 +251,8 @@ def test_the_shipped_detector_gives_the_conformal_p_value_of_a_fixed_input():
 # ------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def tiny_data(actors, tmp_path_factory):
-    """As tests/test_fit_evaluate.py: the reference is the actor's own answer for one
-    question and a wrong one for the other, so every split holds both classes."""
-    actor = actors["gemma3"]
-    root = tmp_path_factory.mktemp("nov-ds")
-    qs = ["what color is the shape?", "is there a red circle?"]
-    imgs = [random_image(500 + i, 32, 32) for i in range(30)]
-    for i, img in enumerate(imgs):
-        img.save(root / f"{i}.png")
-    pairs = [(i, j) for i in range(30) for j in range(2)]
-    res = actor.answer([imgs[i] for i, _ in pairs], [qs[j] for _, j in pairs], 4,
-                       readout="none")
-    rows = [{"id": f"{i}-{j}", "image": f"{i}.png", "question": qs[j],
-             "answer": r.answer if j == 0 else "definitely wrong"}
-            for (i, j), r in zip(pairs, res)]
-    (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return f"jsonl:{root / 'd.jsonl'}"
+    """The actor's own answer as reference for one question, a wrong one for the other."""
+    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("nov-ds"), 30, 500, 4)
 
 
 def test_fit_with_novelty_writes_the_detector_and_the_card(actors, tiny_data, tmp_path):
