@@ -20,7 +20,7 @@ from app.serving import (
     ScoreResult,
     StageTimes,
 )
-from heads.dualread import Heads
+from heads.dualread import Assessment, Heads
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
 from models.readout import Response
@@ -110,7 +110,7 @@ class Service:
                                 limit, readout="capture", deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._confidence_batch({k: res[k].readout for k in live})
+        scored = self._assess_batch({k: res[k].readout for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -119,16 +119,15 @@ class Service:
             out.append(self._guard(lambda r=r, c=scored.get(k): self._answer(r, res.timings, c)))
         return out
 
-    def _confidence_batch(self, readouts: dict[int, Any]
-                          ) -> dict[int, tuple[dict[str, float], float]]:
-        """Served confidences of a whole batch in one call of the readers, with each item's
-        share of the seconds; {} when that call fails (each item then scores alone, so a
-        bad readout fails only its own item)."""
+    def _assess_batch(self, readouts: dict[int, Any]) -> dict[int, tuple[Assessment, float]]:
+        """Served confidences and novelty of a whole batch in one call of the readers, with
+        each item's share of the seconds; {} when that call fails (each item then scores
+        alone, so a bad readout fails only its own item)."""
         if not readouts:
             return {}
         t = time.perf_counter()
         try:
-            confs = self.heads.confidence_batch(list(readouts.values()))
+            confs = self.heads.assess(list(readouts.values()))
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
@@ -139,11 +138,11 @@ class Service:
         return {k: (c, each) for k, c in zip(readouts, confs)}
 
     def _answer(self, r: Response, timings,
-                scored: tuple[dict[str, float], float] | None = None) -> AnswerResult:
+                scored: tuple[Assessment, float] | None = None) -> AnswerResult:
         t = time.perf_counter()
-        c, batch_s = scored if scored is not None else (self.heads.confidence(r.readout), 0.0)
-        conf = _confidences(c)
-        nov = self.heads.novelty_of(r.readout)      # None: these heads have no detector
+        a, batch_s = scored if scored is not None else (self.heads.assess([r.readout])[0], 0.0)
+        conf = _confidences(a.confidence)
+        nov = a.novelty                              # None: these heads have no detector
         heads_s = time.perf_counter() - t + batch_s
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
         # the heads hold the whole rule: τ, the novelty p-value against α, the parse check

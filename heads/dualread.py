@@ -47,6 +47,14 @@ RULE_WITH_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the 
                      "does not parse")
 
 
+@dataclass(frozen=True)
+class Assessment:
+    """One readout's served confidences and novelty reading (None without a detector)."""
+
+    confidence: dict[str, float]
+    novelty: NoveltyReading | None
+
+
 def rule_of(novelty: Novelty | None) -> str:
     """The defer rule in words for heads with or without a novelty detector (a plain
     function: the `defer_rule` property only forwards here)."""
@@ -199,13 +207,20 @@ class Heads:
     def confidence_batch(self, readouts: list) -> list[dict[str, float]]:
         """`confidence` of several readouts, each reader run once over all of them: per
         item, the readers' calls and not their arithmetic were most of the cost."""
+        return [a.confidence for a in self.assess(readouts)]
+
+    def assess(self, readouts: list) -> list[Assessment]:
+        """Served confidences and the novelty reading of several readouts, from one
+        feature pass: what `/answer` needs before the defer rule."""
         if not readouts:
             return []
         feats = [extract(ro, self.kappa) for ro in readouts]
         f = {k: torch.stack([x[k] for x in feats]) for k in feats[0]}
         scores = {m.name: m.score(self, f) for m in registry.registered()
                   if m.served and self.has(m)}
-        return [{name: float(s[i]) for name, s in scores.items()}
+        nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
+            else [None] * len(readouts)
+        return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i])
                 for i in range(len(readouts))]
 
     def saplma_logits(self, h_mid: torch.Tensor) -> torch.Tensor:

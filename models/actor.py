@@ -274,7 +274,7 @@ class Actor:
                         token_ids=list(ids), finished=finished, readout=None)
         if last is None:
             return resp
-        spans = token_spans(self.tokenizer, body)
+        spans = token_spans(self.tokenizer, body, text)
         special = {k for k, t in enumerate(body) if t in self.special_ids}
         answer_idx, t_close = locate(parsed, spans, special)
         t_prompt = lp - 1

@@ -7,6 +7,7 @@ every confidence method is a cheap function of it.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -128,7 +129,27 @@ class Response:
         return self.parsed.answer
 
 
-def token_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+# token id -> its text decoded alone, per byte-level backend: a token decodes alone to the
+# same text every time, and decoding token by token was most of `token_spans`' cost
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _piece_texts(backend, ids: list[int]) -> list[str]:
+    try:
+        known = _PIECES.setdefault(backend, {})
+    except TypeError:                      # not weak-referenceable: decode without a cache
+        known = {}
+    out = []
+    for t in ids:
+        p = known.get(t)
+        if p is None:
+            p = known[t] = backend.decode([t], skip_special_tokens=False)
+        out.append(p)
+    return out
+
+
+def token_spans(tokenizer, ids: list[int], text: str | None = None
+                ) -> list[tuple[int, int]]:
     """Character span of each token in `tokenizer.decode(ids)` (prefix decoding).
 
     Generated ids need not equal a re-tokenisation of their text, so offsets come from
@@ -137,13 +158,15 @@ def token_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
     token bytes, so when every token decodes alone to valid text (no U+FFFD) and the
     pieces join to the full decode, the spans are the pieces' running lengths. Anything
     else (a character split across tokens, another decoder) takes the exact prefix loop.
+    `text`, when the caller has it, is that full decode (skip_special_tokens=False,
+    clean_up_tokenization_spaces=False), so it is not decoded twice.
     """
     ids = list(ids)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if ids and backend is not None and isinstance(backend.decoder, ByteLevelDecoder):
-        pieces = [backend.decode([t], skip_special_tokens=False) for t in ids]
-        full = tokenizer.decode(ids, skip_special_tokens=False,
-                                clean_up_tokenization_spaces=False)
+        pieces = _piece_texts(backend, ids)
+        full = text if text is not None else tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if "".join(pieces) == full and not any("\ufffd" in p for p in pieces):
             ends = list(accumulate(len(p) for p in pieces))
             return list(zip([0] + ends[:-1], ends))

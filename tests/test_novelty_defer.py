@@ -195,9 +195,14 @@ def test_save_load_gives_the_same_p_values(actors, qwen_heads, tmp_path):
     imgs = [random_image(k) for k in range(3)]
     res = actor.score(imgs, [Q] * 3, [TRAJ] * 3, cue=False)
     cal = np.sort(heads.novelty.t["calibration"].numpy())
-    for r in res:
+    batched = back.assess([r.readout for r in res])      # the service's one batched call
+    for r, got in zip(res, batched):
         a, b = heads.novelty_of(r.readout), back.novelty_of(r.readout)
         assert (a.score, a.p_value) == (b.score, b.p_value)
+        assert got.novelty.score == pytest.approx(b.score, rel=1e-6, abs=1e-9)
+        assert (got.novelty.p_value, got.novelty.novel) == (b.p_value, b.novel)
+        alone = back.confidence(r.readout)
+        assert got.confidence == pytest.approx(alone, abs=1e-6)
         # independently: standardised [h_pre; mean; std of image states] · coef + intercept
         ro = r.readout
         v = torch.cat([ro.h_pre, ro.h_image.mean(0), ro.h_image.std(0)]).double().numpy()

@@ -151,6 +151,10 @@ def test_byte_level_spans_take_one_full_decode():
     counting = _Counting(tok)
     assert token_spans(counting, plain) == _prefix_spans(tok, plain)
     assert counting.decodes == 1
+    text = tok.decode(plain, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    counting = _Counting(tok)                 # the caller's decode is reused, not redone
+    assert token_spans(counting, plain, text) == _prefix_spans(tok, plain)
+    assert counting.decodes == 0
     split = tok.encode("é red", add_special_tokens=False)
     counting = _Counting(tok)
     assert token_spans(counting, split) == _prefix_spans(tok, split)

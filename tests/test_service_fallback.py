@@ -10,7 +10,7 @@ from app.service import Service
 
 
 class BrokenBatchHeads:
-    def confidence_batch(self, readouts: list) -> list:
+    def assess(self, readouts: list) -> list:
         raise RuntimeError("shape mismatch")
 
 
@@ -18,7 +18,7 @@ def test_failed_batch_scoring_is_logged_once(caplog):
     service = Service.__new__(Service)        # no model: only the heads are consulted
     service.heads = BrokenBatchHeads()
     with caplog.at_level(logging.WARNING, logger="dualread.service"):
-        out = service._confidence_batch({0: "r0", 3: "r3", 5: "r5"})
+        out = service._assess_batch({0: "r0", 3: "r3", 5: "r5"})
     assert out == {}                          # every item falls back to scoring alone
     records = [r for r in caplog.records if r.name == "dualread.service"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING

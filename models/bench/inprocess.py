@@ -64,11 +64,8 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
 def decide_all(heads, readouts: Sequence) -> list[bool]:
     """Confidence (one batched call of the readers), novelty and the defer rule for every
     readout, as `Service.answer_batch` runs them."""
-    out = []
-    for ro, conf in zip(readouts, heads.confidence_batch(list(readouts))):
-        nov = heads.novelty_of(ro)
-        out.append(heads.decide(conf["dualread"], nov.p_value if nov else None)[0])
-    return out
+    return [heads.decide(a.confidence["dualread"], a.novelty.p_value if a.novelty else None)[0]
+            for a in heads.assess(list(readouts))]
 
 
 def answer_with_dualread(actor, heads, images, questions, max_new_tokens: int,
