@@ -24,6 +24,7 @@ EngineError (a bug, not a client error).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
+
+log = logging.getLogger("dualread.engine")
 
 Handler = Callable[[list[Any], list[float]], Sequence[Any]]
 
@@ -137,7 +140,7 @@ class Batcher:
         group = (handler, key)
         self.seen[group] = self.seen.get(group, 0) + len(jobs)
         self.arrived.set()
-        self.hooks.depth_changed(self.depth)
+        self._hook("depth_changed", self.depth)
         return jobs
 
     # ------------------------------------------------------------------ the loop
@@ -210,7 +213,7 @@ class Batcher:
         for job in jobs:
             if job in self.queue:         # stop() may have refused it already
                 self.queue.remove(job)
-        self.hooks.depth_changed(self.depth)
+        self._hook("depth_changed", self.depth)
         groups: dict[tuple[str, Hashable], list[Job]] = {}
         for job in jobs:
             groups.setdefault(job.group, []).append(job)
@@ -228,7 +231,7 @@ class Batcher:
         name = batch[0].handler
         fn = self.handlers[name]
         self.inflight = len(batch)
-        self.hooks.batch_started(name, batch)
+        self._hook("batch_started", name, batch)
         t = time.perf_counter()
         try:
             outcomes = await self._call(loop, fn, batch)
@@ -247,7 +250,15 @@ class Batcher:
                     job.future.set_result(outcome)
         finally:
             self.inflight = 0
-            self.hooks.batch_finished(name, batch, time.perf_counter() - t)
+            self._hook("batch_finished", name, batch, time.perf_counter() - t)
+
+    def _hook(self, name: str, *args: Any) -> None:
+        """Call a hook; one that raises is logged, not fatal: an exception here would end
+        the batcher's loop and leave every queued caller waiting."""
+        try:
+            getattr(self.hooks, name)(*args)
+        except Exception as e:
+            log.error("batcher hook %s failed: %s", name, type(e).__name__, exc_info=e)
 
     async def _alone(self, loop: asyncio.AbstractEventLoop, fn: Handler, job: Job) -> Any:
         """One job's outcome on its own; None, without a call, when its caller has gone

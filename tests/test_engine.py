@@ -1,10 +1,16 @@
-"""The micro-batcher alone, driven by fake handlers (no model, milliseconds)."""
+"""The micro-batcher alone, driven by fake handlers (no model, milliseconds).
+
+Every wait on the batcher is bounded by GUARD_S, so a batcher that deadlocks (a lost
+wake-up, a dead loop task) fails its test within seconds instead of hanging it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
@@ -12,6 +18,11 @@ from app.engine import Batcher, BatcherHooks
 from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
 
 FAR = 3600.0   # a deadline no test reaches
+# A ceiling on each wait, never a measurement: a correct run needs milliseconds, and no
+# assertion depends on how long anything took.
+GUARD_S = 5.0
+
+T = TypeVar("T")
 
 
 class Recorder:
@@ -25,7 +36,7 @@ class Recorder:
 
     def __call__(self, payloads: list, deadlines: list[float]) -> list:
         if self.gate is not None:
-            self.gate.wait(10)
+            self.gate.wait(GUARD_S)
         self.batches.append(list(payloads))
         self.deadlines.append(list(deadlines))
         if self.fail_on is not None and self.fail_on in payloads:
@@ -37,12 +48,26 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def within(aw: Awaitable[T]) -> T:
+    """`aw`'s result; TimeoutError (a failed test) once the guard has passed."""
+    return await asyncio.wait_for(aw, GUARD_S)
+
+
+async def until(cond: Callable[[], object]) -> None:
+    """Let the batcher run until `cond()` holds; TimeoutError if it never does."""
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.001)
+
+    await within(poll())
+
+
 async def _with(batcher: Batcher, body):
     batcher.start()
     try:
-        return await body()
+        return await within(body())
     finally:
-        await batcher.stop()
+        await within(batcher.stop())
 
 
 def deadline() -> float:
@@ -77,6 +102,29 @@ def test_mixed_kinds_never_share_a_batch():
     assert s.batches == [[10, 20]]
 
 
+def test_a_batch_fills_up_with_its_own_group_past_other_kinds():
+    """With room for two, answers 1 and 2 share one batch although a score job sits between
+    them in the queue; the score job runs after, alone. (A batch that took the next job of
+    any kind would hold 1 and 10 and leave 2 to run alone.)"""
+    calls: list[tuple[str, list]] = []            # every model call, in order
+
+    def named(name: str):
+        def handler(payloads: list, deadlines: list[float]) -> list:
+            calls.append((name, list(payloads)))
+            return [2 * p for p in payloads]
+        return handler
+
+    async def body():
+        b = Batcher({"answer": named("answer"), "score": named("score")},
+                    max_batch=2, wait_ms=50, queue_limit=16)
+        jobs = [b.submit("answer", 1, deadline()), b.submit("score", 10, deadline()),
+                b.submit("answer", 2, deadline())]
+        return await _with(b, lambda: asyncio.gather(*(j.future for j in jobs)))
+
+    assert run(body()) == [2, 20, 4]
+    assert calls == [("answer", [1, 2]), ("score", [10])]
+
+
 def test_batch_is_capped_at_max_batch():
     h = Recorder()
 
@@ -99,7 +147,7 @@ def test_queue_full_is_refused_whole():
         b.submit("x", 3, deadline())
         with pytest.raises(QueueFull):
             b.submit("x", 4, deadline())
-        await b.stop()
+        await within(b.stop())
 
     run(body())
 
@@ -156,16 +204,17 @@ def test_cancelled_jobs_are_skipped():
     async def body():
         b = Batcher({"x": h}, max_batch=1, wait_ms=0, queue_limit=16)
         b.start()
-        first = b.submit("x", 1, deadline())
-        while not b.inflight:                    # the worker holds job 1 at the gate
-            await asyncio.sleep(0.001)
-        gone = b.submit("x", 2, deadline())
-        kept = b.submit("x", 3, deadline())
-        gone.future.cancel()                     # its caller timed out
-        gate.set()
-        out = await asyncio.gather(first.future, kept.future)
-        await b.stop()
-        return out
+        try:
+            first = b.submit("x", 1, deadline())
+            await until(lambda: b.inflight)          # the worker holds job 1 at the gate
+            gone = b.submit("x", 2, deadline())
+            kept = b.submit("x", 3, deadline())
+            gone.future.cancel()                     # its caller timed out
+            gate.set()
+            return await within(asyncio.gather(first.future, kept.future))
+        finally:
+            gate.set()                               # never leave the worker at the gate
+            await within(b.stop())
 
     assert run(body()) == [2, 6]
     assert h.batches == [[1], [3]]
@@ -206,17 +255,21 @@ def test_stop_refuses_queued_and_new_jobs():
     async def body():
         b = Batcher({"x": h}, max_batch=1, wait_ms=0, queue_limit=16)
         b.start()
-        running = b.submit("x", 1, deadline())
-        while not b.inflight:
-            await asyncio.sleep(0.001)
-        queued = b.submit("x", 2, deadline())
-        stopping = asyncio.ensure_future(b.stop())
-        await asyncio.sleep(0)
-        gate.set()
-        await stopping
-        with pytest.raises(ShuttingDown):
-            b.submit("x", 3, deadline())
-        return await asyncio.gather(running.future, queued.future, return_exceptions=True)
+        try:
+            running = b.submit("x", 1, deadline())
+            await until(lambda: b.inflight)
+            queued = b.submit("x", 2, deadline())
+            stopping = asyncio.ensure_future(b.stop())
+            await asyncio.sleep(0)
+            gate.set()
+            await within(stopping)
+            assert running.future.done()      # stop() returned only after the batch ended
+            with pytest.raises(ShuttingDown):
+                b.submit("x", 3, deadline())
+            return await within(asyncio.gather(running.future, queued.future,
+                                               return_exceptions=True))
+        finally:
+            gate.set()
 
     done, refused = run(body())
     assert done == 2                                   # the running batch finished
@@ -239,7 +292,39 @@ def test_hooks_see_every_batch():
     assert seen == [("x", [1, 2], [2, 2]), ("x", [3], [1])]
 
 
-# A window no test waits out: a batch that waited for it would trip the 60 s timeouts below.
+def test_a_hook_that_raises_is_logged_and_every_job_is_still_answered(caplog):
+    """Metrics hooks are not the batcher's business: one that raises must not end the loop
+    (every later caller would wait until its timeout)."""
+    class Broken(BatcherHooks):
+        def batch_started(self, handler, jobs):
+            raise RuntimeError("metrics down")
+
+        def batch_finished(self, handler, jobs, seconds):
+            raise RuntimeError("metrics down")
+
+        def depth_changed(self, depth):
+            raise RuntimeError("metrics down")
+
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=2, wait_ms=20, queue_limit=16, hooks=Broken())
+        b.start()
+        try:
+            first = b.submit_many("x", [1, 2, 3], deadline())
+            got = await within(asyncio.gather(*(j.future for j in first)))
+            later = b.submit_many("x", [4], deadline())      # the loop is still alive
+            return got + await within(asyncio.gather(*(j.future for j in later)))
+        finally:
+            await within(b.stop())
+
+    with caplog.at_level("ERROR", logger="dualread.engine"):
+        assert run(body()) == [2, 4, 6, 8]
+    names = {r.getMessage().split()[2] for r in caplog.records if r.name == "dualread.engine"}
+    assert names == {"batch_started", "batch_finished", "depth_changed"}
+
+
+# A window no test waits out: a batch that waited for it would trip the guard instead.
 HUGE_WAIT_MS = 3_600_000
 
 
@@ -251,9 +336,9 @@ def test_a_lone_job_does_not_wait_for_the_window():
         b.start()
         try:
             job = b.submit("x", 5, deadline())
-            return await asyncio.wait_for(job.future, 60)
+            return await within(job.future)
         finally:
-            await b.stop()
+            await within(b.stop())
 
     assert run(body()) == 10
     assert h.batches == [[5]]
@@ -269,15 +354,14 @@ def test_window_waits_for_as_many_callers_as_the_last_batch():
         b.start()
         try:
             pair = b.submit_many("x", [1, 2], deadline())
-            await asyncio.wait_for(asyncio.gather(*(j.future for j in pair)), 60)
+            await within(asyncio.gather(*(j.future for j in pair)))
             third = b.submit("x", 3, deadline())
-            while b.depth:                      # the batcher has taken job 3 and waits
-                await asyncio.sleep(0.001)
+            await until(lambda: not b.depth)    # the batcher has taken job 3 and waits
             assert not third.future.done() and not b.inflight
             fourth = b.submit("x", 4, deadline())
-            return await asyncio.wait_for(asyncio.gather(third.future, fourth.future), 60)
+            return await within(asyncio.gather(third.future, fourth.future))
         finally:
-            await b.stop()
+            await within(b.stop())
 
     assert run(body()) == [6, 8]
     assert h.batches == [[1, 2], [3, 4]]
@@ -293,11 +377,11 @@ def test_company_expected_in_one_group_does_not_delay_another():
         b.start()
         try:
             pair = b.submit_many("score", [1, 2], deadline())
-            await asyncio.wait_for(asyncio.gather(*(j.future for j in pair)), 60)
+            await within(asyncio.gather(*(j.future for j in pair)))
             lone = b.submit("answer", 3, deadline())
-            return await asyncio.wait_for(lone.future, 60)
+            return await within(lone.future)
         finally:
-            await b.stop()
+            await within(b.stop())
 
     assert run(body()) == 6
     assert s.batches == [[1, 2]] and a.batches == [[3]]
@@ -312,7 +396,7 @@ class Gated(Recorder):
 
     def __call__(self, payloads: list, deadlines: list[float]) -> list:
         if not self.batches:
-            self.first_gate.wait(10)
+            self.first_gate.wait(GUARD_S)
         return super().__call__(payloads, deadlines)
 
 
@@ -338,15 +422,14 @@ def test_staggered_clients_coalesce_after_the_first_batch():
         b.start()
         try:
             a = asyncio.ensure_future(client(b, "a"))
-            while not b.inflight:               # A's first job holds the worker at the gate
-                await asyncio.sleep(0.001)
+            await until(lambda: b.inflight)     # A's first job holds the worker at the gate
             c = asyncio.ensure_future(client(b, "b"))
-            while not b.depth:                  # B's first job waits in the queue
-                await asyncio.sleep(0.001)
+            await until(lambda: b.depth)        # B's first job waits in the queue
             gate.set()
-            await asyncio.wait_for(asyncio.gather(a, c), 60)
+            await within(asyncio.gather(a, c))
         finally:
-            await b.stop()
+            gate.set()
+            await within(b.stop())
 
     run(body())
     sizes = [len(x) for x in h.batches]
@@ -368,14 +451,14 @@ def test_jobs_abandoned_during_a_failed_batch_are_not_retried():
         jobs = b.submit_many("x", [1, 2, 3, 4], deadline())
         b.start()
         try:
-            while not b.inflight:
-                await asyncio.sleep(0.001)
+            await until(lambda: b.inflight)
             jobs[1].future.cancel()               # its caller gave up (504) while it ran
             gate.set()
-            return await asyncio.wait_for(asyncio.gather(
-                *(jobs[k].future for k in (0, 2, 3)), return_exceptions=True), 60)
+            return await within(asyncio.gather(
+                *(jobs[k].future for k in (0, 2, 3)), return_exceptions=True))
         finally:
-            await b.stop()
+            gate.set()
+            await within(b.stop())
 
     one, three, four = run(body())
     assert (one, four) == (2, 8) and isinstance(three, ValueError)
@@ -392,15 +475,16 @@ def test_dispatch_drops_a_job_abandoned_while_an_earlier_group_ran():
         b = Batcher({"answer": a, "score": s}, max_batch=8, wait_ms=0, queue_limit=16)
         jobs = [b.submit("answer", 1, deadline()), b.submit("score", 10, deadline()),
                 b.submit("score", 20, deadline())]
-        task = asyncio.ensure_future(b._dispatch(jobs))
-        while not b.inflight:                    # the answer group holds the worker
-            await asyncio.sleep(0.001)
-        jobs[1].future.cancel()
-        gate.set()
-        await asyncio.wait_for(task, 60)
-        out = [jobs[0].future.result(), jobs[2].future.result()]
-        await b.stop()
-        return out
+        try:
+            task = asyncio.ensure_future(b._dispatch(jobs))
+            await until(lambda: b.inflight)          # the answer group holds the worker
+            jobs[1].future.cancel()
+            gate.set()
+            await within(task)
+            return [jobs[0].future.result(), jobs[2].future.result()]
+        finally:
+            gate.set()
+            await within(b.stop())
 
     assert run(body()) == [2, 40]
     assert a.batches == [[1]] and s.batches == [[20]]

@@ -3,7 +3,8 @@ small batches, jobs cancelled while their batch runs, what the hooks are told, t
 thread, and the error messages.
 
 No timing thresholds: waits are ceilings the tests never reach (a full batch ends them),
-and durations are only checked against the elapsed time around them.
+and durations are only checked against the elapsed time around them. Every wait on the
+batcher is bounded by the guard of `tests.test_engine`, so a deadlocked batcher fails fast.
 """
 
 from __future__ import annotations
@@ -16,18 +17,13 @@ import pytest
 
 from app.engine import Batcher, BatcherHooks, queued_seconds
 from app.errors import DeadlineExceeded, EngineError
-from tests.test_engine import FAR, Recorder, run
+from tests.test_engine import FAR, Recorder, run, until, within
 
 LONG_WAIT_MS = 600_000     # never reached: each batch below fills before it
 
 
 def deadline() -> float:
     return time.monotonic() + FAR
-
-
-async def _until(cond) -> None:
-    while not cond():
-        await asyncio.sleep(0.001)
 
 
 def test_queued_seconds_by_hand():
@@ -45,13 +41,16 @@ def test_idle_only_with_an_empty_queue_and_nothing_running():
         b.submit("x", 1, deadline())
         states.append(b.idle())                   # queued, not started
         b.start()
-        await _until(lambda: b.inflight)
-        states.append((b.depth, b.inflight, b.idle()))   # running, queue empty
-        gate.set()
-        await _until(lambda: b.inflight == 0)
-        states.append(b.idle())
-        await b.stop()
-        return states
+        try:
+            await until(lambda: b.inflight)
+            states.append((b.depth, b.inflight, b.idle()))   # running, queue empty
+            gate.set()
+            await until(lambda: b.inflight == 0)
+            states.append(b.idle())
+            return states
+        finally:
+            gate.set()                                # never leave the worker at the gate
+            await within(b.stop())
 
     assert run(body()) == [True, False, (0, 1, False), True]
 
@@ -67,9 +66,11 @@ def test_retries_isolate_a_failure_only_in_a_batch_of_several(payloads, batches)
         b = Batcher({"x": h}, max_batch=2, wait_ms=0, queue_limit=8)
         jobs = b.submit_many("x", payloads, deadline())
         b.start()
-        out = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
-        await b.stop()
-        return out
+        try:
+            return await within(asyncio.gather(*(j.future for j in jobs),
+                                               return_exceptions=True))
+        finally:
+            await within(b.stop())
 
     out = run(body())
     assert isinstance(out[-1], ValueError)
@@ -85,12 +86,14 @@ def test_a_job_cancelled_while_its_batch_runs_does_not_stop_the_others():
         b = Batcher({"x": h}, max_batch=3, wait_ms=LONG_WAIT_MS, queue_limit=8)
         jobs = b.submit_many("x", [1, 2, 3], deadline())
         b.start()
-        await _until(lambda: b.inflight)
-        jobs[1].future.cancel()                   # its caller gave up mid-batch
-        gate.set()
-        out = await asyncio.gather(jobs[0].future, jobs[2].future)
-        await b.stop()
-        return out
+        try:
+            await until(lambda: b.inflight)
+            jobs[1].future.cancel()                   # its caller gave up mid-batch
+            gate.set()
+            return await within(asyncio.gather(jobs[0].future, jobs[2].future))
+        finally:
+            gate.set()
+            await within(b.stop())
 
     assert run(body()) == [2, 6]
     assert h.batches == [[1, 2, 3]]
@@ -111,10 +114,11 @@ def test_hooks_see_depths_finished_batches_and_queue_times():
         jobs = b.submit_many("x", [1, 2, 3], deadline())
         t0 = time.perf_counter()
         b.start()
-        await asyncio.gather(*(j.future for j in jobs))
-        elapsed = time.perf_counter() - t0
-        await b.stop()
-        return jobs, elapsed
+        try:
+            await within(asyncio.gather(*(j.future for j in jobs)))
+            return jobs, time.perf_counter() - t0
+        finally:
+            await within(b.stop())
 
     jobs, elapsed = run(body())
     # submitted 3; after the first batch is gathered 1 is left, after the second none
@@ -137,8 +141,10 @@ def test_the_handler_runs_in_the_model_thread():
         b = Batcher({"x": handler}, max_batch=8, wait_ms=0, queue_limit=8)
         job = b.submit("x", 1, deadline())
         b.start()
-        await job.future
-        await b.stop()
+        try:
+            await within(job.future)
+        finally:
+            await within(b.stop())
 
     run(body())
     assert len(names) == 1 and names[0].startswith("model")
@@ -154,9 +160,11 @@ def test_wrong_number_of_results_says_what_came_back(returned, says):
                     queue_limit=8)
         jobs = b.submit_many("x", [1, 2, 3], deadline())
         b.start()
-        out = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
-        await b.stop()
-        return out
+        try:
+            return await within(asyncio.gather(*(j.future for j in jobs),
+                                               return_exceptions=True))
+        finally:
+            await within(b.stop())
 
     out = run(body())
     assert all(isinstance(o, EngineError) and str(o) == says for o in out), out
@@ -169,8 +177,10 @@ def test_error_messages_name_the_cause():
             b.submit("nope", 1, deadline())
         late = b.submit("x", 1, time.monotonic() - 1)
         b.start()
-        out = await asyncio.gather(late.future, return_exceptions=True)
-        await b.stop()
+        try:
+            out = await within(asyncio.gather(late.future, return_exceptions=True))
+        finally:
+            await within(b.stop())
         return out[0]
 
     late = run(body())
