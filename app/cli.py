@@ -176,10 +176,14 @@ def fit_heads(
         "(corrupted copies of reader-split items)")] = True,
     novelty_per_family: Annotated[int, typer.Option(
         "--novelty-per-family", min=1, help="corrupted reader-split items per corruption "
-        "family for the novelty detector")] = 250,
+        "family for the novelty detector (and the image check's held-out flag rates)")
+    ] = 250,
+    image_check: Annotated[bool, typer.Option(
+        "--image-check/--no-image-check", help="fit the image check of the defer rule "
+        "(image-quality statistics, clean images only)")] = True,
 ) -> None:
-    """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold and the
-    novelty detector."""
+    """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold, the
+    novelty detector and the image check."""
     from heads.fit import (
         DirtyTree,
         WorseThanPrior,
@@ -199,7 +203,8 @@ def fit_heads(
     act = load_actor(actor, device=device)
     items = sample(load(data), limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
-                      seed=seed, novelty=novelty, novelty_per_family=novelty_per_family)
+                      seed=seed, novelty=novelty, novelty_per_family=novelty_per_family,
+                      image_check=image_check)
     console.print(summary_table(info["defer_split_metrics"]))
     try:
         refuse_worse_than_prior(info)
@@ -208,7 +213,9 @@ def fit_heads(
         raise typer.Exit(3) from e
     cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
     cmd += " --allow-dirty" if allow_dirty else ""
-    cmd += f" --novelty-per-family {novelty_per_family}" if novelty else " --no-novelty"
+    cmd += "" if novelty else " --no-novelty"
+    cmd += "" if image_check else " --no-image-check"
+    cmd += f" --novelty-per-family {novelty_per_family}" if novelty or image_check else ""
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
             "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
     heads.save(out, card)

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from app.errors import DeadlineExceeded, ModelFailure, QuestionInvalid, TrajectoryInvalid
 from app.serving import (
     AnswerItem,
@@ -116,7 +118,8 @@ class Service:
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
-            out.append(self._guard(lambda r=r, c=scored.get(k): self._answer(r, res.timings, c)))
+            out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
+                                   self._answer(r, res.timings, c, im)))
         return out
 
     def _assess_batch(self, readouts: dict[int, Any]) -> dict[int, tuple[Assessment, float]]:
@@ -137,21 +140,26 @@ class Service:
         each = (time.perf_counter() - t) / len(readouts)
         return {k: (c, each) for k, c in zip(readouts, confs)}
 
-    def _answer(self, r: Response, timings,
-                scored: tuple[Assessment, float] | None = None) -> AnswerResult:
+    def _answer(self, r: Response, timings, scored: tuple[Assessment, float] | None = None,
+                image: Image.Image | None = None) -> AnswerResult:
         t = time.perf_counter()
         a, batch_s = scored if scored is not None else (self.heads.assess([r.readout])[0], 0.0)
         conf = _confidences(a.confidence)
         nov = a.novelty                              # None: these heads have no detector
+        chk = self.heads.image_reading(image) if image is not None else None
         heads_s = time.perf_counter() - t + batch_s
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
-        # the heads hold the whole rule: τ, the novelty p-value against α, the parse check
-        defer, reason = self.heads.decide(conf.dualread, nov.p_value if nov else None, problem)
+        # the heads hold the whole rule: τ, the novelty and image-check p-values against α,
+        # the parse check
+        defer, reason = self.heads.decide(conf.dualread, nov.p_value if nov else None, problem,
+                                          chk.p_value if chk else None)
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
             defer=defer, defer_reason=reason,
             timings=StageTimes(timings.generate, timings.readout, heads_s),
-            novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel))
+            novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
+            image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
+                                                               chk.novel))
 
     def score_batch(self, items: list[ScoreItem], deadlines: list[float]
                     ) -> list[ScoreResult | Exception]:

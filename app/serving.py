@@ -90,6 +90,7 @@ class AnswerResult:
     defer_reason: str | None
     timings: StageTimes
     novelty: NoveltyResult | None = None     # None: the heads have no novelty detector
+    image_check: NoveltyResult | None = None  # None: the heads have no image check
 
 
 @dataclass(frozen=True)

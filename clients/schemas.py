@@ -67,6 +67,19 @@ class Novelty(BaseModel):
                                          "0.01): the answer is deferred")
 
 
+class ImageCheck(BaseModel):
+    """How unlike the fitting images the input's image-quality statistics are (blur, noise,
+    JPEG blocking, contrast, ...; a conformal p-value of a one-class detector)."""
+
+    score: float = Field(..., description="Mahalanobis distance of the image's quality "
+                                          "statistics from the fitting images' (larger = "
+                                          "more unusual)")
+    p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
+                                            "over the clean defer-calibration images")
+    flagged: bool = Field(..., description="p_value < alpha (the heads card's "
+                                           "image_check.alpha, 0.01): the answer is deferred")
+
+
 class Timings(BaseModel):
     queue: float
     generate: float
@@ -80,23 +93,26 @@ class AnswerResponse(BaseModel):
         "<confidence>9</confidence>", "confidence": {"dualread": 0.97, "psr": 0.95,
                                                      "per": 0.98, "verbalized": 0.88},
         "defer": False, "defer_reason": None, "defer_threshold": 0.71,
-        "novelty": {"score": -2.3, "p_value": 0.41, "novel": False}, "model": "3f2a...",
+        "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
+        "image_check": {"score": 3.1, "p_value": 0.52, "flagged": False}, "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
         "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence
     defer: bool = Field(..., description="route to a clinician: confidence below threshold, "
-                                         "the image unlike the fitting data (novelty), or "
-                                         "the response did not parse")
+                                         "the image unlike the fitting data (novelty or "
+                                         "image check), or the response did not parse")
     defer_reason: str | None = Field(
         None, description="why the response itself is not trusted (no answer tag, empty "
                           "answer, repetition, truncated) and/or that the image is unlike "
-                          "the fitting data (novelty p < alpha); null when only confidence "
-                          "decides")
+                          "the fitting data (novelty p < alpha, image-check p < alpha); null "
+                          "when only confidence decides")
     defer_threshold: float
     novelty: Novelty | None = Field(
         None, description="the novelty detector's reading; null when the heads have none")
+    image_check: ImageCheck | None = Field(
+        None, description="the image check's reading; null when the heads have none")
     model: str = Field(..., description="actor fingerprint")
     heads: str = Field(..., description="heads artefact id")
     request_id: str = Field(..., description="server-generated; the key for /feedback")

@@ -22,6 +22,7 @@ import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.features import FEATURE_SCHEMA, KAPPA, extract, image_stats
+from heads.image_check import pixel_features
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
@@ -30,10 +31,10 @@ from heads.registry import Method
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
-# 3: the card carries the novelty detector and the defer rule. A server that predates a
-# card's version could load it and silently drop a term of its rule, so `Heads.load`
-# refuses any version newer than this one.
-CARD_VERSION = 3
+# 3: the card carries the novelty detector and the defer rule. 4: the image check. A
+# server that predates a card's version could load it and silently drop a term of its
+# rule, so `Heads.load` refuses any version newer than this one.
+CARD_VERSION = 4
 # the method whose confidence the defer policy thresholds
 DEFER_METHOD = "dualread"
 # card keys written before the registry -> canonical method names
@@ -41,11 +42,6 @@ LEGACY_TEMPERATURES = {"T_pre": "psr", "T_post": "per", "T_state": "p_state",
                        "T_saplma": "saplma", "T_bicr": "blind_image_contrast",
                        "T_msp": "max_sequence_probability"}
 LEGACY_PLATT = {"sc2": "sc_2", "sc4": "sc_4", "sc8": "sc_8", "semantic": "semantic_uncertainty"}
-# The defer rule in words, as the card states it (SPEC §8); `Heads.decide` implements it.
-RULE = "defer if DualRead < tau or the response does not parse"
-RULE_WITH_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the response "
-                     "does not parse")
-
 
 @dataclass(frozen=True)
 class Assessment:
@@ -55,15 +51,24 @@ class Assessment:
     novelty: NoveltyReading | None
 
 
-def rule_of(novelty: Novelty | None) -> str:
-    """The defer rule in words for heads with or without a novelty detector (a plain
-    function: the `defer_rule` property only forwards here)."""
-    return RULE if novelty is None else RULE_WITH_NOVELTY
+def rule_of(novelty: Novelty | None, image_check: Novelty | None = None) -> str:
+    """The defer rule in words, as the card states it (SPEC §8), for heads with or without
+    a novelty detector and an image check; `Heads.decide` implements it. (A plain function:
+    the `defer_rule` property only forwards here.)"""
+    terms = ["DualRead < tau"] + (["novelty p-value < alpha"] if novelty is not None else []) \
+        + (["image-check p-value < alpha"] if image_check is not None else []) \
+        + ["the response does not parse"]
+    return "defer if " + " or ".join(terms)
 
 
 def novelty_reason(alpha: float) -> str:
     """`defer_reason` when the novelty detector flags the input."""
     return f"image unlike the fitting data (novelty p < {alpha:g})"
+
+
+def image_check_reason(alpha: float) -> str:
+    """`defer_reason` when the image check flags the input."""
+    return f"image quality unlike the fitting images (image-check p < {alpha:g})"
 
 
 class FingerprintMismatch(RuntimeError):
@@ -72,6 +77,26 @@ class FingerprintMismatch(RuntimeError):
 
 class CardTooNew(RuntimeError):
     """A heads card written by a newer version of this code than the one loading it."""
+
+
+def _below(pvals: Sequence[float | None] | np.ndarray | None, detector: Novelty | None,
+           alpha: float, n: int) -> np.ndarray:
+    """p-value < α per item, only with a detector; a None p-value never flags."""
+    if pvals is None or detector is None:
+        return np.zeros(n, bool)
+    pv = np.array([np.nan if v is None else v for v in pvals], float)
+    return pv < alpha                                  # NaN (no p-value) compares False
+
+
+def _detector_card(det: Novelty | None, alpha: float, fit_log: dict | None, prefix: str
+                   ) -> dict | None:
+    """A detector's card fields, after what fitting logged about it (`fit_log`)."""
+    if det is None:
+        return None
+    d = det.to_dict()
+    return {**(fit_log or {}), "kind": d["kind"], "feature": d["feature"], "alpha": alpha,
+            "n_fit": d["n_fit"], "n_calibration": d["n_calibration"], "C": d["C"],
+            "p_value": d["p_value"], "files": [f"{prefix}.safetensors", f"{prefix}.json"]}
 
 
 def _legacy_match(card: dict, actor_fingerprint: str, folder: Path) -> bool:
@@ -139,6 +164,9 @@ class Heads:
     # conformal novelty detector on the actor's states (None: the older rule, τ alone)
     novelty: Novelty | None = None
     novelty_alpha: float = ALPHA
+    # conformal one-class check on the image's quality statistics (heads.image_check)
+    image_check: Novelty | None = None
+    image_check_alpha: float = ALPHA
 
     t_pre = _Temperature("psr")
     t_post = _Temperature("per")
@@ -250,45 +278,58 @@ class Heads:
              "img_std": std[None]}
         return self.novelty.read(f, self.novelty_alpha)[0]
 
+    def image_reading(self, image) -> NoveltyReading | None:
+        """The image check's score, p-value and flag for one image; None without a check."""
+        if self.image_check is None:
+            return None
+        x = torch.from_numpy(pixel_features(image))[None]
+        return self.image_check.read({"pixels": x}, self.image_check_alpha)[0]
+
     @property
     def defer_rule(self) -> str:
-        return rule_of(self.novelty)
+        return rule_of(self.novelty, self.image_check)
 
     def decide(self, p_dualread: float, novelty_p: float | None = None,
-               problem: str | None = None) -> tuple[bool, str | None]:
+               problem: str | None = None, image_p: float | None = None
+               ) -> tuple[bool, str | None]:
         """The whole defer rule for one item: (defer, reason). Defer when DualRead < τ,
-        when the novelty p-value is below α, or when the response has a `problem`; the
-        reason names the problem and/or the novelty flag (None when only τ decides).
-        The flags come from `defer_reasons`, the one rule that `evaluate` applies too."""
-        why = {k: bool(v[0]) for k, v in self.defer_reasons([p_dualread], [novelty_p],
-                                                            [problem]).items()}
-        reasons = [r for r in (problem, novelty_reason(self.novelty_alpha)
-                               if why["novelty"] else None) if r is not None]
-        return any(why.values()), "; ".join(reasons) or None
+        when the novelty or image-check p-value is below α, or when the response has a
+        `problem`; the reason names the problem and/or the flags (None when only τ
+        decides). The flags come from `defer_reasons`, the one rule that `evaluate`
+        applies too."""
+        why = {k: bool(v[0]) for k, v in self.defer_reasons(
+            [p_dualread], [novelty_p], [problem], [image_p]).items()}
+        reasons = [problem,
+                   novelty_reason(self.novelty_alpha) if why["novelty"] else None,
+                   image_check_reason(self.image_check_alpha) if why["image"] else None]
+        return any(why.values()), "; ".join(r for r in reasons if r is not None) or None
 
     def defer_reasons(self, p_dualread: Sequence[float] | np.ndarray,
                       novelty_p: Sequence[float | None] | np.ndarray | None = None,
-                      problems: Sequence[str | None] | None = None) -> dict[str, np.ndarray]:
+                      problems: Sequence[str | None] | None = None,
+                      image_p: Sequence[float | None] | np.ndarray | None = None
+                      ) -> dict[str, np.ndarray]:
         """The defer rule over a batch, one boolean array per reason: "tau" (DualRead < τ;
         every item without a policy), "novelty" (p-value < α, only with a detector; a None
-        p-value never flags) and "problem" (the response does not parse). An item is
-        deferred when any of them holds (`defer_mask`)."""
+        p-value never flags), "image" (the image check's p-value < its α, likewise) and
+        "problem" (the response does not parse). An item is deferred when any of them
+        holds (`defer_mask`)."""
         p = np.asarray(p_dualread, float)
         tau = p < self.policy.tau if self.policy is not None else np.ones(len(p), bool)
-        novel = np.zeros(len(p), bool)
-        if novelty_p is not None and self.novelty is not None:
-            pv = np.array([np.nan if v is None else v for v in novelty_p], float)
-            novel = pv < self.novelty_alpha          # NaN (no p-value) compares False
         bad = np.zeros(len(p), bool) if problems is None else \
             np.array([q is not None for q in problems], bool)
-        return {"tau": tau, "novelty": novel, "problem": bad}
+        return {"tau": tau,
+                "novelty": _below(novelty_p, self.novelty, self.novelty_alpha, len(p)),
+                "image": _below(image_p, self.image_check, self.image_check_alpha, len(p)),
+                "problem": bad}
 
     def defer_mask(self, p_dualread: Sequence[float] | np.ndarray,
                    novelty_p: Sequence[float | None] | np.ndarray | None = None,
-                   problems: Sequence[str | None] | None = None) -> np.ndarray:
+                   problems: Sequence[str | None] | None = None,
+                   image_p: Sequence[float | None] | np.ndarray | None = None) -> np.ndarray:
         """`decide` vectorised: True where an item is deferred, for any reason."""
-        why = self.defer_reasons(p_dualread, novelty_p, problems)
-        return why["tau"] | why["novelty"] | why["problem"]
+        why = self.defer_reasons(p_dualread, novelty_p, problems, image_p)
+        return why["tau"] | why["novelty"] | why["image"] | why["problem"]
 
     # ------------------------------------------------------------- artefacts
     def save(self, folder: str | Path, card: dict) -> None:
@@ -309,21 +350,19 @@ class Heads:
                 "prior_offsets": self.offsets,
                 "defer": self.policy.to_dict() if self.policy else None,
                 "defer_rule": self.defer_rule,
-                "novelty": self._novelty_card(card.get("novelty"))}
+                "novelty": self._novelty_card(card.get("novelty")),
+                "image_check": _detector_card(self.image_check, self.image_check_alpha,
+                                              card.get("image_check"), "image_check")}
         if self.novelty is not None:
             self.novelty.save(folder)       # novelty.safetensors + novelty.json
+        if self.image_check is not None:
+            self.image_check.save(folder, "image_check")
         self.card = card
         (folder / "heads_card.json").write_text(json.dumps(card, indent=2))
 
     def _novelty_card(self, fit_log: dict | None) -> dict | None:
         """The detector's card fields, after what fitting logged about it (`fit_log`)."""
-        if self.novelty is None:
-            return None
-        d = self.novelty.to_dict()
-        return {**(fit_log or {}), "kind": d["kind"], "feature": d["feature"],
-                "alpha": self.novelty_alpha, "n_fit": d["n_fit"],
-                "n_calibration": d["n_calibration"], "C": d["C"], "p_value": d["p_value"],
-                "files": ["novelty.safetensors", "novelty.json"]}
+        return _detector_card(self.novelty, self.novelty_alpha, fit_log, "novelty")
 
     @classmethod
     def load(cls, folder: str | Path | None = None, actor_fingerprint: str | None = None
@@ -363,6 +402,9 @@ class Heads:
         if card.get("novelty"):
             heads.novelty = Novelty.load(folder)
             heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
+        if card.get("image_check"):
+            heads.image_check = Novelty.load(folder, "image_check")
+            heads.image_check_alpha = float(card["image_check"].get("alpha", ALPHA))
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card
         return heads

@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
+from rich.progress import track
 
 from heads import registry
 from heads.collect import Collector
 from heads.defer import choose_threshold
 from heads.dualread import DEFER_METHOD, Heads
+from heads.image_check import PIXEL_FEATURES, pixel_features
 from heads.metrics import METRICS
 from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
@@ -28,6 +30,8 @@ SPLITS = {"reader": 0.6, "temperature": 0.8, "defer": 1.0}   # cumulative shares
 # corrupted copies of reader-split items per corruption family for the novelty detector
 # (the shift study's pool: 250 per family)
 NOVELTY_PER_FAMILY = 250
+# the image check's score: Ledoit-Wolf Mahalanobis distance (one-class, clean images only)
+IMAGE_CHECK_KIND = "mahalanobis"
 
 
 def image_split(image_id: str, salt: str = "dualread") -> str:
@@ -68,9 +72,11 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64, novelty: bool = True,
-              novelty_per_family: int = NOVELTY_PER_FAMILY) -> tuple[Heads, dict]:
+              novelty_per_family: int = NOVELTY_PER_FAMILY, image_check: bool = True
+              ) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
-    then (with `novelty`) the novelty detector of the defer rule (SPEC §8)."""
+    then (with `novelty`) the novelty detector and (with `image_check`) the image check
+    of the defer rule (SPEC §8)."""
     methods = registry.registered()
     col = Collector(actor, cache_dir, max_new_tokens)
     on_all = registry.fit_passes_for(methods, "all")
@@ -109,6 +115,11 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         heads.novelty, novelty_log = novelty_stage(col, items, feats, splits,
                                                    novelty_per_family, seed)
         heads.novelty_alpha = ALPHA
+    image_log = None
+    if image_check:
+        heads.image_check, image_log = image_check_stage(col, items, splits,
+                                                         novelty_per_family, seed)
+        heads.image_check_alpha = ALPHA
     reader_rate = float(z[splits["reader"]].float().mean())
     prior = prior_check(scores, z[df].numpy(), reader_rate)
     info = {
@@ -124,6 +135,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         # form on the fitting data
         "question_prior": question_prior(items, z.numpy()),
         "novelty": novelty_log,
+        "image_check": image_log,
         "seconds": dict(col.seconds),
     }
     console.log(f"fitted heads: AUROC on defer split {held[DEFER_METHOD]['auroc']}, "
@@ -202,6 +214,42 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                 f"{log.get('heldout_auroc')}, temperature-split flag rate "
                 f"{log.get('temperature_split_flag_rate')} at alpha {ALPHA}")
     return nov, log
+
+
+# ------------------------------------------------------------------ image check
+def fit_image_check(clean: torch.Tensor, calibration: torch.Tensor) -> Novelty:
+    """One-class detector on image-quality statistics: fitted on clean images only (so
+    every corruption family is held out from it), calibrated on a disjoint clean split."""
+    return Novelty(IMAGE_CHECK_KIND, "pixels").fit(clean).calibrate(calibration)
+
+
+def image_check_stage(col: Collector, items: list[Item], splits: dict, per_family: int,
+                      seed: int = 0) -> tuple[Novelty, dict]:
+    """The image check of the defer rule, and what the card logs about it: flag rates at α
+    on clean splits and on corrupted copies of reader-split images (never fitted on)."""
+    px, _ = col.run(items, passes=("pixels",), label="image statistics (fit)")
+    x = px["pixels"]
+    chk = fit_image_check(x[splits["reader"]], x[splits["defer"]])
+    log: dict = {"kind": IMAGE_CHECK_KIND, "statistics": list(PIXEL_FEATURES),
+                 "fitted_on": "clean reader split images only (no corrupted image)",
+                 "calibrated_on": "clean defer split",
+                 "smallest_p_value": round(1 / (len(splits["defer"]) + 1), 6)}
+    for split in ("defer", "temperature"):
+        if len(splits[split]):
+            log[f"{split}_split_flag_rate"] = round(
+                float((chk.p_value(x[splits[split]]) < ALPHA).mean()), 4)
+    reader = [items[i] for i in splits["reader"].tolist()]
+    shifted = novelty_items(reader, per_family, seed)
+    flags: dict[str, list[float]] = {}
+    for it in track(shifted, description="image statistics (corrupted reader items)",
+                    console=console):
+        p = chk.p_value(torch.from_numpy(pixel_features(it.image()))[None])[0]
+        flags.setdefault(it.family, []).append(float(p < ALPHA))
+    log["corrupted_flag_rate"] = {f: round(float(np.mean(v)), 4) for f, v in flags.items()}
+    console.log(f"image check: temperature-split flag rate "
+                f"{log.get('temperature_split_flag_rate')}, corrupted copies flagged "
+                f"{log['corrupted_flag_rate']} at alpha {ALPHA}")
+    return chk, log
 
 
 def bce(c: np.ndarray, z: np.ndarray) -> float:

@@ -56,6 +56,8 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "pre_img_mean": lambda f: torch.cat([f["h_pre"], _img_mean(f)], -1),
     "pre_img_mean_std": lambda f: torch.cat([f["h_pre"], _img_mean(f), _img_std(f)], -1),
     "img_tokens": lambda f: f["h_image"].flatten(1),
+    # not the actor's states: image-quality statistics of the pixels (heads.image_check)
+    "pixels": lambda f: f["pixels"],
     "img_token_set": lambda f: f["h_image"],
 }
 

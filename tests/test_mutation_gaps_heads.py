@@ -307,3 +307,12 @@ def test_natural_intercept_matches_the_mean_label():
     assert natural_intercept(logits, z) == pytest.approx(ref, abs=1e-8)
     assert natural_intercept(torch.zeros(4), torch.tensor([1.0, 1, 1, 0])) == \
         pytest.approx(math.log(3), abs=1e-9)
+    # saturated start (plain Newton from 0 diverged to ~1e12 here): equal logits, so
+    # σ(8 + b) = 1/4 exactly
+    assert natural_intercept(torch.full((4,), 8.0), torch.tensor([1.0, 0, 0, 0])) == \
+        pytest.approx(math.log(1 / 3) - 8, abs=1e-9)
+    far = torch.tensor([30.0, 25, -20, 28, 35])
+    b = natural_intercept(far, torch.tensor([1.0, 0, 0, 1, 0]))
+    assert float(torch.sigmoid(far.double() + b).mean()) == pytest.approx(0.4, abs=1e-9)
+    with pytest.raises(ValueError, match="both right and wrong"):
+        natural_intercept(torch.zeros(3), torch.ones(3))

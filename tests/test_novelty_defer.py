@@ -264,7 +264,7 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, tiny_data, tm
     actor, per_family = actors["gemma3"], 3
     items = load(tiny_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
-                            target_risk=0.3, novelty_per_family=per_family)
+                            target_risk=0.3, novelty_per_family=per_family, image_check=False)
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
     assert (folder / "novelty.safetensors").exists() and (folder / "novelty.json").exists()
@@ -320,11 +320,11 @@ def test_fit_heads_flags_reach_the_fit(actor_dirs, tiny_data, tmp_path, monkeypa
     monkeypatch.setattr("heads.fit.fit_heads", fake)
     base = ["fit-heads", "--actor", actor_dirs["gemma3"], "--data", tiny_data, "--out",
             str(tmp_path / "h"), "--allow-dirty"]
-    for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"]):
+    for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"], ["--no-image-check"]):
         res = CliRunner().invoke(app, base + extra)
         assert isinstance(res.exception, Stop), res.output
-    assert [(k["novelty"], k["novelty_per_family"]) for k in seen] == \
-        [(True, 250), (False, 250), (True, 7)]
+    assert [(k["novelty"], k["novelty_per_family"], k["image_check"]) for k in seen] == \
+        [(True, 250, True), (False, 250, True), (True, 7, True), (True, 250, False)]
 
 
 def test_fit_without_novelty_keeps_the_old_rule(tmp_path):
@@ -344,16 +344,16 @@ def test_a_card_newer_than_the_code_is_refused(tmp_path, delta):
     h.save(tmp_path / "h", {"command": "test"})
     card_path = tmp_path / "h" / "heads_card.json"
     card = json.loads(card_path.read_text())
-    assert card["card_version"] == CARD_VERSION == 3
-    assert Heads.load(tmp_path / "h").card["card_version"] == 3    # its own version loads
-    for older in (2, None):      # cards before the bump, and before versions were written
+    assert card["card_version"] == CARD_VERSION == 4
+    assert Heads.load(tmp_path / "h").card["card_version"] == 4    # its own version loads
+    for older in (3, 2, None):      # cards before the bump, and before versions were written
         if older is None:
             card.pop("card_version")
         else:
             card["card_version"] = older
         card_path.write_text(json.dumps(card))
         assert Heads.load(tmp_path / "h").actor_fingerprint == "fp"
-    card["card_version"] = 3 + delta
+    card["card_version"] = 4 + delta
     card_path.write_text(json.dumps(card))
-    with pytest.raises(CardTooNew, match=f"card version {3 + delta}, newer"):
+    with pytest.raises(CardTooNew, match=f"card version {4 + delta}, newer"):
         Heads.load(tmp_path / "h")

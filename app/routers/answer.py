@@ -19,7 +19,7 @@ from app.schemas import (
     Timings,
 )
 from app.serving import AnswerItem, AnswerResult, Serving
-from clients.schemas import Novelty
+from clients.schemas import ImageCheck, Novelty
 
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
@@ -77,6 +77,9 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
         defer=res.defer, defer_reason=res.defer_reason, defer_threshold=backend.threshold,
         novelty=None if res.novelty is None else Novelty(
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
+        image_check=None if res.image_check is None else ImageCheck(
+            score=res.image_check.score, p_value=res.image_check.p_value,
+            flagged=res.image_check.novel),
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
         timings_ms=Timings(queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),

@@ -7,6 +7,7 @@ post-answer readers also see answer-flipped replays as negatives (`reader_rows`)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -88,18 +89,24 @@ def reader_rows(data: FitData, flip_weight: float
     return feats, z, w
 
 
-def natural_intercept(logits: torch.Tensor, z: torch.Tensor, steps: int = 50) -> float:
-    """The b minimising BCE(σ(ℓ + b), z), by Newton's method (1-D and convex): at the
-    optimum the mean prediction equals the mean label."""
-    logits, z = logits.double().flatten(), z.double().flatten()
-    b = 0.0
-    for _ in range(steps):
-        p = torch.sigmoid(logits + b)
-        step = float((z - p).sum() / (p * (1 - p)).sum().clamp_min(1e-12))
-        b += step
-        if abs(step) < 1e-10:
-            break
-    return b
+def natural_intercept(logits: torch.Tensor, z: torch.Tensor) -> float:
+    """The b minimising BCE(σ(ℓ + b), z): the root of mean σ(ℓ + b) = mean z, found by
+    Brent's method inside [logit(z̄) − max ℓ, logit(z̄) − min ℓ], where it must lie (plain
+    Newton from b = 0 diverges when the logits start saturated)."""
+    from scipy.optimize import brentq
+    from scipy.special import expit
+
+    logits, z = logits.double().flatten().numpy(), z.double().flatten().numpy()
+    rate = float(z.mean())
+    if not 0 < rate < 1:
+        raise ValueError("the natural rows need both right and wrong answers")
+    target = math.log(rate / (1 - rate))
+
+    def excess(b: float) -> float:
+        return float(np.mean(expit(logits + b))) - rate
+
+    lo, hi = target - float(logits.max()), target - float(logits.min())
+    return lo if hi - lo < 1e-12 else float(brentq(excess, lo, hi, xtol=1e-12))
 
 
 def fit_post_branch(heads: Heads, data: FitData, name: str, reader: str, key: str,

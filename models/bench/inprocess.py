@@ -5,7 +5,8 @@ Modes, all on the same images, questions and `max_new_tokens`:
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
 - `capture`: `Actor.answer(readout="capture")` + the heads (one batched call of the
-  readers, as `Service.answer_batch` makes it) + the defer decision (what `/answer` runs).
+  readers, as `Service.answer_batch` makes it) + the image check + the defer decision
+  (what `/answer` runs).
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
   exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
@@ -61,18 +62,25 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
     return [actor._trim(row) for row in gen.tolist()]
 
 
-def decide_all(heads, readouts: Sequence) -> list[bool]:
-    """Confidence (one batched call of the readers), novelty and the defer rule for every
-    readout, as `Service.answer_batch` runs them."""
-    return [heads.decide(a.confidence["dualread"], a.novelty.p_value if a.novelty else None)[0]
-            for a in heads.assess(list(readouts))]
+def decide_all(heads, readouts: Sequence, images: Sequence | None = None) -> list[bool]:
+    """Confidence (one batched call of the readers), novelty, the image check (when the
+    images are given) and the defer rule for every readout, as `Service.answer_batch`
+    runs them."""
+    out = []
+    for k, a in enumerate(heads.assess(list(readouts))):
+        chk = heads.image_reading(images[k]) if images is not None else None
+        out.append(heads.decide(a.confidence["dualread"],
+                                a.novelty.p_value if a.novelty else None, None,
+                                chk.p_value if chk else None)[0])
+    return out
 
 
 def answer_with_dualread(actor, heads, images, questions, max_new_tokens: int,
                          readout: str) -> list:
-    """`Actor.answer` + confidence + defer for every item, as the service does."""
+    """`Actor.answer` + confidence + defer (image check included) for every item, as the
+    service does."""
     res = actor.answer(images, questions, max_new_tokens, readout=readout)
-    decide_all(heads, [r.readout for r in res])
+    decide_all(heads, [r.readout for r in res], images)
     return res
 
 

@@ -1,0 +1,121 @@
+"""Image-quality statistics of the image check (heads.image_check), each against a value
+worked out by hand for a constructed image."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFilter
+
+from heads.image_check import EPS, MAX_SIDE, PIXEL_FEATURES, pixel_features
+from heads.novelty import Novelty
+
+F = {name: k for k, name in enumerate(PIXEL_FEATURES)}
+
+
+def gray(values: np.ndarray) -> Image.Image:
+    """An RGB image whose three channels all hold `values` (in [0, 1])."""
+    u8 = np.round(np.clip(values, 0, 1) * 255).astype(np.uint8)
+    return Image.fromarray(np.stack([u8] * 3, -1))
+
+
+def test_a_flat_gray_image():
+    x = pixel_features(gray(np.full((16, 16), 128 / 255)))
+    assert x.shape == (len(PIXEL_FEATURES),) and x.dtype == np.float64
+    assert x[F["luminance_mean"]] == pytest.approx(128 / 255)
+    assert x[F["luminance_std"]] == pytest.approx(0, abs=1e-12)
+    assert x[F["log_laplacian_var"]] == pytest.approx(math.log(EPS))
+    assert x[F["log_noise_sigma"]] == pytest.approx(math.log(EPS))
+    assert x[F["log_high_freq_share"]] == pytest.approx(0.0)       # (0 + ε) / (0 + ε)
+    assert x[F["blockiness"]] == pytest.approx(1.0)                # ε / ε on both axes
+    assert x[F["colourfulness"]] == pytest.approx(0, abs=1e-12)
+    assert x[F["clipped_share"]] == 0 and x[F["edge_density"]] == 0
+    assert x[F["log_palette"]] == pytest.approx(math.log(1 / 256))  # one colour, 256 pixels
+
+
+def test_a_pure_red_image_has_the_hasler_suesstrunk_colourfulness():
+    red = Image.new("RGB", (8, 8), (255, 0, 0))
+    x = pixel_features(red)
+    # rg = 1, yb = (1 + 0)/2 - 0 = 0.5 everywhere: no spread, 0.3·|mean|
+    assert x[F["colourfulness"]] == pytest.approx(0.3 * math.hypot(1.0, 0.5))
+    assert x[F["luminance_mean"]] == pytest.approx(0.299)
+
+
+def test_half_black_half_white():
+    v = np.zeros((8, 8))
+    v[:, 4:] = 1.0
+    x = pixel_features(gray(v))
+    assert x[F["clipped_share"]] == 1.0
+    assert x[F["luminance_std"]] == pytest.approx(0.5)
+    # np.gradient: central differences of 0.5 at columns 3 and 4, 0 elsewhere
+    assert x[F["edge_density"]] == pytest.approx(2 / 8)
+    assert x[F["log_palette"]] == pytest.approx(math.log(2 / 64))
+
+
+def test_a_one_pixel_checkerboard_is_all_high_frequency():
+    yy, xx = np.mgrid[:16, :16]
+    x = pixel_features(gray(((yy + xx) % 2).astype(float)))
+    # all the power sits at the Nyquist frequency (0.5, 0.5): share 1, log 0
+    assert x[F["log_high_freq_share"]] == pytest.approx(0.0, abs=1e-9)
+    # one period of a cosine across the image: all power at frequency 1/16 (< 1/4), bar
+    # the uint8 rounding
+    wave = 0.5 + 0.4 * np.cos(2 * np.pi * xx / 16)
+    assert pixel_features(gray(wave))[F["log_high_freq_share"]] < math.log(0.01)
+
+
+def test_the_noise_estimate_recovers_a_known_sigma():
+    rng = np.random.default_rng(0)
+    sigma = 0.05
+    x = pixel_features(gray(0.5 + sigma * rng.standard_normal((128, 128))))
+    # diagonal detail (a - b - c + d)/2 of i.i.d. noise has std σ; MAD/0.6745 estimates it
+    assert math.exp(x[F["log_noise_sigma"]]) == pytest.approx(sigma, rel=0.1)
+
+
+def test_blocks_of_eight_pixels_are_blocky_and_noise_is_not():
+    rng = np.random.default_rng(1)
+    blocks = np.kron(rng.uniform(0.2, 0.8, (4, 4)), np.ones((8, 8)))   # 32×32, 8-px blocks
+    assert pixel_features(gray(blocks))[F["blockiness"]] > 1e3        # steps only on borders
+    noise = pixel_features(gray(rng.uniform(0, 1, (64, 64))))[F["blockiness"]]
+    assert noise == pytest.approx(1.0, abs=0.15)
+
+
+def test_blur_lowers_sharpness():
+    rng = np.random.default_rng(2)
+    img = gray(np.kron(rng.uniform(0, 1, (8, 8)), np.ones((8, 8))))
+    sharp = pixel_features(img)[F["log_laplacian_var"]]
+    blurred = pixel_features(img.filter(ImageFilter.GaussianBlur(2)))[F["log_laplacian_var"]]
+    assert blurred < sharp - 1.0
+
+
+def test_large_images_are_shrunk_with_a_box_filter_first():
+    rng = np.random.default_rng(3)
+    big = Image.fromarray(rng.integers(0, 256, (400, 600, 3), dtype=np.uint8))
+    small = big.copy()
+    small.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.BOX)
+    assert max(small.size) == MAX_SIDE
+    np.testing.assert_allclose(pixel_features(big), pixel_features(small))
+    assert big.size == (600, 400)                    # the caller's image is not touched
+
+
+def test_too_small_an_image_is_refused():
+    with pytest.raises(ValueError, match="too small"):
+        pixel_features(Image.new("RGB", (3, 40)))
+
+
+def test_a_one_class_check_on_clean_images_flags_blurred_ones():
+    """Fitted on clean images only: blurred copies get p-values below α, fresh clean ones
+    mostly do not."""
+    rng = np.random.default_rng(4)
+
+    def clean(n):
+        return [gray(np.kron(rng.uniform(0, 1, (8, 8)), np.ones((8, 8)))) for _ in range(n)]
+
+    fit = torch.from_numpy(np.stack([pixel_features(im) for im in clean(150)]))
+    cal = torch.from_numpy(np.stack([pixel_features(im) for im in clean(199)]))
+    chk = Novelty("mahalanobis", "pixels").fit(fit).calibrate(cal)
+    fresh = chk.p_value(torch.from_numpy(np.stack([pixel_features(im) for im in clean(50)])))
+    blurred = chk.p_value(torch.from_numpy(np.stack(
+        [pixel_features(im.filter(ImageFilter.GaussianBlur(2))) for im in clean(50)])))
+    assert (blurred < 0.01).mean() == 1.0
+    assert (fresh < 0.01).mean() <= 0.1

@@ -1,0 +1,165 @@
+"""The image check as part of the defer rule (SPEC §8): decision, artefact, fitting stage,
+`/answer`'s `image_check` field and `evaluate`'s defer shares."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFilter
+
+from heads.defer import DeferPolicy
+from heads.dualread import Heads
+from heads.fit import fit_heads, fit_image_check, image_split, novelty_items
+from heads.image_check import pixel_features
+from heads.novelty import Novelty
+from models.data import load
+from tests.conftest import random_image
+from tests.helpers import own_or_wrong_dataset
+
+# the rule and reasons as the card and the service state them, typed out here
+RULE_BOTH = ("defer if DualRead < tau or novelty p-value < alpha or image-check p-value < "
+             "alpha or the response does not parse")
+RULE_IMAGE = ("defer if DualRead < tau or image-check p-value < alpha or the response does "
+              "not parse")
+IMAGE_REASON = "image quality unlike the fitting images (image-check p < 0.01)"
+NOVELTY_REASON = "image unlike the fitting data (novelty p < 0.01)"
+
+
+def _policy(tau: float) -> DeferPolicy:
+    return DeferPolicy(tau=tau, target_risk=0.05, delta=0.1, coverage=0.5, empirical_risk=0.0,
+                       risk_upper_bound=0.05, n_calibration=100, feasible=True)
+
+
+def _pixels(images) -> torch.Tensor:
+    return torch.from_numpy(np.stack([pixel_features(im) for im in images]))
+
+
+def _blocks(rng: np.random.Generator) -> Image.Image:
+    """A flat-coloured synthetic image: 8×8 tiles of random colours, 64×64."""
+    tiles = rng.integers(0, 256, (8, 8, 3)).astype(np.uint8)
+    return Image.fromarray(np.kron(tiles, np.ones((8, 8, 1), np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def check() -> Novelty:
+    rng = np.random.default_rng(0)
+    return fit_image_check(_pixels([_blocks(rng) for _ in range(150)]),
+                           _pixels([_blocks(rng) for _ in range(199)]))
+
+
+def test_the_defer_rule_with_an_image_check(check):
+    heads = Heads(dim=2, policy=_policy(0.5))
+    heads.image_check = check
+    assert heads.defer_rule == RULE_IMAGE
+    assert heads.decide(0.9, None, None, 0.001) == (True, IMAGE_REASON)
+    assert heads.decide(0.9, None, None, 0.01) == (False, None)     # p = α is not below α
+    assert heads.decide(0.9, None, None, None) == (False, None)     # no reading: no flag
+    assert heads.decide(0.3, None, None, 0.5) == (True, None)       # τ alone: no reason
+    assert heads.decide(0.9, None, "truncated", 0.001) == (True, "truncated; " + IMAGE_REASON)
+    heads.novelty = Novelty("mahalanobis", "img_mean")              # both detectors
+    assert heads.defer_rule == RULE_BOTH
+    assert heads.decide(0.9, 0.001, None, 0.001) == (True, NOVELTY_REASON + "; " + IMAGE_REASON)
+    why = heads.defer_reasons([0.9, 0.9, 0.3], [0.5, 0.001, 0.5], None, [0.001, 0.5, None])
+    assert {k: v.tolist() for k, v in why.items()} == {
+        "tau": [False, False, True], "novelty": [False, True, False],
+        "image": [True, False, False], "problem": [False, False, False]}
+    assert heads.defer_mask([0.9, 0.9, 0.9], None, None, [0.5, 0.001, None]).tolist() == \
+        [False, True, False]
+    plain = Heads(dim=2, policy=_policy(0.5))                        # no check: p ignored
+    assert plain.decide(0.9, None, None, 0.0) == (False, None)
+    assert plain.image_reading(random_image(0)) is None
+
+
+def test_image_reading_is_the_conformal_p_value_of_the_mahalanobis_distance(check):
+    heads = Heads(dim=2, image_check=check)
+    rng = np.random.default_rng(9)
+    clean, blurred = _blocks(rng), _blocks(rng).filter(ImageFilter.GaussianBlur(2))
+    cal = np.sort(check.t["calibration"].numpy())
+    for im in (clean, blurred):
+        r = heads.image_reading(im)
+        # independently: standardise, then d' P d with the stored Ledoit-Wolf precision
+        z = (pixel_features(im) - check.t["mean"].numpy()) / check.t["scale"].numpy()
+        d = z - check.t["location"].numpy()
+        assert r.score == pytest.approx(float(np.sqrt(d @ check.t["precision"].numpy() @ d)))
+        assert r.p_value == pytest.approx((1 + (cal >= r.score).sum()) / (len(cal) + 1))
+        assert r.novel == (r.p_value < 0.01)
+    assert heads.image_reading(blurred).novel and not heads.image_reading(clean).novel
+
+
+def test_save_and_load_keep_the_check_and_its_card(check, tmp_path):
+    heads = Heads(dim=2, policy=_policy(0.5), image_check=check)
+    heads.save(tmp_path, {"image_check": {"kind": "mahalanobis", "defer_split_flag_rate": 0.0}})
+    assert (tmp_path / "image_check.safetensors").exists()
+    card = json.loads((tmp_path / "heads_card.json").read_text())
+    assert card["card_version"] == 4 and card["defer_rule"] == RULE_IMAGE
+    c = card["image_check"]
+    assert (c["kind"], c["feature"], c["alpha"], c["n_fit"], c["n_calibration"]) == \
+        ("mahalanobis", "pixels", 0.01, 150, 199)
+    assert c["defer_split_flag_rate"] == 0.0            # what fitting logged is kept
+    assert c["files"] == ["image_check.safetensors", "image_check.json"]
+    back = Heads.load(tmp_path)
+    im = _blocks(np.random.default_rng(3))
+    assert back.image_reading(im) == heads.image_reading(im)
+    assert back.defer_rule == RULE_IMAGE and back.novelty is None
+    # an artefact without one loads with no check and says so in its rule
+    Heads(dim=2, policy=_policy(0.5)).save(tmp_path / "plain", {})
+    plain = Heads.load(tmp_path / "plain")
+    assert plain.image_check is None and "image-check" not in plain.defer_rule
+    assert json.loads((tmp_path / "plain" / "heads_card.json").read_text())["image_check"] is None
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def tiny_data(actors, tmp_path_factory):
+    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("chk-ds"), 30, 500, 4)
+
+
+def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data, tmp_path):
+    actor, per_family = actors["gemma3"], 2
+    items = load(tiny_data)
+    heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
+                            target_risk=0.3, novelty=False, novelty_per_family=per_family)
+    assert heads.novelty is None and heads.image_check is not None
+    reader = [it for it in items if image_split(it.image_id) == "reader"]
+    defer = [it for it in items if image_split(it.image_id) == "defer"]
+    x = _pixels([it.image() for it in reader])
+    assert torch.allclose(heads.image_check.t["mean"], x.mean(0))
+    want = np.sort(Novelty("mahalanobis", "pixels").fit(x).score(
+        _pixels([it.image() for it in defer])))
+    assert np.allclose(heads.image_check.t["calibration"].numpy(), want)
+    log = info["image_check"]
+    assert log["statistics"][0] == "luminance_mean" and len(log["statistics"]) == 10
+    shifted = novelty_items(reader, per_family)
+    assert set(log["corrupted_flag_rate"]) == {it.family for it in shifted}
+    # the flag rates are what the shipped check says of those images
+    for fam in ("blur", "noise"):
+        imgs = [it.image() for it in shifted if it.family == fam]
+        assert log["corrupted_flag_rate"][fam] == pytest.approx(
+            float((heads.image_check.p_value(_pixels(imgs)) < 0.01).mean()), abs=1e-4)
+
+
+@pytest.mark.parametrize("flag_everything", [True, False])
+def test_answer_reports_the_check_and_defers_on_it_alone(actors, actor_dirs, tmp_path,
+                                                        monkeypatch, check, flag_everything):
+    from tests.helpers import random_heads
+    from tests.test_novelty_defer import _served
+
+    heads = Heads.load(random_heads(tmp_path / "plain", actors["qwen3_vl"]))
+    heads.policy = _policy(0.0)            # DualRead is never below τ: the check decides
+    heads.image_check = check = copy.deepcopy(check)     # the fixture is shared
+    # calibration scores below (everything flagged: p = 1/200) or above any distance
+    check.t["calibration"] = torch.full((199,), -1.0 if flag_everything else 1e9,
+                                        dtype=torch.float64)
+    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "image_check"})
+    body = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch)
+    assert set(body["image_check"]) == {"score", "p_value", "flagged"}
+    assert body["image_check"]["score"] >= 0          # a distance
+    if flag_everything:
+        assert body["image_check"]["p_value"] == pytest.approx(1 / 200)
+        assert body["image_check"]["flagged"] is True
+        assert body["defer"] is True and body["defer_reason"] == IMAGE_REASON
+    else:
+        assert body["image_check"]["p_value"] == pytest.approx(1.0)
+        assert body["defer"] is False and body["defer_reason"] is None
