@@ -176,9 +176,12 @@ class Heads:
     t_msp = _Temperature("max_sequence_probability")
 
     @classmethod
-    def new(cls, dim: int) -> Heads:
-        """Fresh readers for every registered method (created in registration order)."""
-        specs = registry.readers_for(registry.registered())
+    def new(cls, dim: int, methods: Sequence[Method] | None = None) -> Heads:
+        """Fresh readers for every registered method (created in registration order), or
+        for `methods` only: a study that fits some methods must not score with readers it
+        never fitted (PER adds the answer-consistency reader when it is there)."""
+        specs = registry.readers_for(list(methods) if methods is not None
+                                     else registry.registered())
         return cls(dim=dim, readers={name: Reader(s.width * dim, s.hidden)
                                      for name, s in specs.items()})
 

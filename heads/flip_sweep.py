@@ -160,7 +160,8 @@ def run(out: Path, cache: str, limit: int, n_consistent: int, command: str) -> d
     base = prior_bce(float(z[splits["reader_train"]].float().mean()), float(zd.mean()))
     data = reader_train_data(feats, splits, scoped)
     torch.manual_seed(0)
-    psr_fitted = Heads.new(feats["h_pre"].shape[1])
+    # the readers of PSR, P-State and PER only: this sweep is about flips in those readers
+    psr_fitted = Heads.new(feats["h_pre"].shape[1], [dm.PSR(), dm.PState(), dm.PER()])
     dm.PSR().fit(psr_fitted, data)
     rows = []
     for lam in FLIP_GRID:

@@ -131,6 +131,24 @@ def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
             "prior_bce": round(prior_bce(float(prior)), 5)}
 
 
+def fit_logistic(reader: Reader, x: torch.Tensor, z: torch.Tensor, c: float = 1.0) -> dict:
+    """A linear reader fitted to convergence (L-BFGS, scikit-learn's LogisticRegression, L2
+    with inverse strength `c` on the standardised inputs, classes weighed equally)."""
+    from sklearn.linear_model import LogisticRegression
+
+    if reader.hidden:
+        raise ValueError("fit_logistic fits linear readers only")
+    reader.norm.fit(x)
+    with torch.no_grad():
+        xs = reader.norm(x).double().numpy()
+    lr = LogisticRegression(C=c, class_weight="balanced", max_iter=5000).fit(xs, z.numpy())
+    with torch.no_grad():
+        reader.net[-1].weight.copy_(torch.from_numpy(lr.coef_).float())
+        reader.net[-1].bias.fill_(float(lr.intercept_[0]))
+    reader.eval()
+    return {"solver": "lbfgs", "C": c, "iterations": int(lr.n_iter_[0])}
+
+
 def prior_bce(rate: float, z_rate: float | None = None) -> float:
     """BCE of predicting the base rate `rate` on labels whose positive share is `z_rate`
     (the same labels by default): the bar every reader must beat."""

@@ -90,8 +90,9 @@ class RefitDualRead:
     split labels; τ on a clean defer split (its guarantee is for clean inputs)."""
 
     def __init__(self, dim: int) -> None:
-        # Readers start from the global RNG state, as `fit_heads` creates them.
-        self.heads = Heads.new(dim)
+        # Readers start from the global RNG state, as `fit_heads` creates them; only the
+        # study's methods get readers (none left unfitted for PER to read).
+        self.heads = Heads.new(dim, study_methods())
         self.tau = 1.5
 
     def p(self, f: dict) -> np.ndarray:

@@ -56,7 +56,7 @@ def _flip(h: torch.Tensor, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _fit(with_flips: bool) -> Heads:
     data = _data(with_flips)
     torch.manual_seed(0)
-    heads = Heads.new(DIM)
+    heads = Heads.new(DIM, [PState(), PER()])     # no answer-consistency reader here
     PState().fit(heads, data)
     PER().fit(heads, data)
     return heads

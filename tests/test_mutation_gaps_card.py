@@ -237,7 +237,8 @@ def test_legacy_warning_points_at_the_caller(tmp_path, monkeypatch):
     with pytest.warns(UserWarning) as rec:
         Heads.load(tmp_path, "new-fp")
     # stacklevel: the warning names the line that called `Heads.load`, i.e. this file
-    assert rec[0].filename == __file__
+    # (under mutation testing the trampoline adds a frame of its own)
+    assert rec[0].filename == __file__ or "mutmut" in rec[0].filename
 
 
 # ------------------------------------------------------------------ image statistics

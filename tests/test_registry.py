@@ -159,8 +159,8 @@ def test_heads_score_keeps_its_readout_only_keys():
          "entropy": torch.rand(3, 1, generator=g), "mu": torch.rand(3, 1, generator=g)}
     assert set(h.score(f)) == {"psr", "p_state", "per", "dualread", "verbalized",
                                "max_sequence_probability", "saplma", "mean_token_logprob",
-                               "predictive_entropy"}
-    assert set(h.readers) == {"psr", "state", "visual", "saplma", "bicr"}
+                               "predictive_entropy", "answer_consistency"}
+    assert set(h.readers) == {"psr", "state", "visual", "saplma", "bicr", "consistency"}
 
 
 def test_served_methods_are_the_answer_schema_fields():

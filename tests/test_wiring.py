@@ -166,7 +166,7 @@ def _heads() -> Heads:
     torch.manual_seed(0)
     h = Heads.new(DIM)
     g = torch.Generator().manual_seed(5)
-    for reader in (h.psr, h.state, h.visual, h.saplma, h.bicr):
+    for reader in (h.psr, h.state, h.visual, h.saplma, h.bicr, h.consistency):
         d = reader.norm.mean.shape[0]
         reader.norm.mean.copy_(torch.randn(d, generator=g) * 0.3)
         reader.norm.std.copy_(torch.rand(d, generator=g) + 0.5)
@@ -198,13 +198,17 @@ def _expected(h: Heads, f: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     l_pre = np_reader(h.psr, x["h_pre"]) - 0.7
     l_state = np_reader(h.state, x["h_close"])
     l_post = l_state + np_reader(h.visual, x["phi"])
+    c = np_reader(h.consistency, x["phi"])
+    # PER's calibrated log-odds plus log σ(c), the answer-consistency term
+    post = l_post / 0.6 + np.log(sigmoid(c))
     msp = x["msp"][:, 0]
     return {
         "psr": sigmoid(l_pre / 1.7),
         "p_state": sigmoid(l_state / 2.3),
-        "per": sigmoid(l_post / 0.6),
+        "per": sigmoid(post),
         # logit(σ(a)) = a: the fusion is the mean of the two scaled log-odds
-        "dualread": sigmoid(0.5 * l_pre / 1.7 + 0.5 * l_post / 0.6),
+        "dualread": sigmoid(0.5 * l_pre / 1.7 + 0.5 * post),
+        "answer_consistency": sigmoid(c),
         "verbalized": x["mu"][:, 0],
         "max_sequence_probability": sigmoid(np.log(msp / (1 - msp)) / 3.1),
         "saplma": sigmoid((np_reader(h.saplma, x["h_mid"]) + 0.45) / 1.3),
@@ -333,12 +337,13 @@ def test_confidence_of_one_readout_uses_the_heads_kappa():
                        0.35)[None]}
     l_pre = np_reader(h.psr, x["h_pre"])[0] - 0.7
     l_post = np_reader(h.state, x["h_close"])[0] + np_reader(h.visual, x["phi"])[0]
+    post = l_post / 0.6 + np.log(sigmoid(np_reader(h.consistency, x["phi"])[0]))
     got = h.confidence(ro)
     assert set(got) == {"dualread", "psr", "per", "verbalized"}
     assert got["psr"] == pytest.approx(float(sigmoid(l_pre / 1.7)), rel=1e-5)
-    assert got["per"] == pytest.approx(float(sigmoid(l_post / 0.6)), rel=1e-5)
+    assert got["per"] == pytest.approx(float(sigmoid(post)), rel=1e-5)
     assert got["dualread"] == pytest.approx(
-        float(sigmoid(0.5 * l_pre / 1.7 + 0.5 * l_post / 0.6)), rel=1e-5)
+        float(sigmoid(0.5 * l_pre / 1.7 + 0.5 * post)), rel=1e-5)
     assert got["verbalized"] == 0.5
 
 

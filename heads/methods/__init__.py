@@ -4,7 +4,7 @@ Registration order is fitting order (PER reads P-State's frozen reader); the eva
 table lists baselines first in this order, then DualRead's rows.
 """
 
-from heads.methods.dualread import PER, PSR, DualRead, PState
+from heads.methods.dualread import PER, PSR, AnswerConsistency, DualRead, PState
 from heads.methods.extra_passes import PTrue, SelfConsistency, SemanticUncertainty
 from heads.methods.sequence import (
     MaxSequenceProbability,
@@ -30,5 +30,7 @@ register(SelfConsistency(4))
 register(SelfConsistency(8))
 register(SemanticUncertainty())
 register(BlindImageContrast())
+# last: its reader is created after the others (their random initial weights stay as they were)
+register(AnswerConsistency())
 
 check_served()   # every field of `/answer`'s confidence has its method

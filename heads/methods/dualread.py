@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from heads.calibration import fit_temperature, fuse
-from heads.modules import PSR_HIDDEN, fit_linear, fit_mlp, prior_bce
+from heads.modules import PSR_HIDDEN, fit_linear, fit_logistic, fit_mlp, prior_bce
 from heads.registry import Features, FitData, Method, ReaderSpec
 
 if TYPE_CHECKING:
@@ -39,6 +39,9 @@ FLIP_PASS = "answer_flip"
 FLIP_WEIGHTS = {"state": 0.1, "visual": 0.1}
 POST_L2 = 1e-2
 FLIP_KEYS = {"h_close": "flip_h_close", "phi": "flip_phi"}
+# The answer-consistency reader (`AnswerConsistency`) and its inverse L2 strength.
+CONSISTENCY = "consistency"
+CONSISTENCY_C = 1.0
 PSR_READER = {"psr": ReaderSpec(1, PSR_HIDDEN)}
 STATE_READER = {"state": ReaderSpec(1)}
 VISUAL_READER = {"visual": ReaderSpec(4)}
@@ -155,7 +158,38 @@ def p_pre(heads: Heads, f: Features) -> torch.Tensor:
 
 
 def p_post(heads: Heads, f: Features) -> torch.Tensor:
-    return torch.sigmoid(post_logits(heads, f).double() / heads.temperature("per"))
+    return torch.sigmoid(post_logits(heads, f).double() / heads.temperature("per")
+                         + consistency_log_prob(heads, f))
+
+
+def consistency_logits(heads: Heads, f: Features) -> torch.Tensor:
+    with torch.no_grad():
+        return heads.readers[CONSISTENCY](f["phi"]).double()
+
+
+def consistency_log_prob(heads: Heads, f: Features) -> torch.Tensor | float:
+    """log σ(c(φ)), added to PER's calibrated log-odds: ≈ 0 on trajectories the actor's
+    states are consistent with (its own, right or wrong), strongly negative on an answer
+    they contradict. 0 for heads fitted without the reader."""
+    if CONSISTENCY not in heads.readers:
+        return 0.0
+    return F.logsigmoid(consistency_logits(heads, f))
+
+
+def consistency_rows(data: FitData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """φ of the actor's own trajectories (label 1, right or wrong) and of their
+    answer-flipped replays (label 0) for the reader items in `split` (a sub-split of the
+    reader split, where the `answer_flip` pass was collected)."""
+    scoped = data.scoped.get("reader", {})
+    if "flip_ok" not in scoped:
+        raise ValueError("the answer-consistency reader needs the answer_flip pass on the "
+                         "reader split")
+    where = {int(i): k for k, i in enumerate(data.splits["reader"].tolist())}
+    rows = torch.tensor([where[int(i)] for i in data.splits[split].tolist()], dtype=torch.long)
+    ok = scoped["flip_ok"][rows].bool()
+    x = torch.cat([data.x("phi", split), scoped["flip_phi"][rows][ok]])
+    y = torch.cat([torch.ones(len(rows)), torch.zeros(int(ok.sum()))])
+    return x, y
 
 
 class PSR(Method):
@@ -225,6 +259,43 @@ class PER(PostBranch):
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
         return p_post(heads, f).numpy()
+
+
+class AnswerConsistency(Method):
+    """Whether the answer is one the actor's states support: a linear reader on φ telling
+    the actor's own trajectories from the same trajectories with a flipped answer. Its
+    log σ(c) joins PER (`p_post`) rather than the natural-error readers: fitted into those,
+    flips cost natural AUROC and grounding and still moved DualRead by at most ≈ 0.19
+    (docs/flip-sweep), because a temperature fitted on natural data shrinks whatever they
+    learn about flips. Its own score, σ(c), is a diagnostic row of `evaluate`."""
+
+    name = "answer_consistency"
+    cost = CAPTURED
+    ours = True
+    fit_passes_on = "reader"
+    fit_passes = (FLIP_PASS,)
+    readers = {CONSISTENCY: ReaderSpec(4)}
+
+    def fit(self, heads: Heads, data: FitData) -> dict:
+        from sklearn.metrics import roc_auc_score
+
+        x, y = consistency_rows(data, "reader_train")
+        # to convergence (the fixed 1000 Adam steps of the natural readers left it weak);
+        # classes weighed equally: a flip exists only where the replay parsed
+        log = fit_logistic(heads.readers[CONSISTENCY], x, y, CONSISTENCY_C)
+        xv, yv = consistency_rows(data, "reader_val")
+        if len(yv) and 0 < float(yv.mean()) < 1:
+            c = consistency_logits(heads, {"phi": xv}).numpy()
+            log["val_auroc_own_vs_flipped"] = round(float(roc_auc_score(yv.numpy(), c)), 4)
+            log["val_own_mean_log_prob"] = round(float(
+                F.logsigmoid(torch.from_numpy(c[yv.numpy() == 1])).mean()), 4)
+            log["val_flipped_mean_log_prob"] = round(float(
+                F.logsigmoid(torch.from_numpy(c[yv.numpy() == 0])).mean()), 4)
+        log.update(rows=len(y), flipped_rows=int((y == 0).sum()))
+        return log
+
+    def score(self, heads: Heads, f: Features) -> np.ndarray:
+        return torch.sigmoid(consistency_logits(heads, f)).numpy()
 
 
 class DualRead(Method):
