@@ -266,7 +266,7 @@ def prior_check(scores: dict[str, np.ndarray], z: np.ndarray, rate: float) -> di
     base = prior_bce(rate, float(np.mean(z)))
     out = {"prior_rate": round(rate, 5), "prior_bce": round(base, 5), "worse": []}
     for m in registry.registered():
-        if m.readers and m.name in scores:
+        if m.readers and m.predicts_correctness and m.name in scores:
             b = bce(scores[m.name], z)
             out[m.name] = round(b, 5)
             if not b < base:

@@ -76,6 +76,9 @@ class Method:
     pass_share: float = 1.0    # share of its passes' measured time it uses
     served: bool = False       # a field of `/answer`'s confidence
     ours: bool = False         # DualRead and its branches: listed after baselines
+    # False for a reader that predicts something else than correctness (a part of another
+    # method): `fit-heads`' prior check does not hold it to the correctness base rate
+    predicts_correctness: bool = True
     readers: dict[str, ReaderSpec] = {}
 
     def fit(self, heads: Heads, data: FitData) -> dict | None:

@@ -6,6 +6,7 @@ right or wrong, and −1 on its flipped replay."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,14 @@ def test_the_fitted_term_is_near_zero_on_own_answers_and_strongly_negative_on_fl
     assert log["val_auroc_own_vs_flipped"] == 1.0
     assert log["val_own_mean_log_prob"] > -0.1
     assert log["val_flipped_mean_log_prob"] < -2.0
+    # the hinge is the 1% quantile of log σ(c) over the held-out own trajectories
+    val = data.splits["reader_val"]
+    with torch.no_grad():
+        own = F.logsigmoid(heads.readers[CONSISTENCY](data.feats["phi"][val]).double())
+    assert heads.offsets[CONSISTENCY] == pytest.approx(float(np.quantile(own.numpy(), 0.01)),
+                                                       rel=1e-5)
+    assert log["hinge_log_prob"] == pytest.approx(heads.offsets[CONSISTENCY], abs=1e-5)
+    assert log["val_flipped_mean_term"] < -1.0
     n_train = len(data.splits["reader_train"])
     assert log["rows"] == n_train + sum(int(i) % 7 != 0 for i in data.splits["reader_train"])
     assert log["flipped_rows"] == log["rows"] - n_train
@@ -102,8 +111,13 @@ def test_per_adds_log_sigmoid_of_the_consistency_logit_to_its_calibrated_log_odd
     # by hand: post = (h0 + 0.2) + (0.5·φ1 − 0.1); c = 3·φ1 + 1
     post = torch.tensor([1.0 + 0.2 + 0.5 - 0.1, 2.0 + 0.2 - 0.5 - 0.1], dtype=torch.float64)
     c = torch.tensor([4.0, -2.0], dtype=torch.float64)
-    want = torch.sigmoid(post / 2.0 + torch.log(torch.sigmoid(c)))
-    torch.testing.assert_close(p_post(heads, f), want)
+    # no hinge (q = 0): log σ(c) itself
+    torch.testing.assert_close(p_post(heads, f),
+                               torch.sigmoid(post / 2.0 + torch.log(torch.sigmoid(c))))
+    # hinge at q = −0.5: log σ(4) + 0.5 > 0 → 0; log σ(−2) + 0.5 = −1.6269...
+    heads.offsets[CONSISTENCY] = -0.5
+    term = torch.tensor([0.0, math.log(1 / (1 + math.exp(2.0))) + 0.5], dtype=torch.float64)
+    torch.testing.assert_close(p_post(heads, f), torch.sigmoid(post / 2.0 + term))
     torch.testing.assert_close(post_logits(heads, f).double(), post, rtol=0, atol=1e-6)
     # without the reader (heads fitted before it existed) PER is the plain branch
     del heads.readers[CONSISTENCY]

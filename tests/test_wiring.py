@@ -177,7 +177,7 @@ def _heads() -> Heads:
             lin.bias.data.copy_(torch.randn(lin.bias.shape, generator=g) * 0.3)
         reader.eval()
     h.t_pre, h.t_post, h.t_state, h.t_saplma, h.t_bicr, h.t_msp = 1.7, 0.6, 2.3, 1.3, 0.8, 3.1
-    h.offsets = {"psr": -0.7, "saplma": 0.45, "bicr": -1.2}
+    h.offsets = {"psr": -0.7, "saplma": 0.45, "bicr": -1.2, "consistency": -0.3}
     h.platt = {"mean_token_logprob": (2.0, 0.5), "predictive_entropy": (1.5, -0.25)}
     h.kappa = 0.35
     return h
@@ -199,8 +199,8 @@ def _expected(h: Heads, f: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     l_state = np_reader(h.state, x["h_close"])
     l_post = l_state + np_reader(h.visual, x["phi"])
     c = np_reader(h.consistency, x["phi"])
-    # PER's calibrated log-odds plus log σ(c), the answer-consistency term
-    post = l_post / 0.6 + np.log(sigmoid(c))
+    # PER's calibrated log-odds plus the answer-consistency term min(0, log σ(c) − q)
+    post = l_post / 0.6 + np.minimum(0.0, np.log(sigmoid(c)) + 0.3)
     msp = x["msp"][:, 0]
     return {
         "psr": sigmoid(l_pre / 1.7),
@@ -337,7 +337,8 @@ def test_confidence_of_one_readout_uses_the_heads_kappa():
                        0.35)[None]}
     l_pre = np_reader(h.psr, x["h_pre"])[0] - 0.7
     l_post = np_reader(h.state, x["h_close"])[0] + np_reader(h.visual, x["phi"])[0]
-    post = l_post / 0.6 + np.log(sigmoid(np_reader(h.consistency, x["phi"])[0]))
+    post = l_post / 0.6 + min(0.0, float(np.log(sigmoid(np_reader(h.consistency,
+                                                                  x["phi"])[0]))) + 0.3)
     got = h.confidence(ro)
     assert set(got) == {"dualread", "psr", "per", "verbalized"}
     assert got["psr"] == pytest.approx(float(sigmoid(l_pre / 1.7)), rel=1e-5)
