@@ -86,6 +86,7 @@ class Batcher:
         self.wait = wait_ms / 1000
         self.queue_limit = queue_limit
         self.hooks = hooks or BatcherHooks()
+        self.failed_hooks: set[str] = set()
         self.queue: deque[Job] = deque()
         self.arrived = asyncio.Event()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -258,7 +259,11 @@ class Batcher:
         try:
             getattr(self.hooks, name)(*args)
         except Exception as e:
-            log.error("batcher hook %s failed: %s", name, type(e).__name__, exc_info=e)
+            # the traceback once per hook: one failing on every call must not flood the log
+            first = name not in self.failed_hooks
+            self.failed_hooks.add(name)
+            log.error("batcher hook %s failed: %s", name, type(e).__name__,
+                      exc_info=e if first else None)
 
     async def _alone(self, loop: asyncio.AbstractEventLoop, fn: Handler, job: Job) -> Any:
         """One job's outcome on its own; None, without a call, when its caller has gone

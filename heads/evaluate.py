@@ -54,6 +54,10 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
     if methods is not None:
         methods = tuple(m for m in methods if m != QUESTION_ONLY)
     chosen = registry.select(methods)
+    if methods is None:
+        # the full table: what these heads hold (an older artefact, or a fit where a
+        # method had nothing to learn from, lacks some readers)
+        chosen = [m for m in chosen if heads.has(m)]
     missing = [m.name for m in chosen if not heads.has(m)]
     if missing:
         raise ValueError(f"these heads were fitted without {', '.join(missing)}; refit them "

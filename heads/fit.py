@@ -229,15 +229,27 @@ def image_check_stage(col: Collector, items: list[Item], splits: dict, per_famil
     on clean splits and on corrupted copies of reader-split images (never fitted on)."""
     px, _ = col.run(items, passes=("pixels",), label="image statistics (fit)")
     x = px["pixels"]
-    chk = fit_image_check(x[splits["reader"]], x[splits["defer"]])
+    # one row per image: the check reads pixels, and an image asked about five times
+    # would otherwise weigh five times in the fit and in the conformal reference
+    per_image = {s: _one_per_image(splits[s], items) for s in ("reader", "temperature",
+                                                               "defer")}
+    chk = fit_image_check(x[per_image["reader"]], x[per_image["defer"]])
+    n_cal = len(per_image["defer"])
     log: dict = {"kind": IMAGE_CHECK_KIND, "statistics": list(PIXEL_FEATURES),
-                 "fitted_on": "clean reader split images only (no corrupted image)",
-                 "calibrated_on": "clean defer split",
-                 "smallest_p_value": round(1 / (len(splits["defer"]) + 1), 6)}
+                 "fitted_on": "clean reader split images only (no corrupted image), one row "
+                              "per image",
+                 "calibrated_on": "clean defer split, one row per image",
+                 "n_images": {s: len(v) for s, v in per_image.items()},
+                 "smallest_p_value": round(1 / (n_cal + 1), 6)}
+    if log["smallest_p_value"] >= ALPHA:
+        console.log(f"[yellow]image check: {n_cal} calibration images cannot give a p-value "
+                    f"below alpha {ALPHA}; it will never flag[/yellow]")
+    # the defer split is the calibration set itself (in-sample); the temperature split's
+    # images were neither fitted nor calibrated on (≈ α expected)
     for split in ("defer", "temperature"):
-        if len(splits[split]):
+        if len(per_image[split]):
             log[f"{split}_split_flag_rate"] = round(
-                float((chk.p_value(x[splits[split]]) < ALPHA).mean()), 4)
+                float((chk.p_value(x[per_image[split]]) < ALPHA).mean()), 4)
     reader = [items[i] for i in splits["reader"].tolist()]
     shifted = novelty_items(reader, per_family, seed)
     flags: dict[str, list[float]] = {}
@@ -250,6 +262,17 @@ def image_check_stage(col: Collector, items: list[Item], splits: dict, per_famil
                 f"{log.get('temperature_split_flag_rate')}, corrupted copies flagged "
                 f"{log['corrupted_flag_rate']} at alpha {ALPHA}")
     return chk, log
+
+
+def _one_per_image(idx: torch.Tensor, items: list[Item]) -> torch.Tensor:
+    """The first item of each image among `idx` (order kept)."""
+    seen: set[str] = set()
+    out = []
+    for i in idx.tolist():
+        if items[i].image_id not in seen:
+            seen.add(items[i].image_id)
+            out.append(i)
+    return torch.tensor(out, dtype=torch.long)
 
 
 def bce(c: np.ndarray, z: np.ndarray) -> float:

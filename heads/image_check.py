@@ -4,7 +4,11 @@ The novelty detector on the actor's states misses corruptions that leave those s
 close to clean ones (blur, JPEG, low resolution on easy-VQA: docs/eval-shift). These are
 the textbook no-reference quality measures, computed from pixels, no model involved, so a
 one-class detector fitted on clean images only sees every corruption as held out.
-All are scale-free (ratios, logs, shares) so images of any size compare.
+Most are ratios, logs or shares, but sharpness, edge density and palette size still
+depend on the image's size: the check compares an input with fitting images of similar
+sizes, and a very different size is itself flagged as unusual. Images over MAX_SIDE are
+shrunk first (bounded cost; that also smooths 8-pixel JPEG blocks and fine noise in large
+photographs), images under MIN_SIDE enlarged (nearest neighbour) so every statistic exists.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ PIXEL_FEATURES = (
 )
 EPS = 1e-6
 MAX_SIDE = 256             # larger images are shrunk (box filter) before measuring
+MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
 
 def _luminance(rgb: np.ndarray) -> np.ndarray:
@@ -56,9 +61,10 @@ def pixel_features(image: Image.Image) -> np.ndarray:
     if max(image.size) > MAX_SIDE:       # bounded cost; fitting and serving shrink alike
         image = image.copy()
         image.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.BOX)
+    if min(image.size) < MIN_SIDE:       # a 1×1 or 3000×2 input still gets a reading
+        k = -(-MIN_SIDE // min(image.size))
+        image = image.resize((image.width * k, image.height * k), Image.Resampling.NEAREST)
     rgb = np.asarray(image, dtype=np.float64) / 255.0
-    if min(rgb.shape[:2]) < 4:
-        raise ValueError(f"image too small for the image check: {image.size}")
     y = _luminance(rgb)
     lap = _laplacian(y)
     h2, w2 = (y.shape[0] // 2) * 2, (y.shape[1] // 2) * 2

@@ -142,3 +142,16 @@ def test_a_flipped_answer_lowers_dualread_through_the_term():
     # and on own answers the term moves PER by little: log σ(c) ≈ 0
     lp = F.logsigmoid(heads.readers[CONSISTENCY](own["phi"]))
     assert float(lp.mean()) > math.log(0.9)
+
+
+def test_without_any_flippable_answer_the_term_is_skipped_not_left_unfitted():
+    data = _data()
+    data.scoped["reader"]["flip_ok"] = torch.zeros_like(data.scoped["reader"]["flip_ok"])
+    torch.manual_seed(0)
+    heads = Heads.new(DIM, [PState(), PER(), AnswerConsistency()])
+    log = AnswerConsistency().fit(heads, data)
+    assert "skipped" in log and CONSISTENCY not in heads.readers
+    f = {"h_close": data.feats["h_close"][:3], "phi": data.feats["phi"][:3]}
+    heads.temperatures["per"] = 1.0
+    torch.testing.assert_close(p_post(heads, f),
+                               torch.sigmoid(post_logits(heads, f).double()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from heads.image_check import EPS, MAX_SIDE, PIXEL_FEATURES, pixel_features
+from heads.image_check import EPS, MAX_SIDE, MIN_SIDE, PIXEL_FEATURES, pixel_features
 from heads.novelty import Novelty
 
 F = {name: k for k, name in enumerate(PIXEL_FEATURES)}
@@ -98,9 +98,20 @@ def test_large_images_are_shrunk_with_a_box_filter_first():
     assert big.size == (600, 400)                    # the caller's image is not touched
 
 
-def test_too_small_an_image_is_refused():
-    with pytest.raises(ValueError, match="too small"):
-        pixel_features(Image.new("RGB", (3, 40)))
+@pytest.mark.parametrize("size", [(1, 1), (3, 40), (3000, 2)])
+def test_tiny_and_thin_images_are_enlarged_to_a_measurable_size(size):
+    """Any image the service accepts gets a reading: below MIN_SIDE on a side it is
+    enlarged (nearest neighbour, an integer factor) first."""
+    rng = np.random.default_rng(5)
+    im = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    x = pixel_features(im)
+    assert np.isfinite(x).all()
+    small = im.copy()
+    small.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.BOX)
+    k = -(-MIN_SIDE // min(small.size))
+    big = small.resize((small.width * k, small.height * k), Image.Resampling.NEAREST)
+    assert min(big.size) >= MIN_SIDE
+    np.testing.assert_allclose(x, pixel_features(big))
 
 
 def test_a_one_class_check_on_clean_images_flags_blurred_ones():

@@ -11,6 +11,7 @@ from PIL import Image, ImageFilter
 
 from heads.defer import DeferPolicy
 from heads.dualread import Heads
+from heads.evaluate import evaluate
 from heads.fit import fit_heads, fit_image_check, image_split, novelty_items
 from heads.image_check import pixel_features
 from heads.novelty import Novelty
@@ -124,10 +125,15 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data
     assert heads.novelty is None and heads.image_check is not None
     reader = [it for it in items if image_split(it.image_id) == "reader"]
     defer = [it for it in items if image_split(it.image_id) == "defer"]
-    x = _pixels([it.image() for it in reader])
+
+    def first_per_image(its):
+        return list({it.image_id: it for it in reversed(its)}.values())[::-1]
+
+    x = _pixels([it.image() for it in first_per_image(reader)])
+    assert info["image_check"]["n_images"]["reader"] == len(x) < len(reader)
     assert torch.allclose(heads.image_check.t["mean"], x.mean(0))
     want = np.sort(Novelty("mahalanobis", "pixels").fit(x).score(
-        _pixels([it.image() for it in defer])))
+        _pixels([it.image() for it in first_per_image(defer)])))
     assert np.allclose(heads.image_check.t["calibration"].numpy(), want)
     log = info["image_check"]
     assert log["statistics"][0] == "luminance_mean" and len(log["statistics"]) == 10
@@ -138,6 +144,22 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data
         imgs = [it.image() for it in shifted if it.family == fam]
         assert log["corrupted_flag_rate"][fam] == pytest.approx(
             float((heads.image_check.p_value(_pixels(imgs)) < 0.01).mean()), abs=1e-4)
+    # evaluate applies the check: its share among the defer reasons is the image rows'
+    heads.save(tmp_path / "h", {"command": "test", **info})
+    loaded = Heads.load(tmp_path / "h", actor.fingerprint)
+    report = evaluate(actor, loaded, [tiny_data], tmp_path / "eval", None, bootstrap=10,
+                      cache_dir=tmp_path / "cache", max_new_tokens=4, grounding_on=False)
+    d = report["datasets"][tiny_data]
+    p = loaded.image_check.p_value(_pixels([it.image() for it in items]))
+    assert d["defer"]["deferred_share"]["image"] == pytest.approx(float((p < 0.01).mean()))
+    # the full table holds what the heads hold: no answer here has a flip rule, so the
+    # answer-consistency reader was skipped, and only naming it is an error
+    assert "skipped" in info["fit_log"]["answer_consistency"]
+    assert "answer_consistency" not in d["methods"] and "dualread" in d["methods"]
+    with pytest.raises(ValueError, match="fitted without answer_consistency"):
+        evaluate(actor, loaded, [tiny_data], tmp_path / "eval2", ("answer_consistency",),
+                 bootstrap=10, cache_dir=tmp_path / "cache", max_new_tokens=4,
+                 grounding_on=False)
 
 
 @pytest.mark.parametrize("flag_everything", [True, False])
