@@ -7,6 +7,7 @@ Before any feedback they are absent rather than 0 (0 would read as a real value)
 
 from __future__ import annotations
 
+import math
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -49,7 +50,9 @@ class FeedbackCollector:
     def collect(self):
         stats = self.stats()
         for key, (name, doc) in FEEDBACK_GAUGES.items():
-            if key in stats:
+            # a NaN gauge (AUROC with one class so far, risk with nothing kept) breaks
+            # alert arithmetic: such a statistic is absent until it is defined
+            if key in stats and math.isfinite(stats[key]):
                 g = GaugeMetricFamily(name, doc)
                 g.add_metric([], stats[key])
                 yield g

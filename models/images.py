@@ -2,7 +2,8 @@
 
 Policy (the service documents the same):
 - Formats: PNG, JPEG and DICOM only. GIF, WEBP, TIFF, BMP and the rest are refused rather
-  than half-supported (animated frames, odd colour models); convert them to PNG first.
+  than half-supported (animated frames, odd colour models); convert them to PNG first. An
+  animated PNG is refused too. 16-bit grey PNGs are scaled by their bit depth (÷ 257).
 - Size: the pixel count (DICOM: rows × columns × frames) is read from the header and
   checked before any pixel is decoded, so a decompression bomb costs nothing.
 - Geometry: an aspect ratio above 200:1 is refused (VLM processors cannot resize it).
@@ -155,6 +156,9 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
+                if getattr(img, "n_frames", 1) > 1:
+                    raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
+                                       f"frame as a still PNG or JPEG; {FORMAT_HINT}")
                 img.load()
                 # A camera's EXIF orientation: the model must see the scene upright (a
                 # rotated shape read as another one, confidently, in the attack report).
@@ -169,7 +173,13 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         except Exception as e:
             raise ImageInvalid(f"cannot decode image: {type(e).__name__}: "
                                f"{str(e)[:120]}") from None
-    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit greys (PNG stores them as I;16 or I): scale by the bit depth, not by the
+        # image's own range, which turned a white image black and changed the picture
+        a = np.asarray(img, dtype=np.float64)
+        img = Image.fromarray(np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8))
+    elif img.mode == "F":
+        # float pixels carry no scale of their own: the image's range is all there is
         a = np.asarray(img, dtype=np.float64)
         lo, hi = float(a.min()), float(a.max())
         img = Image.fromarray(((a - lo) / max(hi - lo, 1e-6) * 255).astype(np.uint8))

@@ -772,3 +772,25 @@ def test_health_answers_head_and_no_slash_redirects(api):
                  follow_redirects=False)
     assert_error(r, 404)
     assert_error(api.get("/health/live/", follow_redirects=False), 404)
+
+
+def test_sixteen_bit_greys_are_scaled_by_bit_depth_not_by_their_range():
+    """A 16-bit PNG of a picture gives the 8-bit picture (÷ 257); a constant white one stays
+    white (min–max scaling made it black, and changed every picture's contrast)."""
+    from models.images import open_image
+
+    g8 = np.arange(64, dtype=np.uint8).reshape(8, 8) + 40            # grey levels 40..103
+    got = np.asarray(open_image(png_bytes(Image.fromarray(g8.astype(np.uint16) * 257))))
+    np.testing.assert_array_equal(got[..., 0], g8)
+    white = Image.fromarray(np.full((16, 16), 65535, np.uint16))
+    assert (np.asarray(open_image(png_bytes(white))) == 255).all()
+
+
+def test_an_animated_png_is_refused():
+    from models.images import ImageInvalid, open_image
+
+    frames = [random_image(k) for k in range(2)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "PNG", save_all=True, append_images=frames[1:])
+    with pytest.raises(ImageInvalid, match="animated image \\(2 frames\\)"):
+        open_image(buf.getvalue())

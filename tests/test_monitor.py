@@ -75,3 +75,17 @@ def test_pending_answers_are_forgotten_oldest_first():
     assert list(m.pending) == ["mid", "new"]
     assert m.feedback("old", True) is False
     assert m.feedback("mid", True) is True and m.feedback("new", False) is True
+
+
+def test_undefined_feedback_statistics_are_left_out_of_metrics():
+    """One feedback so far: AUROC is undefined (one class). A NaN gauge breaks alert
+    arithmetic, so it is absent until defined; the defined ones are exported."""
+    from app.metrics import FeedbackCollector
+
+    class OneAnswer:
+        def stats(self):
+            return {"auroc": float("nan"), "ece": 0.1, "selective_risk": float("nan"),
+                    "n": 1.0}
+
+    got = {g.name: g.samples[0].value for g in FeedbackCollector(OneAnswer()).collect()}
+    assert got == {"dualread_feedback_ece": 0.1, "dualread_feedback_window": 1.0}
