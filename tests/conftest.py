@@ -35,6 +35,16 @@ def qwen3(actors):
     return actors["qwen3_vl"]
 
 
+@pytest.fixture(scope="session")
+def own_or_wrong_data(actors, tmp_path_factory) -> str:
+    """A jsonl spec of 30 random images × 2 questions for gemma3: the actor's own answer is
+    the reference for one question, a wrong one for the other (`own_or_wrong_dataset`)."""
+    from tests.helpers import own_or_wrong_dataset
+
+    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("own-or-wrong"),
+                                30, 500, 4)
+
+
 def random_image(seed: int, h: int = 32, w: int = 40) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +131,11 @@ def live_servers(actor_dir: str, heads_dir: str, n: int = 1, **flags: object
     finally:
         for s in servers:
             s.close()
+
+
+def drop_fingerprint_scheme(folder) -> None:
+    """Make a saved heads card look like one written before fingerprint scheme 2."""
+    path = Path(folder) / "heads_card.json"
+    card = json.loads(path.read_text())
+    del card["fingerprint_scheme"]
+    path.write_text(json.dumps(card))

@@ -17,7 +17,6 @@ from heads.image_check import pixel_features
 from heads.novelty import Novelty
 from models.data import load
 from tests.conftest import random_image
-from tests.helpers import own_or_wrong_dataset
 
 # the rule and reasons as the card and the service state them, typed out here
 RULE_BOTH = ("defer if DualRead < tau or novelty p-value < alpha or image-check p-value < "
@@ -112,14 +111,9 @@ def test_save_and_load_keep_the_check_and_its_card(check, tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
-@pytest.fixture(scope="module")
-def tiny_data(actors, tmp_path_factory):
-    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("chk-ds"), 30, 500, 4)
-
-
-def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data, tmp_path):
+def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wrong_data, tmp_path):
     actor, per_family = actors["gemma3"], 2
-    items = load(tiny_data)
+    items = load(own_or_wrong_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
                             target_risk=0.3, novelty=False, novelty_per_family=per_family)
     assert heads.novelty is None and heads.image_check is not None
@@ -147,9 +141,9 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data
     # evaluate applies the check: its share among the defer reasons is the image rows'
     heads.save(tmp_path / "h", {"command": "test", **info})
     loaded = Heads.load(tmp_path / "h", actor.fingerprint)
-    report = evaluate(actor, loaded, [tiny_data], tmp_path / "eval", None, bootstrap=10,
+    report = evaluate(actor, loaded, [own_or_wrong_data], tmp_path / "eval", None, bootstrap=10,
                       cache_dir=tmp_path / "cache", max_new_tokens=4, grounding_on=False)
-    d = report["datasets"][tiny_data]
+    d = report["datasets"][own_or_wrong_data]
     p = loaded.image_check.p_value(_pixels([it.image() for it in items]))
     assert d["defer"]["deferred_share"]["image"] == pytest.approx(float((p < 0.01).mean()))
     # the full table holds what the heads hold: no answer here has a flip rule, so the
@@ -157,7 +151,7 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, tiny_data
     assert "skipped" in info["fit_log"]["answer_consistency"]
     assert "answer_consistency" not in d["methods"] and "dualread" in d["methods"]
     with pytest.raises(ValueError, match="fitted without answer_consistency"):
-        evaluate(actor, loaded, [tiny_data], tmp_path / "eval2", ("answer_consistency",),
+        evaluate(actor, loaded, [own_or_wrong_data], tmp_path / "eval2", ("answer_consistency",),
                  bootstrap=10, cache_dir=tmp_path / "cache", max_new_tokens=4,
                  grounding_on=False)
 

@@ -22,6 +22,7 @@ from heads.dualread import CardTooNew, Heads, rule_of
 from heads.features import image_stats
 from heads.fit import fit_novelty
 from heads.novelty import Novelty, features
+from tests.helpers import drop_fingerprint_scheme
 
 # the rule, reason and messages as SPEC §8 and the code state them, typed out here
 RULE_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the response does "
@@ -230,9 +231,7 @@ def test_legacy_warning_points_at_the_caller(tmp_path, monkeypatch):
     h = Heads.new(DIM)
     h.actor_fingerprint = "old-fp"
     h.save(tmp_path, {})
-    card = json.loads((tmp_path / "heads_card.json").read_text())
-    del card["fingerprint_scheme"]
-    (tmp_path / "heads_card.json").write_text(json.dumps(card))
+    drop_fingerprint_scheme(tmp_path)
     monkeypatch.setitem(dualread.LEGACY_FINGERPRINTS, "new-fp", "old-fp")
     with pytest.warns(UserWarning) as rec:
         Heads.load(tmp_path, "new-fp")

@@ -26,6 +26,17 @@ def deadline() -> float:
     return time.monotonic() + FAR
 
 
+async def _outcomes(b: Batcher, payloads: list) -> list:
+    """Submit `payloads` as one kind, run the batcher, and return each job's result or
+    exception, in order."""
+    jobs = b.submit_many("x", payloads, deadline())
+    b.start()
+    try:
+        return await within(asyncio.gather(*(j.future for j in jobs), return_exceptions=True))
+    finally:
+        await within(b.stop())
+
+
 def test_queued_seconds_by_hand():
     assert queued_seconds(1.0, 3.5) == 2.5
     assert queued_seconds(5.0, 3.0) == 0.0       # not started yet (started = 0)
@@ -62,17 +73,7 @@ def test_idle_only_with_an_empty_queue_and_nothing_running():
 def test_retries_isolate_a_failure_only_in_a_batch_of_several(payloads, batches):
     h = Recorder(fail_on=1)
 
-    async def body():
-        b = Batcher({"x": h}, max_batch=2, wait_ms=0, queue_limit=8)
-        jobs = b.submit_many("x", payloads, deadline())
-        b.start()
-        try:
-            return await within(asyncio.gather(*(j.future for j in jobs),
-                                               return_exceptions=True))
-        finally:
-            await within(b.stop())
-
-    out = run(body())
+    out = run(_outcomes(Batcher({"x": h}, max_batch=2, wait_ms=0, queue_limit=8), payloads))
     assert isinstance(out[-1], ValueError)
     assert out[:-1] == [10] * (len(payloads) - 1)
     assert h.batches == batches
@@ -155,18 +156,8 @@ def test_the_handler_runs_in_the_model_thread():
     (lambda p: None, "handler returned NoneType results for 3 jobs"),
 ])
 def test_wrong_number_of_results_says_what_came_back(returned, says):
-    async def body():
-        b = Batcher({"x": lambda p, d: returned(list(p))}, max_batch=8, wait_ms=0,
-                    queue_limit=8)
-        jobs = b.submit_many("x", [1, 2, 3], deadline())
-        b.start()
-        try:
-            return await within(asyncio.gather(*(j.future for j in jobs),
-                                               return_exceptions=True))
-        finally:
-            await within(b.stop())
-
-    out = run(body())
+    b = Batcher({"x": lambda p, d: returned(list(p))}, max_batch=8, wait_ms=0, queue_limit=8)
+    out = run(_outcomes(b, [1, 2, 3]))
     assert all(isinstance(o, EngineError) and str(o) == says for o in out), out
 
 

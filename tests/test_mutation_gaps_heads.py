@@ -27,6 +27,7 @@ from heads.dualread import (
     threshold_of,
     with_legacy_platt_keys,
 )
+from tests.helpers import drop_fingerprint_scheme
 
 POLICY = DeferPolicy(tau=0.625, target_risk=0.1, delta=0.05, coverage=0.5, empirical_risk=0.04,
                      risk_upper_bound=0.09, n_calibration=40, feasible=True)
@@ -126,9 +127,7 @@ def test_legacy_warning_names_the_fix(tmp_path, monkeypatch):
     import heads.dualread as dualread
 
     _heads().save(tmp_path, {})
-    card = json.loads((tmp_path / "heads_card.json").read_text())
-    del card["fingerprint_scheme"]
-    (tmp_path / "heads_card.json").write_text(json.dumps(card))
+    drop_fingerprint_scheme(tmp_path)
     monkeypatch.setitem(dualread.LEGACY_FINGERPRINTS, "new-fp", "fp1")
     with pytest.warns(UserWarning) as rec:
         Heads.load(tmp_path, "new-fp")

@@ -24,7 +24,7 @@ from models.actor import Answers, StageTimings
 from models.data import Item, load
 from models.shift import FAMILIES
 from tests.conftest import random_image
-from tests.helpers import b64, own_or_wrong_dataset, png_bytes, random_heads
+from tests.helpers import b64, png_bytes, random_heads
 
 Q = "what color is the shape?"
 TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
@@ -254,15 +254,9 @@ def test_the_shipped_detector_gives_the_conformal_p_value_of_a_fixed_input():
 
 
 # ------------------------------------------------------------------ end to end
-@pytest.fixture(scope="module")
-def tiny_data(actors, tmp_path_factory):
-    """The actor's own answer as reference for one question, a wrong one for the other."""
-    return own_or_wrong_dataset(actors["gemma3"], tmp_path_factory.mktemp("nov-ds"), 30, 500, 4)
-
-
-def test_fit_with_novelty_writes_the_detector_and_the_card(actors, tiny_data, tmp_path):
+def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_data, tmp_path):
     actor, per_family = actors["gemma3"], 3
-    items = load(tiny_data)
+    items = load(own_or_wrong_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
                             target_risk=0.3, novelty_per_family=per_family, image_check=False)
     heads.save(tmp_path / "heads", {"command": "test", **info})
@@ -305,7 +299,7 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, tiny_data, tm
                        atol=1e-8)
 
 
-def test_fit_heads_flags_reach_the_fit(actor_dirs, tiny_data, tmp_path, monkeypatch):
+def test_fit_heads_flags_reach_the_fit(actor_dirs, own_or_wrong_data, tmp_path, monkeypatch):
     from app.cli import app
 
     seen = []
@@ -318,7 +312,7 @@ def test_fit_heads_flags_reach_the_fit(actor_dirs, tiny_data, tmp_path, monkeypa
         raise Stop
 
     monkeypatch.setattr("heads.fit.fit_heads", fake)
-    base = ["fit-heads", "--actor", actor_dirs["gemma3"], "--data", tiny_data, "--out",
+    base = ["fit-heads", "--actor", actor_dirs["gemma3"], "--data", own_or_wrong_data, "--out",
             str(tmp_path / "h"), "--allow-dirty"]
     for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"], ["--no-image-check"]):
         res = CliRunner().invoke(app, base + extra)
