@@ -88,6 +88,14 @@ def train_actor(
     digit_lr_factor: Annotated[float, typer.Option(
         "--digit-lr-factor", help="learning-rate multiplier of the digit rows")] = 1.0,
     beta: Annotated[float, typer.Option("--beta", help="KL coefficient to the parent")] = 0.0,
+    self_calibrate: Annotated[bool, typer.Option(
+        "--self-calibrate", help="with --continue-from: supervised Brier of μ(C) on the "
+        "actor's own answers instead of GRPO (models/self_calibrate.py)")] = False,
+    self_steps: Annotated[int, typer.Option("--self-steps", help="self-calibration steps")
+                          ] = 900,
+    self_answers: Annotated[int, typer.Option(
+        "--self-answers", help="own answers the self-calibration trains on")] = 8000,
+    self_lr: Annotated[float, typer.Option("--self-lr")] = 1e-4,
 ) -> None:
     """Train the embedded actor (SFT then GRPO on easy-VQA) and write its card.
 
@@ -100,6 +108,24 @@ def train_actor(
     from models.train import SMOKE, Recipe
     from models.train import train_actor as run
 
+    if self_calibrate:
+        if continue_from is None:
+            raise typer.BadParameter("--self-calibrate needs --continue-from")
+        from models.self_calibrate import SMOKE_SELF, SelfCalibration, self_calibrate_actor
+
+        cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=seed,
+                      **({} if smoke else {"steps": self_steps, "answers": self_answers,
+                                           "lr": self_lr}))
+        cmd = (f"dualread train-actor --continue-from {continue_from} --out {out} "
+               f"--self-calibrate --self-steps {cfg.steps} --self-answers {cfg.answers} "
+               f"--self-lr {cfg.lr}" + (f" --seed {seed}" if seed else "")
+               + (" --smoke" if smoke else "")
+               + (f" --eval-limit {eval_limit}" if eval_limit else ""))
+        card = self_calibrate_actor(continue_from, out, cfg, command=cmd,
+                                    eval_limit=eval_limit, smoke=smoke,
+                                    threads=threads)
+        console.print_json(json.dumps(card["metrics"]))
+        return
     if continue_from is not None:
         from models.calibrate import calibrate_actor
 

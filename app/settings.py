@@ -17,7 +17,7 @@ class Settings(BaseSettings):
         None, ge=1, description="torch CPU threads of the worker; default: torch's own")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
-    max_batch_size: int = Field(8, ge=1, le=256, description="jobs per model batch")
+    max_batch_size: int = Field(16, ge=1, le=256, description="jobs per model batch")
     batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch waits to fill")
     queue_limit: int = Field(64, ge=1, description="queued jobs before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of every job (504)")

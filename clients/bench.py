@@ -162,7 +162,7 @@ def _post_timed(client: httpx.Client, body: bytes) -> float | None:
 
 
 def http_bench(bodies: Sequence[bytes], server_flags: dict[str, object],
-               requests: dict[int, int], threads: int | None = None, batch_size: int = 8,
+               requests: dict[int, int], threads: int | None = None, batch_size: int = 16,
                rounds: int = 2, in_process_b1: Callable[[int], float] | None = None,
                in_process_b8: Callable[[], tuple[int, float]] | None = None,
                progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict:

@@ -262,8 +262,7 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
     import shutil
 
     from models.data import load, sample
-    from models.evaluate import git_commit
-    from models.loading import fingerprint, load_actor
+    from models.loading import load_actor
 
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
@@ -292,34 +291,49 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
     grpo_s = time.time() - t0
     test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
     metrics = confidence_report(load_actor(out), test)
+    card = continuation_card(
+        src, out, test, eval_limit, command, metrics, log,
+        stage="GRPO continuation: " + (
+            "answer tokens get the group-relative correct + 0.2·format advantage, the digit "
+            "W·E_p[(c/10 − z)²] (expected Brier)" if split_credit else
+            "reward = correct + 0.2·format + W·(1 − (N/10 − z)²) on every token"),
+        splits={"grpo": "easyvqa:train, images with id % 5 != 0"},
+        recipe={**{k: v for k, v in asdict(recipe).items() if k.startswith("grpo")
+                   or k in ("seed", "brier_weight", "max_images")},
+                "hard_share": hard_share, "scan": scan if hard_share > 0 else None,
+                "split_credit": split_credit, "digit_lr_factor": digit_lr_factor,
+                "beta": beta},
+        seconds={"grpo": round(grpo_s, 1)}, mined=mined)
+    (out / "actor_card.json").write_text(json.dumps(card, indent=2))
+    shutil.rmtree(out / "_grpo_tmp", ignore_errors=True)
+    return card
+
+
+def continuation_card(src: Path, out: Path, test: list[Item], eval_limit: int | None,
+                      command: str, metrics: dict, log: list[dict], stage: str,
+                      splits: dict, recipe: dict, seconds: dict, **extra) -> dict:
+    """The card of an actor continued from the one in `src` (its parent is named)."""
+    from models.evaluate import git_commit
+    from models.loading import fingerprint
+
     parent_card = src / "actor_card.json"
     parent = json.loads(parent_card.read_text()) if parent_card.exists() else {}
-    card = {
+    return {
         "name": parent.get("name", "dualread-actor") + "-calibrated",
         "architecture": parent.get("architecture"),
         "data": parent.get("data"),
         "continued_from": {"folder": str(src), "fingerprint": fingerprint(src),
                            "command": parent.get("command")},
-        "stage": "GRPO continuation: " + (
-            "answer tokens get the group-relative correct + 0.2·format advantage, the digit "
-            "W·E_p[(c/10 − z)²] (expected Brier)" if split_credit else
-            "reward = correct + 0.2·format + W·(1 − (N/10 − z)²) on every token"),
-        "splits": {"grpo": "easyvqa:train, images with id % 5 != 0",
+        "stage": stage,
+        "splits": {**splits,
                    "evaluation": "easyvqa:test" + (f" (deterministic sample of "
                                                    f"{len(test)})" if eval_limit else "")},
-        "recipe": {**{k: v for k, v in asdict(recipe).items() if k.startswith("grpo")
-                      or k in ("seed", "brier_weight", "max_images")},
-                   "hard_share": hard_share, "scan": scan if hard_share > 0 else None,
-                   "split_credit": split_credit, "digit_lr_factor": digit_lr_factor,
-                   "beta": beta},
-        "mined": mined,
-        "seconds": {"grpo": round(grpo_s, 1), "total": round(time.time() - t0, 1)},
+        "recipe": recipe,
+        **extra,
+        "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
         "command": command,
         "git_commit": git_commit(),
         "response_format": parent.get("response_format"),
         "metrics": metrics,
         "log": log[-40:],
     }
-    (out / "actor_card.json").write_text(json.dumps(card, indent=2))
-    shutil.rmtree(out / "_grpo_tmp", ignore_errors=True)
-    return card

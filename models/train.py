@@ -1,4 +1,4 @@
-"""Train the embedded actor: a tiny Qwen3-VL on easy-VQA, SFT then GRPO (TRL).
+"""Train the embedded actor: a tiny Qwen3-VL on easy-VQA, SFT, GRPO (TRL), self-calibration.
 
 Recipe (measured reasons in the README):
 - patch 8 on native 64-px images (16 image tokens after the 2x2 merge), no deepstack;
@@ -6,7 +6,9 @@ Recipe (measured reasons in the README):
   rate up: shape word only -> shape + colour words -> everything; cosine decay only in the
   last phase;
 - GRPO with TRL (group 8): reward = correctness + format + RLCR-style Brier term on the
-  verbalized confidence.
+  verbalized confidence;
+- self-calibration (models/self_calibrate.py): the Brier score of μ(C) on the actor's own
+  greedy answers, minimised exactly (GRPO's sampled Brier reward left μ(C) flat).
 An image-disjoint slice of train (image id % 5 == 0) is held out for the heads.
 """
 
@@ -16,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +60,7 @@ class Recipe:
     grpo_scale_rewards: str = "group"   # TRL: "group" (std per group), "batch" or "none"
     grpo_save_steps: int = 0       # checkpoint interval, 0 = none (the continuation sets it)
     max_images: int | None = None  # smoke mode: a handful of images
+    self_calibration: bool = True  # stage 3: models/self_calibrate.py on the GRPO result
 
 
 SMOKE = Recipe(hidden=32, layers=1, vision_hidden=16, vision_depth=1, batch=8, shape_steps=3,
@@ -359,6 +362,14 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
     sft_s = time.time() - t0
     grpo(sft_dir, actor_items, recipe, out, log)
     grpo_s = time.time() - t0 - sft_s
+    if recipe.self_calibration:
+        from models.self_calibrate import SMOKE_SELF, SelfCalibration, self_calibrate
+
+        cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=recipe.seed)
+        actor = load_actor(out)
+        self_calibrate(actor, actor_items, cfg, log)
+        actor.model.save_pretrained(out)
+    self_s = time.time() - t0 - sft_s - grpo_s
     test = load("easyvqa:test")
     if smoke:
         eval_limit = 32
@@ -375,7 +386,8 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
                                              if eval_limit else ""),
             "n_actor_items": len(actor_items), "n_heads_items": len(heads_items)},
         "recipe": asdict(recipe),
-        "seconds": {"sft": round(sft_s, 1), "grpo": round(grpo_s, 1)},
+        "seconds": {"sft": round(sft_s, 1), "grpo": round(grpo_s, 1),
+                    "self_calibration": round(self_s, 1)},
         "command": command or f"dualread train-actor --out {out}" + (" --smoke" if smoke else ""),
         "resumed_from_sft_phases": bool(resume_sft),
         "git_commit": git_commit(),

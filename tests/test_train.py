@@ -98,6 +98,28 @@ def test_calibration_continuation(smoke_actor, tmp_path):
     assert res.exit_code != 0
 
 
+def test_self_calibration_end_to_end(smoke_actor, tmp_path):
+    """--self-calibrate continues the actor, leaves the parent untouched and writes a
+    card naming the parent, the recipe, the log (validation AUROC) and μ(C) metrics."""
+    parent_bytes = (smoke_actor / "model.safetensors").read_bytes()
+    out = tmp_path / "self"
+    res = CliRunner().invoke(app, ["train-actor", "--continue-from", str(smoke_actor),
+                                   "--out", str(out), "--smoke", "--self-calibrate"])
+    assert res.exit_code == 0, res.output
+    assert (smoke_actor / "model.safetensors").read_bytes() == parent_bytes
+    assert (out / "model.safetensors").read_bytes() != parent_bytes
+    card = json.loads((out / "actor_card.json").read_text())
+    assert card["continued_from"]["fingerprint"] == fingerprint(smoke_actor)
+    assert card["recipe"]["steps"] == 3 and "--self-calibrate" in card["command"]
+    stages = [r["stage"] for r in card["log"]]
+    assert stages[0] == "own_answers" and stages.count("self_calibration") >= 2
+    assert card["metrics"]["real"]["n"] == 32
+    assert load_actor(out).family.name == "qwen3_vl"
+    res = CliRunner().invoke(app, ["train-actor", "--out", str(tmp_path / "x"),
+                                   "--self-calibrate"])
+    assert res.exit_code != 0
+
+
 def test_grpo_resumes_from_its_checkpoint(smoke_actor, tmp_path):
     """An interrupted continuation restarts from the last checkpoint, not from step 0."""
     items = split_train(load("easyvqa:train"))[0][:8]

@@ -94,7 +94,8 @@ def markdown(r: dict) -> str:
         flags = ", ".join(f"{k}={v}" for k, v in http["server_flags"].items() if v is not None)
         lines += ["### Over HTTP, a real `dualread serve` process",
                   "",
-                  f"Server flags: {flags}; micro-batching on = `--max-batch-size 8`, off = "
+                  f"Server flags: {flags}; micro-batching on = `--max-batch-size "
+                  f"{http.get('max_batch_size', 8)}` (the default), off = "
                   "`--max-batch-size 1`. Closed loop: each client sends its next request when "
                   "the previous one is answered. Both servers run at once and are driven in "
                   "alternating rounds.", "",

@@ -162,6 +162,7 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
 def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: str | None,
              batch_wait_ms: float | None, progress) -> dict:
     """The HTTP block; the in-process references are measured in the same time window."""
+    from app.settings import Settings
     from clients.bench import http_bench
     from models.bench.inprocess import answer_with_dualread, sync
 
@@ -187,8 +188,10 @@ def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: 
     flags = {"actor": actor_dir, "heads": heads_dir, "device": plan.device,
              "dtype": plan.dtype, "batch_wait_ms": batch_wait_ms,
              "max_new_tokens": plan.max_new_tokens}
+    batch_size = Settings().max_batch_size         # the server's default micro-batch
     raw = http_bench(request_bodies(items, plan.max_new_tokens), flags, plan.http_requests,
-                     plan.threads, in_process_b1=b1, in_process_b8=b8, progress=progress)
+                     plan.threads, batch_size=batch_size, in_process_b1=b1,
+                     in_process_b8=b8, progress=progress)
     http: dict = {}
     for c in ("c1", "c4", "c16"):
         on, off = raw[c]["batching"], raw[c]["no_batching"]
@@ -202,6 +205,7 @@ def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: 
     http["overhead_ms_no_batching"] = http["c1"]["no_batching"]["p50_ms"] - \
         http["in_process_b1_ms"]
     http["server_flags"] = {k: v for k, v in flags.items() if k not in ("actor", "heads")}
+    http["max_batch_size"] = batch_size
     return http
 
 

@@ -1,0 +1,263 @@
+"""Self-calibration of the verbalized confidence, supervised on the actor's own answers.
+
+GRPO with the RLCR-style Brier reward did not spread μ(C) on the embedded actor (README:
+eight continuations): the sampled digit gets one noisy scalar per completion, and with
+~93% of groups all correct the digit drifts to a constant. This stage minimises the same
+Brier score exactly instead. The actor answers training questions greedily; each answer
+is marked right or wrong; with that response teacher-forced, the loss is
+
+    (μ(C) − z)²  −  λ · log P(next token is a digit)  +  w · CE(the response's other tokens)
+
+where μ(C) = Σ_c P(C = c | digits) · c/10 at the confidence cue (SPEC §3, the readout the
+service reports), z the correctness. The second term keeps a digit the likely next token
+(without it greedy decoding stopped writing one); the third is self-distillation on the
+actor's own greedy text, so its answers stay where they were. Only the actor's training
+split is used (`easyvqa:actor`); a share of it is kept out to report a validation AUROC.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from models.canon import is_correct
+from models.data import Item
+
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class SelfCalibration:
+    answers: int = 8000          # own answers trained on
+    validation: int = 1000       # own answers kept out (validation AUROC in the log)
+    steps: int = 900
+    batch: int = 32
+    lr: float = 1e-4             # AdamW, cosine to 0
+    digit_mass: float = 0.1      # λ
+    self_distill: float = 1.0    # w
+    seed: int = 0
+
+
+SMOKE_SELF = SelfCalibration(answers=16, validation=8, steps=3, batch=4)
+
+
+@dataclass
+class Example:
+    item: Item
+    response: list[int]          # the actor's greedy response ids (EOS included)
+    correct: bool
+
+
+def own_answers(actor, items: list[Item], batch: int = 64) -> list[Example]:
+    """Greedy answers of `actor` to `items`, marked right or wrong."""
+    out = []
+    with Progress(transient=True, console=console) as bar:
+        task = bar.add_task("own answers", total=len(items))
+        for s in range(0, len(items), batch):
+            chunk = items[s: s + batch]
+            res = actor.answer([it.image() for it in chunk], [it.question for it in chunk],
+                               64, readout="none")
+            out += [Example(it, list(r.token_ids),
+                            bool(is_correct(r.answer, it.answer, it.options or None)))
+                    for it, r in zip(chunk, res)]
+            bar.advance(task, len(chunk))
+    return out
+
+
+class Batches:
+    """Teacher-forced batches of own answers: model inputs, the labels of the
+    self-distillation term, the position whose next token is the digit, correctness."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        tok = actor.tokenizer
+        self.cue = tok.convert_tokens_to_ids("<confidence>")
+        self.digits = torch.tensor([tok.convert_tokens_to_ids(str(c)) for c in range(11)])
+        self.pixels: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prompts: dict[tuple[str, int], list[int]] = {}
+
+    def _pixels(self, it: Item) -> tuple[torch.Tensor, torch.Tensor]:
+        if it.image_id not in self.pixels:
+            enc = self.actor.processor.image_processor(images=[it.image()], return_tensors="pt")
+            self.pixels[it.image_id] = (enc["pixel_values"], enc["image_grid_thw"])
+        return self.pixels[it.image_id]
+
+    def _prompt(self, question: str, n_image: int) -> list[int]:
+        key = (question, n_image)
+        if key not in self.prompts:
+            text = self.actor.prompt_text(question).replace(
+                "<|image_pad|>", "<|image_pad|>" * n_image)
+            self.prompts[key] = self.actor.tokenizer.encode(text, add_special_tokens=False)
+        return self.prompts[key]
+
+    def __call__(self, rows: list[Example]) -> tuple[dict, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+        seqs, labels, pix, grids, cue_at = [], [], [], [], []
+        for ex in rows:
+            p, g = self._pixels(ex.item)
+            merge = self.actor.processor.image_processor.merge_size ** 2
+            prompt = self._prompt(ex.item.question, int(g.prod()) // merge)
+            seq = prompt + ex.response
+            lab = [-100] * len(prompt) + list(ex.response)
+            k = len(prompt) + ex.response.index(self.cue) if self.cue in ex.response else -1
+            if 0 <= k < len(seq) - 1:
+                lab[k + 1] = -100            # the digit is the Brier term's, not the CE's
+            seqs.append(seq)
+            labels.append(lab)
+            pix.append(p)
+            grids.append(g)
+            cue_at.append(k if 0 <= k < len(seq) - 1 else -1)
+        pad = self.actor.tokenizer.pad_token_id
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad)
+        lab = torch.full((len(seqs), width), -100)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, (s, y) in enumerate(zip(seqs, labels)):
+            ids[b, : len(s)] = torch.tensor(s)
+            lab[b, : len(y)] = torch.tensor(y)
+            mask[b, : len(s)] = 1
+        inputs = {"input_ids": ids, "attention_mask": mask,
+                  self.actor.family.type_ids_key: (ids == self.actor.image_token_id).long(),
+                  "pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grids)}
+        z = torch.tensor([float(ex.correct) for ex in rows])
+        return inputs, lab, torch.tensor(cue_at), z
+
+
+def digit_terms(logits: torch.Tensor, cue_at: torch.Tensor, digits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """μ(C) and log P(any digit) at each row's cue (rows without one are dropped), and
+    the mask of kept rows."""
+    keep = cue_at >= 0
+    at = logits[torch.arange(len(cue_at))[keep], cue_at[keep]].float()      # [n, V]
+    dl = at[:, digits]
+    mu = (torch.softmax(dl, -1) * torch.arange(11.0, device=at.device) / 10).sum(-1)
+    log_mass = torch.logsumexp(dl, -1) - torch.logsumexp(at, -1)
+    return mu, log_mass, keep
+
+
+def loss_of(model, batches: Batches, rows: list[Example], cfg: SelfCalibration
+            ) -> tuple[torch.Tensor, dict]:
+    inputs, lab, cue_at, z = batches(rows)
+    logits = model(**inputs).logits
+    mu, log_mass, keep = digit_terms(logits, cue_at, batches.digits)
+    brier = ((mu - z[keep]) ** 2).mean() if keep.any() else logits.sum() * 0
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), lab[:, 1:].reshape(-1),
+        ignore_index=-100)
+    mass = log_mass.mean() if keep.any() else logits.sum() * 0
+    loss = brier - cfg.digit_mass * mass + cfg.self_distill * ce
+    return loss, {"brier": brier.item(), "log_digit_mass": mass.item(), "ce": ce.item()}
+
+
+@torch.no_grad()
+def validation_auroc(model, batches: Batches, rows: list[Example], batch: int = 64
+                     ) -> dict:
+    """AUROC of μ(C) for correctness on kept-out own answers, and μ's mean and spread."""
+    from sklearn.metrics import roc_auc_score
+
+    was = model.training
+    model.eval()
+    mus, zs = [], []
+    for s in range(0, len(rows), batch):
+        inputs, _, cue_at, z = batches(rows[s: s + batch])
+        mu, _, keep = digit_terms(model(**inputs).logits, cue_at, batches.digits)
+        mus += mu.tolist()
+        zs += z[keep].tolist()
+    model.train(was)
+    auroc = float(roc_auc_score(zs, mus)) if len(set(zs)) == 2 else None
+    return {"val_mu_auroc": None if auroc is None else round(auroc, 4),
+            "val_mu_mean": round(float(np.mean(mus)), 4) if mus else None,
+            "val_mu_std": round(float(np.std(mus)), 4) if mus else None}
+
+
+def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dict]) -> None:
+    """Train `actor.model` in place (see the module docstring); logs go to `log`."""
+    rng = random.Random(cfg.seed)
+    pool = rng.sample(items, min(len(items), cfg.answers + cfg.validation))
+    t0 = time.time()
+    examples = own_answers(actor, pool)
+    train, val = examples[: cfg.answers], examples[cfg.answers:]
+    acc = float(np.mean([e.correct for e in train])) if train else float("nan")
+    log.append({"stage": "own_answers", "n": len(train), "n_validation": len(val),
+                "accuracy": round(acc, 4), "elapsed_s": round(time.time() - t0, 1)})
+    batches = Batches(actor)
+    model = actor.model
+    model.requires_grad_(True)
+    model.train()
+    if val:
+        log.append({"stage": "self_calibration", "step": 0,
+                    **validation_auroc(model, batches, val)})
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                            weight_decay=0.0)
+    with Progress(transient=True, console=console) as bar:
+        task = bar.add_task("self-calibration", total=cfg.steps)
+        for step in range(cfg.steps):
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+            loss, parts = loss_of(model, batches, rng.sample(train, min(cfg.batch, len(train))),
+                                  cfg)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            bar.advance(task)
+            last = step == cfg.steps - 1
+            if step % 100 == 0 or last:
+                rec = {"stage": "self_calibration", "step": step + 1,
+                       **{k: round(v, 4) for k, v in parts.items()},
+                       "elapsed_s": round(time.time() - t0, 1)}
+                if val and ((step + 1) % 300 == 0 or last):
+                    rec.update(validation_auroc(model, batches, val))
+                log.append(rec)
+                console.log(rec)
+    model.eval()
+    model.requires_grad_(False)
+
+
+def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,
+                         command: str = "", eval_limit: int | None = 1000,
+                         smoke: bool = False, threads: int = 1) -> dict:
+    """Self-calibrate the actor in `src` and write it, with a card naming its parent and
+    the μ(C) metrics on easy-VQA test, to `out`."""
+    from models.calibrate import confidence_report, continuation_card
+    from models.data import load, sample
+    from models.loading import load_actor
+    from models.train import split_train
+
+    src, out = Path(src), Path(out)
+    if src.resolve() == out.resolve():
+        raise ValueError("write the calibrated actor to a new folder, not over its parent")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    items, _ = split_train(load("easyvqa:train"))
+    if smoke:
+        items = items[:200]
+    actor = load_actor(src)
+    log: list[dict] = []
+    t0 = time.time()
+    self_calibrate(actor, items, cfg, log)
+    seconds = round(time.time() - t0, 1)
+    actor.model.save_pretrained(out)
+    actor.processor.save_pretrained(out)
+    actor.tokenizer.save_pretrained(out)
+    test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
+    metrics = confidence_report(load_actor(out), test)
+    card = continuation_card(
+        src, out, test, eval_limit, command, metrics, log,
+        stage="self-calibration: Brier of μ(C) on the actor's own greedy answers "
+              "− λ·log P(digit) + w·CE on the rest of its own response",
+        splits={"self_calibration": "easyvqa:train, images with id % 5 != 0 (the actor's "
+                                    "own split): greedy answers, a share kept out"},
+        recipe=asdict(cfg), seconds={"self_calibration": seconds})
+    (out / "actor_card.json").write_text(json.dumps(card, indent=2))
+    return card
