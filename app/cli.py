@@ -227,10 +227,11 @@ def fit_heads(
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from e
     act = load_actor(actor, device=device)
-    items = sample(load(data), limit)
+    everything = load(data)
+    items = sample(everything, limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
                       seed=seed, novelty=novelty, novelty_per_family=novelty_per_family,
-                      image_check=image_check)
+                      image_check=image_check, image_items=everything)
     console.print(summary_table(info["defer_split_metrics"]))
     try:
         refuse_worse_than_prior(info)

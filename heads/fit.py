@@ -72,11 +72,16 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64, novelty: bool = True,
-              novelty_per_family: int = NOVELTY_PER_FAMILY, image_check: bool = True
-              ) -> tuple[Heads, dict]:
+              novelty_per_family: int = NOVELTY_PER_FAMILY, image_check: bool = True,
+              image_items: list[Item] | None = None) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
     then (with `novelty`) the novelty detector and (with `image_check`) the image check
-    of the defer rule (SPEC §8)."""
+    of the defer rule (SPEC §8).
+
+    `image_items`: whose images the image check is fitted and calibrated on (default
+    `items`). Pixels cost no actor pass, and the check's conformal reference needs many
+    images (p-values below α = 0.01 need more than 99), so the CLI gives it every image
+    of the fitting data, not only the readers' sample; the same image hash splits them."""
     methods = registry.registered()
     col = Collector(actor, cache_dir, max_new_tokens)
     on_all = registry.fit_passes_for(methods, "all")
@@ -117,8 +122,8 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         heads.novelty_alpha = ALPHA
     image_log = None
     if image_check:
-        heads.image_check, image_log = image_check_stage(col, items, splits,
-                                                         novelty_per_family, seed)
+        heads.image_check, image_log = image_check_stage(
+            col, image_items if image_items is not None else items, novelty_per_family, seed)
         heads.image_check_alpha = ALPHA
     reader_rate = float(z[splits["reader"]].float().mean())
     prior = prior_check(scores, z[df].numpy(), reader_rate)
@@ -223,16 +228,20 @@ def fit_image_check(clean: torch.Tensor, calibration: torch.Tensor) -> Novelty:
     return Novelty(IMAGE_CHECK_KIND, "pixels").fit(clean).calibrate(calibration)
 
 
-def image_check_stage(col: Collector, items: list[Item], splits: dict, per_family: int,
-                      seed: int = 0) -> tuple[Novelty, dict]:
+def image_check_stage(col: Collector, items: list[Item], per_family: int, seed: int = 0
+                      ) -> tuple[Novelty, dict]:
     """The image check of the defer rule, and what the card logs about it: flag rates at α
-    on clean splits and on corrupted copies of reader-split images (never fitted on)."""
-    px, _ = col.run(items, passes=("pixels",), label="image statistics (fit)")
+    on clean splits and on corrupted copies of reader-split images (never fitted on).
+
+    One row per image of `items` (the check reads pixels, and an image asked about five
+    times would otherwise weigh five times in the fit and in the conformal reference),
+    split by the same image hash as the readers."""
+    first = list({it.image_id: it for it in reversed(items)}.values())[::-1]
+    px, _ = col.run(first, passes=("pixels",), label="image statistics (fit)")
     x = px["pixels"]
-    # one row per image: the check reads pixels, and an image asked about five times
-    # would otherwise weigh five times in the fit and in the conformal reference
-    per_image = {s: _one_per_image(splits[s], items) for s in ("reader", "temperature",
-                                                               "defer")}
+    split = [image_split(it.image_id) for it in first]
+    per_image = {s: torch.tensor([k for k, v in enumerate(split) if v == s], dtype=torch.long)
+                 for s in ("reader", "temperature", "defer")}
     chk = fit_image_check(x[per_image["reader"]], x[per_image["defer"]])
     n_cal = len(per_image["defer"])
     log: dict = {"kind": IMAGE_CHECK_KIND, "statistics": list(PIXEL_FEATURES),
@@ -250,7 +259,7 @@ def image_check_stage(col: Collector, items: list[Item], splits: dict, per_famil
         if len(per_image[split]):
             log[f"{split}_split_flag_rate"] = round(
                 float((chk.p_value(x[per_image[split]]) < ALPHA).mean()), 4)
-    reader = [items[i] for i in splits["reader"].tolist()]
+    reader = [it for it in items if image_split(it.image_id) == "reader"]
     shifted = novelty_items(reader, per_family, seed)
     flags: dict[str, list[float]] = {}
     for it in track(shifted, description="image statistics (corrupted reader items)",

@@ -179,3 +179,23 @@ def test_answer_reports_the_check_and_defers_on_it_alone(actors, actor_dirs, tmp
     else:
         assert body["image_check"]["p_value"] == pytest.approx(1.0)
         assert body["defer"] is False and body["defer_reason"] is None
+
+
+def test_image_check_stage_takes_every_image_it_is_given(actors, own_or_wrong_data, tmp_path):
+    """One row per distinct image of what it is given, split by the image hash: the CLI
+    gives it every image of --data, more than the readers' --limit sample holds."""
+    from heads.collect import Collector
+    from heads.fit import image_check_stage
+
+    items = load(own_or_wrong_data)
+    half = items[: len(items) // 2]
+    col = Collector(actors["gemma3"], tmp_path / "cache", 4)
+    logs = {len(its): image_check_stage(col, its, 1)[1] for its in (half, items)}
+
+    def distinct(its, split):
+        return len({it.image_id for it in its if image_split(it.image_id) == split})
+
+    for its in (half, items):
+        assert logs[len(its)]["n_images"] == {s: distinct(its, s)
+                                              for s in ("reader", "temperature", "defer")}
+    assert sum(logs[len(items)]["n_images"].values()) > sum(logs[len(half)]["n_images"].values())
