@@ -11,8 +11,10 @@ is marked right or wrong; with that response teacher-forced, the loss is
 where μ(C) = Σ_c P(C = c | digits) · c/10 at the confidence cue (SPEC §3, the readout the
 service reports), z the correctness. The second term keeps a digit the likely next token
 (without it greedy decoding stopped writing one); the third is self-distillation on the
-actor's own greedy text, so its answers stay where they were. Only the actor's training
-split is used (`easyvqa:actor`); a share of it is kept out to report a validation AUROC.
+actor's own greedy text, so its answers stay where they were — a share of each batch
+being its own answers on flat gray images, as in the SFT's modality dropout. Only the
+actor's training split is used (`easyvqa:actor`); a share of it is kept out to report a
+validation AUROC.
 """
 
 from __future__ import annotations
@@ -20,17 +22,20 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from rich.console import Console
 from rich.progress import Progress
 
 from models.canon import is_correct
 from models.data import Item
+from models.train import FLAT_LEVELS
 
 console = Console(stderr=True)
 
@@ -44,10 +49,13 @@ class SelfCalibration:
     lr: float = 1e-4             # AdamW, cosine to 0
     digit_mass: float = 0.1      # λ
     self_distill: float = 1.0    # w
+    blank_answers: int = 2000    # own answers on flat gray images (self-distillation only)
+    blank_share: float = 0.15    # of each batch, as in the SFT's modality dropout
     seed: int = 0
 
 
-SMOKE_SELF = SelfCalibration(answers=16, validation=8, steps=3, batch=4)
+SMOKE_SELF = SelfCalibration(answers=16, validation=8, steps=3, batch=4, blank_answers=4,
+                             blank_share=0.25)
 
 
 @dataclass
@@ -55,20 +63,29 @@ class Example:
     item: Item
     response: list[int]          # the actor's greedy response ids (EOS included)
     correct: bool
+    blank: int | None = None     # gray level of the flat image shown instead, if any
 
 
-def own_answers(actor, items: list[Item], batch: int = 64) -> list[Example]:
-    """Greedy answers of `actor` to `items`, marked right or wrong."""
+def flat_image(level: int) -> Image.Image:
+    return Image.new("RGB", (224, 224), (level, level, level))
+
+
+def own_answers(actor, items: list[Item], blank: list[int | None] | None = None,
+                batch: int = 64) -> list[Example]:
+    """Greedy answers of `actor` to `items`, marked right or wrong; where `blank` gives a
+    gray level, the question is asked of a flat image of that level instead."""
+    blank = blank or [None] * len(items)
     out = []
     with Progress(transient=True, console=console) as bar:
         task = bar.add_task("own answers", total=len(items))
         for s in range(0, len(items), batch):
-            chunk = items[s: s + batch]
-            res = actor.answer([it.image() for it in chunk], [it.question for it in chunk],
-                               64, readout="none")
+            chunk, levels = items[s: s + batch], blank[s: s + batch]
+            res = actor.answer([it.image() if lv is None else flat_image(lv)
+                                for it, lv in zip(chunk, levels)],
+                               [it.question for it in chunk], 64, readout="none")
             out += [Example(it, list(r.token_ids),
-                            bool(is_correct(r.answer, it.answer, it.options or None)))
-                    for it, r in zip(chunk, res)]
+                            bool(is_correct(r.answer, it.answer, it.options or None)), lv)
+                    for it, r, lv in zip(chunk, res, levels)]
             bar.advance(task, len(chunk))
     return out
 
@@ -85,11 +102,13 @@ class Batches:
         self.pixels: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prompts: dict[tuple[str, int], list[int]] = {}
 
-    def _pixels(self, it: Item) -> tuple[torch.Tensor, torch.Tensor]:
-        if it.image_id not in self.pixels:
-            enc = self.actor.processor.image_processor(images=[it.image()], return_tensors="pt")
-            self.pixels[it.image_id] = (enc["pixel_values"], enc["image_grid_thw"])
-        return self.pixels[it.image_id]
+    def _pixels(self, ex: Example) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ex.item.image_id if ex.blank is None else f"flat-{ex.blank}"
+        if key not in self.pixels:
+            img = ex.item.image() if ex.blank is None else flat_image(ex.blank)
+            enc = self.actor.processor.image_processor(images=[img], return_tensors="pt")
+            self.pixels[key] = (enc["pixel_values"], enc["image_grid_thw"])
+        return self.pixels[key]
 
     def _prompt(self, question: str, n_image: int) -> list[int]:
         key = (question, n_image)
@@ -103,7 +122,7 @@ class Batches:
                                                       torch.Tensor]:
         seqs, labels, pix, grids, cue_at = [], [], [], [], []
         for ex in rows:
-            p, g = self._pixels(ex.item)
+            p, g = self._pixels(ex)
             merge = self.actor.processor.image_processor.merge_size ** 2
             prompt = self._prompt(ex.item.question, int(g.prod()) // merge)
             seq = prompt + ex.response
@@ -115,7 +134,8 @@ class Batches:
             labels.append(lab)
             pix.append(p)
             grids.append(g)
-            cue_at.append(k if 0 <= k < len(seq) - 1 else -1)
+            # blank-image answers are self-distilled only: no Brier term on them
+            cue_at.append(k if 0 <= k < len(seq) - 1 and ex.blank is None else -1)
         pad = self.actor.tokenizer.pad_token_id
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), pad)
@@ -186,9 +206,15 @@ def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dic
     t0 = time.time()
     examples = own_answers(actor, pool)
     train, val = examples[: cfg.answers], examples[cfg.answers:]
+    # Flat images with the actor's own text-prior answers keep what the SFT's modality
+    # dropout taught (without them 13% of blank-image answers lost their format).
+    flat = rng.sample(train, min(len(train), cfg.blank_answers))
+    blanks = own_answers(actor, [e.item for e in flat],
+                         [rng.choice(FLAT_LEVELS) for _ in flat]) if flat else []
     acc = float(np.mean([e.correct for e in train])) if train else float("nan")
     log.append({"stage": "own_answers", "n": len(train), "n_validation": len(val),
-                "accuracy": round(acc, 4), "elapsed_s": round(time.time() - t0, 1)})
+                "n_blank": len(blanks), "accuracy": round(acc, 4),
+                "elapsed_s": round(time.time() - t0, 1)})
     batches = Batches(actor)
     model = actor.model
     model.requires_grad_(True)
@@ -203,8 +229,10 @@ def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dic
         for step in range(cfg.steps):
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-            loss, parts = loss_of(model, batches, rng.sample(train, min(cfg.batch, len(train))),
-                                  cfg)
+            n_blank = round(cfg.batch * cfg.blank_share) if blanks else 0
+            rows = rng.sample(train, min(cfg.batch - n_blank, len(train))) + \
+                rng.sample(blanks, min(n_blank, len(blanks)))
+            loss, parts = loss_of(model, batches, rows, cfg)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -248,8 +276,12 @@ def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,
     self_calibrate(actor, items, cfg, log)
     seconds = round(time.time() - t0, 1)
     actor.model.save_pretrained(out)
-    actor.processor.save_pretrained(out)
-    actor.tokenizer.save_pretrained(out)
+    # Only the weights changed: the parent's tokenizer, processor and config files are
+    # copied as they are (re-saving them rewrites defaults and would change the
+    # fingerprint's inputs for nothing).
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "actor_card.json":
+            shutil.copy2(f, out / f.name)
     test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
     metrics = confidence_report(load_actor(out), test)
     card = continuation_card(

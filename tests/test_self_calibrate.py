@@ -4,6 +4,7 @@ and the teacher-forced batch layout (the stage end to end: tests/test_train.py).
 import math
 
 import torch
+from PIL import Image
 
 from models.data import Item, load
 from models.loading import load_actor
@@ -56,6 +57,12 @@ def test_batches_point_at_the_digit_and_leave_it_to_the_brier_term():
     assert (labels[0, :n_prompt] == -100).all()
     assert ids[0, n_prompt: n_prompt + len(resp)].tolist() == resp
     assert cue_at[1] == -1 and z.tolist() == [1.0, 0.0]
+    # an answer on a flat image: self-distilled only (no Brier), shown the flat image
+    b_in, b_lab, b_cue, _ = Batches(actor)([Example(_item(0), resp, False, blank=128)])
+    assert b_cue.tolist() == [-1] and b_lab[0, k + 1] == -100
+    flat = actor.processor.image_processor(images=[Image.new("RGB", (224, 224), (128,) * 3)],
+                                           return_tensors="pt")["pixel_values"]
+    assert torch.equal(b_in["pixel_values"], flat)
     # the image's placeholder tokens match the pixels: the model accepts the batch
     with torch.no_grad():
         out = actor.model(**inputs).logits

@@ -108,6 +108,9 @@ def test_self_calibration_end_to_end(smoke_actor, tmp_path):
     assert res.exit_code == 0, res.output
     assert (smoke_actor / "model.safetensors").read_bytes() == parent_bytes
     assert (out / "model.safetensors").read_bytes() != parent_bytes
+    for f in smoke_actor.iterdir():    # only the weights change
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "actor_card.json":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     card = json.loads((out / "actor_card.json").read_text())
     assert card["continued_from"]["fingerprint"] == fingerprint(smoke_actor)
     assert card["recipe"]["steps"] == 3 and "--self-calibrate" in card["command"]
