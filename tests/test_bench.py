@@ -35,6 +35,26 @@ def test_ratio_of_medians_and_paired_bootstrap_by_hand():
     assert point == 1.0 and lo == 1.0 and hi == 10.0
 
 
+def test_paired_median_ratio_by_hand():
+    """Per-unit ratios, then their median: a slow item slows every mode of its unit alike
+    (unlike a ratio of medians over different items)."""
+    from models.bench.inprocess import Timed, summarise
+
+    t = Timed(batch=1)
+    for plain, capture in ((1.0, 1.1), (2.0, 2.0), (10.0, 13.0)):
+        t.seconds["plain"].append(plain)
+        t.seconds["capture"].append(capture)
+        t.seconds["replay"].append(2 * plain)
+        t.seconds["sc8"].append(3 * plain)
+    for m in t.seconds:
+        t.cpu_seconds[m] = list(t.seconds[m])
+        t.tokens[m] = [1.0] * 3
+    out = summarise(t, n_boot=10)
+    assert out["capture_ratio_paired_median"] == pytest.approx(1.1)      # of 1.1, 1.0, 1.3
+    assert out["replay_ratio_paired_median"] == pytest.approx(2.0)
+    assert out["capture_ratio"] == pytest.approx(2.0 / 2.0)              # ratio of medians
+
+
 def test_load_summary_by_hand():
     s = Load(4, [k / 10 for k in range(1, 11)], wall_s=2.0, errors=1).summary()
     # 10 answered in 2 s; latencies 100..1000 ms, linear-interpolated percentiles
@@ -48,16 +68,16 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     actor_dir = actor_dirs["qwen3_vl"]
     heads_dir = random_heads(tmp_path / "heads", actors["qwen3_vl"])
     threads = torch.get_num_threads()
-    plan = Plan(items=8, b8_repeats=1, max_new_tokens=6, http=False, threads=1)
+    plan = Plan(items=8, b1_repeats=2, b8_repeats=1, max_new_tokens=6, http=False, threads=1)
     res = run_bench(tmp_path / "out", plan, actor_dir, heads_dir, command="test")
     assert torch.get_num_threads() == threads      # the rest of the session is unaffected
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert (tmp_path / "out" / "bench.md").read_text().startswith("Command: `test`")
     assert saved["in_process"].keys() == {"b1", "b8"}
-    for b, units in (("b1", 8), ("b8", 1)):
+    for b, units in (("b1", 16), ("b8", 1)):
         blk = saved["in_process"][b]
         assert blk["units"] == units
-        for key in ("capture_ratio", "replay_ratio", "sc8_ratio"):
+        for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median"):
             assert math.isfinite(blk[key]) and blk[key] > 0, (b, key)
         # greedy decoding from the same inputs must give the same tokens in every mode
         assert blk["greedy_tokens_identical"] is True

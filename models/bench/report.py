@@ -64,8 +64,15 @@ def markdown(r: dict) -> str:
                          f"{ratio(blk, m)} | {blk['cpu_seconds_per_item'][m]:.4f} | "
                          f"{ratio(blk, m, '_cpu')} | {blk['tokens_per_item'][m]:.1f} |")
     b1, b8 = ip["b1"], ip["b8"]
-    lines += ["", f"Units: {b1['units']} items at batch 1, {b8['units']} batches of 8 at batch 8 "
-              f"({r['b8_repeats']} round(s)); CIs bootstrap the units in pairs. Greedy modes "
+    paired = "; ".join(
+        f"batch {blk['batch']}: capture {blk['capture_ratio_paired_median']:.3f}, replay "
+        f"{blk['replay_ratio_paired_median']:.3f}" for blk in ip.values()
+        if "capture_ratio_paired_median" in blk)
+    lines += ["", f"Units: {b1['units']} items at batch 1 ({r.get('b1_repeats', 1)} round(s)), "
+              f"{b8['units']} batches of 8 at batch 8 "
+              f"({r['b8_repeats']} round(s)); CIs bootstrap the units in pairs"
+              + (f"; the median of per-unit ratios (each unit's modes ran back to back) is "
+                 f"the cross-check: {paired}" if paired else "") + ". Greedy modes "
               "produced identical tokens to plain generate: "
               f"{b1['greedy_tokens_identical'] and b8['greedy_tokens_identical']} — ratios are "
               "per item, not normalised per token. SC@8's tokens/item is per sampled "

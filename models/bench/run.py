@@ -22,6 +22,7 @@ from models.bench.report import markdown, targets
 @dataclass(frozen=True)
 class Plan:
     items: int = 64
+    b1_repeats: int = 2
     b8_repeats: int = 3
     max_new_tokens: int = 64
     http_requests: dict[int, int] = field(default_factory=lambda: {1: 32, 4: 64, 16: 128})
@@ -34,11 +35,12 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(items=16, b8_repeats=2, http_requests={1: 12, 4: 24, 16: 48})
+QUICK = Plan(items=16, b1_repeats=1, b8_repeats=2, http_requests={1: 12, 4: 24, 16: 48})
 # Sized for one GPU inside 8 minutes: decode steps of a 2B model under eager
 # transformers cost tens of ms each, so answers are 16 tokens and HTTP runs are short.
-GPU = Plan(items=64, b8_repeats=1, max_new_tokens=16, http_requests={1: 16, 4: 32, 16: 64},
-           device="cuda", dtype="bfloat16", threads=None, image_side=448)
+GPU = Plan(items=64, b1_repeats=1, b8_repeats=1, max_new_tokens=16,
+           http_requests={1: 16, 4: 32, 16: 64}, device="cuda", dtype="bfloat16",
+           threads=None, image_side=448)
 
 
 def load_items(plan: Plan) -> list[tuple[Image.Image, str]]:
@@ -69,9 +71,9 @@ def request_bodies(items: list[tuple[Image.Image, str]], max_new_tokens: int) ->
 def in_process(actor, heads, items, plan: Plan,
                progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict:
     """The `in_process` block plus the heads timing (on readouts captured at batch 1)."""
-    adv = progress("in-process, batch 1", len(items)) if progress else None
-    t1 = run_modes(actor, heads, items, 1, plan.max_new_tokens, keep_readouts=True,
-                   advance=adv)
+    adv = progress("in-process, batch 1", len(items) * plan.b1_repeats) if progress else None
+    t1 = run_modes(actor, heads, items, 1, plan.max_new_tokens, repeats=plan.b1_repeats,
+                   keep_readouts=True, advance=adv)
     units8 = len(items) // 8 * plan.b8_repeats
     adv = progress("in-process, batch 8", units8) if progress else None
     t8 = run_modes(actor, heads, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
@@ -130,7 +132,7 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
             "device": plan.device, "dtype": plan.dtype,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "items": len(items), "max_new_tokens": plan.max_new_tokens,
-            "b8_repeats": plan.b8_repeats,
+            "b1_repeats": plan.b1_repeats, "b8_repeats": plan.b8_repeats,
             "image_size": list(items[0][0].size),
             "gpu_name": torch.cuda.get_device_name(0) if plan.device.startswith("cuda")
             else None}
