@@ -239,11 +239,12 @@ def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dic
             opt.step()
             bar.advance(task)
             last = step == cfg.steps - 1
-            if step % 100 == 0 or last:
+            check = bool(val) and ((step + 1) % 300 == 0 or last)
+            if step % 100 == 0 or check or last:
                 rec = {"stage": "self_calibration", "step": step + 1,
                        **{k: round(v, 4) for k, v in parts.items()},
                        "elapsed_s": round(time.time() - t0, 1)}
-                if val and ((step + 1) % 300 == 0 or last):
+                if check:
                     rec.update(validation_auroc(model, batches, val))
                 log.append(rec)
                 console.log(rec)
