@@ -88,6 +88,9 @@ def train_actor(
     digit_lr_factor: Annotated[float, typer.Option(
         "--digit-lr-factor", help="learning-rate multiplier of the digit rows")] = 1.0,
     beta: Annotated[float, typer.Option("--beta", help="KL coefficient to the parent")] = 0.0,
+    self_calibration: Annotated[bool, typer.Option(
+        "--self-calibration/--no-self-calibration",
+        help="run the recipe's stage 3 (off: the two-stage SFT + GRPO actor)")] = True,
     self_calibrate: Annotated[bool, typer.Option(
         "--self-calibrate", help="with --continue-from: supervised Brier of μ(C) on the "
         "actor's own answers instead of GRPO (models/self_calibrate.py)")] = False,
@@ -149,8 +152,10 @@ def train_actor(
                                digit_lr_factor=digit_lr_factor, beta=beta)
         console.print_json(json.dumps(card["metrics"]))
         return
-    recipe = replace(SMOKE if smoke else Recipe(), seed=seed)   # never mutate the preset
-    cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "")
+    recipe = replace(SMOKE if smoke else Recipe(), seed=seed,   # never mutate the preset
+                     self_calibration=self_calibration)
+    cmd = "dualread train-actor --out " + str(out) + (" --smoke" if smoke else "") + (
+        "" if self_calibration else " --no-self-calibration")
     card = run(out, recipe, smoke=smoke, command=cmd, resume_sft=resume_sft,
                eval_limit=eval_limit)
     console.print_json(json.dumps(card["metrics"]))

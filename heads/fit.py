@@ -247,6 +247,8 @@ def image_check_stage(col: Collector, items: list[Item], per_family: int, seed: 
     log: dict = {"kind": IMAGE_CHECK_KIND, "statistics": list(PIXEL_FEATURES),
                  "fitted_on": "clean reader split images only (no corrupted image), one row "
                               "per image",
+                 # `fit-heads` gives it all of --data, not only the --limit sample
+                 "questions_given": len(items), "distinct_images": len(first),
                  "calibrated_on": "clean defer split, one row per image",
                  "n_images": {s: len(v) for s, v in per_image.items()},
                  "smallest_p_value": round(1 / (n_cal + 1), 6)}
@@ -271,17 +273,6 @@ def image_check_stage(col: Collector, items: list[Item], per_family: int, seed: 
                 f"{log.get('temperature_split_flag_rate')}, corrupted copies flagged "
                 f"{log['corrupted_flag_rate']} at alpha {ALPHA}")
     return chk, log
-
-
-def _one_per_image(idx: torch.Tensor, items: list[Item]) -> torch.Tensor:
-    """The first item of each image among `idx` (order kept)."""
-    seen: set[str] = set()
-    out = []
-    for i in idx.tolist():
-        if items[i].image_id not in seen:
-            seen.add(items[i].image_id)
-            out.append(i)
-    return torch.tensor(out, dtype=torch.long)
 
 
 def bce(c: np.ndarray, z: np.ndarray) -> float:

@@ -219,6 +219,16 @@ def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dic
     model = actor.model
     model.requires_grad_(True)
     model.train()
+    try:
+        _train(model, batches, train, blanks, val, cfg, rng, log, t0)
+    finally:        # a failed run must not leave a served actor in training mode
+        model.eval()
+        model.requires_grad_(False)
+
+
+def _train(model, batches: Batches, train: list[Example], blanks: list[Example],
+           val: list[Example], cfg: SelfCalibration, rng: random.Random, log: list[dict],
+           t0: float) -> None:
     if val:
         log.append({"stage": "self_calibration", "step": 0,
                     **validation_auroc(model, batches, val)})
@@ -248,8 +258,6 @@ def self_calibrate(actor, items: list[Item], cfg: SelfCalibration, log: list[dic
                     rec.update(validation_auroc(model, batches, val))
                 log.append(rec)
                 console.log(rec)
-    model.eval()
-    model.requires_grad_(False)
 
 
 def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,

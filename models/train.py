@@ -362,12 +362,13 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
     sft_s = time.time() - t0
     grpo(sft_dir, actor_items, recipe, out, log)
     grpo_s = time.time() - t0 - sft_s
+    self_cfg = None
     if recipe.self_calibration:
         from models.self_calibrate import SMOKE_SELF, SelfCalibration, self_calibrate
 
-        cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=recipe.seed)
+        self_cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=recipe.seed)
         actor = load_actor(out)
-        self_calibrate(actor, actor_items, cfg, log)
+        self_calibrate(actor, actor_items, self_cfg, log)
         actor.model.save_pretrained(out)
     self_s = time.time() - t0 - sft_s - grpo_s
     test = load("easyvqa:test")
@@ -385,7 +386,8 @@ def train_actor(out: str | Path, recipe: Recipe | None = None, smoke: bool = Fal
             "evaluation": "easyvqa:test" + (f" (deterministic sample of {eval_limit})"
                                              if eval_limit else ""),
             "n_actor_items": len(actor_items), "n_heads_items": len(heads_items)},
-        "recipe": asdict(recipe),
+        "recipe": {**asdict(recipe),
+                   "self_calibration_config": asdict(self_cfg) if self_cfg else None},
         "seconds": {"sft": round(sft_s, 1), "grpo": round(grpo_s, 1),
                     "self_calibration": round(self_s, 1)},
         "command": command or f"dualread train-actor --out {out}" + (" --smoke" if smoke else ""),

@@ -199,3 +199,5 @@ def test_image_check_stage_takes_every_image_it_is_given(actors, own_or_wrong_da
         assert logs[len(its)]["n_images"] == {s: distinct(its, s)
                                               for s in ("reader", "temperature", "defer")}
     assert sum(logs[len(items)]["n_images"].values()) > sum(logs[len(half)]["n_images"].values())
+    assert logs[len(items)]["questions_given"] == len(items)
+    assert logs[len(items)]["distinct_images"] == len({it.image_id for it in items})

@@ -92,3 +92,27 @@ def test_validation_auroc_reads_mu_at_the_cue():
     got = validation_auroc(Peek(), batches, rows)
     assert got["val_mu_auroc"] == 1.0
     assert math.isclose(got["val_mu_mean"], (0.9 + 0.2) / 2, abs_tol=1e-3)
+
+
+def test_loss_terms_by_hand():
+    """Brier of μ against correctness, log P(digit), CE on the rest of the response: with
+    every row's mass on the level it states, μ is that level and log P(digit) ≈ 0."""
+    from models.self_calibrate import SelfCalibration, loss_of
+
+    actor = load_actor()
+    tok = actor.tokenizer
+    cue = "<think>I see a red circle. so</think><answer>red</answer><confidence>"
+    rows = [Example(_item(k), tok.encode(cue + level + "</confidence>",
+                                         add_special_tokens=False) + [tok.eos_token_id], ok)
+            for k, (level, ok) in enumerate([("9", True), ("2", False), ("10", False)])]
+
+    class Peek(torch.nn.Module):
+        def forward(self, input_ids, **_):
+            logits = torch.zeros(*input_ids.shape, len(tok))
+            logits[:, :-1].scatter_(-1, input_ids[:, 1:, None], 50.0)
+            return type("Out", (), {"logits": logits})()
+
+    _, parts = loss_of(Peek(), Batches(actor), rows, SelfCalibration())
+    assert math.isclose(parts["brier"], ((0.9 - 1) ** 2 + 0.2 ** 2 + 1.0 ** 2) / 3,
+                        abs_tol=1e-6)
+    assert abs(parts["log_digit_mass"]) < 1e-6 and parts["ce"] < 1e-6

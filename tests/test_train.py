@@ -64,6 +64,10 @@ def test_smoke_recipe_end_to_end(smoke_actor):
     card = json.loads((smoke_actor / "actor_card.json").read_text())
     assert card["recipe"]["grpo_steps"] == 2 and card["metrics"]["real"]["n"] == 32
     assert any(r["stage"] == "grpo" for r in card["log"])
+    # stage 3 ran on the GRPO result, and the card holds its settings
+    assert any(r["stage"] == "self_calibration" for r in card["log"])
+    assert card["recipe"]["self_calibration"] is True
+    assert card["recipe"]["self_calibration_config"]["steps"] == 3
     assert {"sft_and_grpo", "heads_holdout"} <= set(card["splits"])
     actor = load_actor(smoke_actor)
     assert actor.family.name == "qwen3_vl"
@@ -121,6 +125,27 @@ def test_self_calibration_end_to_end(smoke_actor, tmp_path):
     res = CliRunner().invoke(app, ["train-actor", "--out", str(tmp_path / "x"),
                                    "--self-calibrate"])
     assert res.exit_code != 0
+
+
+def test_self_calibration_leaves_the_model_frozen_even_when_it_fails(smoke_actor,
+                                                                      monkeypatch):
+    import models.self_calibrate as sc
+    from models.self_calibrate import SMOKE_SELF, self_calibrate
+
+    def boom(*_a, **_k):
+        raise RuntimeError("a training step failed")
+
+    items = split_train(load("easyvqa:train"))[0][:40]
+    for broken in (False, True):
+        actor = load_actor(smoke_actor)
+        if broken:      # the first training step raises
+            monkeypatch.setattr(sc, "loss_of", boom)
+            with pytest.raises(RuntimeError, match="training step"):
+                self_calibrate(actor, items, SMOKE_SELF, [])
+        else:
+            self_calibrate(actor, items, SMOKE_SELF, [])
+        assert not actor.model.training
+        assert not any(p.requires_grad for p in actor.model.parameters())
 
 
 def test_grpo_resumes_from_its_checkpoint(smoke_actor, tmp_path):
