@@ -43,6 +43,8 @@ class Timed:
     tokens: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
     same_tokens: list[bool] = field(default_factory=list)
     readouts: list = field(default_factory=list)
+    # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
+    readout_seconds: list[float] = field(default_factory=list)
 
 
 def sync(device: torch.device) -> None:
@@ -125,6 +127,7 @@ def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int
                 out.cpu_seconds[mode].append((time.process_time() - c) / batch)
             plain = got["plain"]
             out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
+            out.readout_seconds.append(got["capture"].timings.readout / batch)
             for mode in ("capture", "replay"):
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
@@ -164,7 +167,9 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
                  "seconds_per_item": {m: float(np.median(t.seconds[m])) for m in MODES},
                  "cpu_seconds_per_item": {m: float(np.median(t.cpu_seconds[m])) for m in MODES},
                  "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in MODES},
-                 "greedy_tokens_identical": bool(all(t.same_tokens))}
+                 "greedy_tokens_identical": bool(all(t.same_tokens)),
+                 "readout_seconds_per_item": float(np.median(t.readout_seconds))
+                 if t.readout_seconds else None}
     for m in ("capture", "replay", "sc8"):
         r, lo, hi = ratio_ci(t.seconds[m], plain, n_boot)
         out[f"{m}_ratio"] = r
@@ -183,6 +188,21 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------ heads alone
+def time_image_check(heads, images: Sequence, rounds: int = 5) -> float | None:
+    """Median microseconds of the image check (pixel statistics + p-value) per image."""
+    if heads.image_check is None or not images:
+        return None
+    for im in images[:4]:
+        heads.image_reading(im)
+    calls = []
+    for _ in range(rounds):
+        for im in images:
+            t = time.perf_counter()
+            heads.image_reading(im)
+            calls.append((time.perf_counter() - t) * 1e6)
+    return float(np.median(calls))
+
+
 def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
     """Microseconds per item for features + every reader + fusion + novelty + defer.
 

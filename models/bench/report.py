@@ -95,7 +95,15 @@ def markdown(r: dict) -> str:
               + (f"; {r['heads']['batch8_median_us']:.0f} µs per item (CPU time "
                  f"{r['heads']['batch8_cpu_median_us']:.0f} µs) when a batch of 8 is scored "
                  "in one call, as the service does"
-                 if r["heads"].get("batch8_median_us") else "") + ".", ""]
+                 if r["heads"].get("batch8_median_us") else "") + "."
+              + (f" The image check (pixel statistics + p-value, per image, timed alone): "
+                 f"{r['heads']['image_check_us']:.0f} µs per image."
+                 if r["heads"].get("image_check_us") else "")
+              + (" Readout assembly after decoding (`Actor.answer`'s readout stage, capture): "
+                 + ", ".join(f"{1e3 * blk['readout_seconds_per_item']:.2f} ms per item at "
+                             f"batch {blk['batch']}" for blk in ip.values())
+                 + "." if all(blk.get("readout_seconds_per_item") for blk in ip.values())
+                 else ""), ""]
     http = r.get("http")
     if http:
         flags = ", ".join(f"{k}={v}" for k, v in http["server_flags"].items() if v is not None)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from models.bench.inprocess import run_modes, summarise, time_heads
+from models.bench.inprocess import run_modes, summarise, time_heads, time_image_check
 from models.bench.report import markdown, targets
 
 
@@ -79,7 +79,8 @@ def in_process(actor, heads, items, plan: Plan,
     t8 = run_modes(actor, heads, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
                    advance=adv)
     return {"in_process": {"b1": summarise(t1), "b8": summarise(t8)},
-            "heads": time_heads(heads, t1.readouts)}
+            "heads": {**time_heads(heads, t1.readouts),
+                      "image_check_us": time_image_check(heads, [im for im, _ in items])}}
 
 
 def _rich_progress():
