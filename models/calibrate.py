@@ -264,15 +264,7 @@ def calibrate_actor(src: str | Path, out: str | Path, recipe, command: str = "",
     from models.data import load, sample
     from models.loading import load_actor
 
-    src, out = Path(src), Path(out)
-    if src.resolve() == out.resolve():
-        raise ValueError("write the continued actor to a new folder, not over its parent")
-    out.mkdir(parents=True, exist_ok=True)
-    # One thread by default: on a shared 2-core CPU two threads spun against other jobs
-    # (38 s a step vs 1.9 s measured); gradient checkpointing only costs time at this size.
-    torch.set_num_threads(threads)
-    torch.manual_seed(recipe.seed)
-    items, _ = split_train(load("easyvqa:train"))
+    src, out, items = continuation_start(src, out, threads, recipe.seed)
     if recipe.max_images:
         keep = set(sorted({it.image_id for it in items})[: recipe.max_images])
         items = [it for it in items if it.image_id in keep]
@@ -337,3 +329,21 @@ def continuation_card(src: Path, out: Path, test: list[Item], eval_limit: int | 
         "metrics": metrics,
         "log": log[-40:],
     }
+
+
+def continuation_start(src: str | Path, out: str | Path, threads: int, seed: int
+                       ) -> tuple[Path, Path, list[Item]]:
+    """Checks and set-up shared by the continuations of an actor: a new output folder,
+    torch threads and seed; returns the folders and the actor's training items."""
+    from models.data import load
+
+    src, out = Path(src), Path(out)
+    if src.resolve() == out.resolve():
+        raise ValueError("write the continued actor to a new folder, not over its parent")
+    out.mkdir(parents=True, exist_ok=True)
+    # One thread by default: on a shared 2-core CPU two threads spun against other jobs
+    # (38 s a step vs 1.9 s measured); gradient checkpointing only costs time at this size.
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    items, _ = split_train(load("easyvqa:train"))
+    return src, out, items

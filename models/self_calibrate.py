@@ -35,7 +35,7 @@ from rich.progress import Progress
 
 from models.canon import is_correct
 from models.data import Item
-from models.train import FLAT_LEVELS
+from models.train import FLAT_LEVELS, right_padded
 
 console = Console(stderr=True)
 
@@ -136,15 +136,7 @@ class Batches:
             grids.append(g)
             # blank-image answers are self-distilled only: no Brier term on them
             cue_at.append(k if 0 <= k < len(seq) - 1 and ex.blank is None else -1)
-        pad = self.actor.tokenizer.pad_token_id
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), pad)
-        lab = torch.full((len(seqs), width), -100)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, (s, y) in enumerate(zip(seqs, labels)):
-            ids[b, : len(s)] = torch.tensor(s)
-            lab[b, : len(y)] = torch.tensor(y)
-            mask[b, : len(s)] = 1
+        ids, lab, mask = right_padded(seqs, labels, self.actor.tokenizer.pad_token_id)
         inputs = {"input_ids": ids, "attention_mask": mask,
                   self.actor.family.type_ids_key: (ids == self.actor.image_token_id).long(),
                   "pixel_values": torch.cat(pix), "image_grid_thw": torch.cat(grids)}
@@ -265,18 +257,11 @@ def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,
                          smoke: bool = False, threads: int = 1) -> dict:
     """Self-calibrate the actor in `src` and write it, with a card naming its parent and
     the μ(C) metrics on easy-VQA test, to `out`."""
-    from models.calibrate import confidence_report, continuation_card
+    from models.calibrate import confidence_report, continuation_card, continuation_start
     from models.data import load, sample
     from models.loading import load_actor
-    from models.train import split_train
 
-    src, out = Path(src), Path(out)
-    if src.resolve() == out.resolve():
-        raise ValueError("write the calibrated actor to a new folder, not over its parent")
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
-    items, _ = split_train(load("easyvqa:train"))
+    src, out, items = continuation_start(src, out, threads, cfg.seed)
     if smoke:
         items = items[:200]
     actor = load_actor(src)

@@ -158,18 +158,26 @@ class SFTData:
             seqs.append(p + resp)
             labels.append([-100] * len(p) + lab)
             pix.append(self.pixels[it.image_id] if flat is None else flat)
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tok.pad_token_id)
-        lab = torch.full((len(seqs), width), -100)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, (s, y) in enumerate(zip(seqs, labels)):
-            ids[b, : len(s)] = torch.tensor(s)
-            lab[b, : len(y)] = torch.tensor(y)
-            mask[b, : len(s)] = 1
+        ids, lab, mask = right_padded(seqs, labels, tok.pad_token_id)
         types = (ids == self.actor.image_token_id).long()
         grid = self.grid.repeat(len(seqs), 1)
         return dict(input_ids=ids, attention_mask=mask, labels=lab, mm_token_type_ids=types,
                     pixel_values=torch.cat(pix), image_grid_thw=grid)
+
+
+def right_padded(seqs: list[list[int]], labels: list[list[int]], pad: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, labels (-100 where none) and the attention mask of a batch of sequences,
+    right padded to the longest."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad)
+    lab = torch.full((len(seqs), width), -100)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, (s, y) in enumerate(zip(seqs, labels)):
+        ids[b, : len(s)] = torch.tensor(s)
+        lab[b, : len(y)] = torch.tensor(y)
+        mask[b, : len(s)] = 1
+    return ids, lab, mask
 
 
 def _steps(model, opt, data: SFTData, phase: str, steps: int, lr_of, rng: random.Random,
