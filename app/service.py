@@ -23,6 +23,7 @@ from app.serving import (
     StageTimes,
 )
 from heads.dualread import Assessment, Heads
+from heads.novelty import NoveltyReading
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
 from models.readout import Response
@@ -112,7 +113,8 @@ class Service:
                                 limit, readout="capture", deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live})
+        scored = self._assess_batch({k: res[k].readout for k in live},
+                                    {k: items[k].image for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -122,15 +124,18 @@ class Service:
                                    self._answer(r, res.timings, c, im)))
         return out
 
-    def _assess_batch(self, readouts: dict[int, Any]) -> dict[int, tuple[Assessment, float]]:
-        """Served confidences and novelty of a whole batch in one call of the readers, with
-        each item's share of the seconds; {} when that call fails (each item then scores
-        alone, so a bad readout fails only its own item)."""
+    def _assess_batch(self, readouts: dict[int, Any], images: dict[int, Image.Image]
+                      ) -> dict[int, tuple[Assessment, NoveltyReading | None, float]]:
+        """Served confidences and novelty of a whole batch in one call of the readers, and
+        the image check of its images in one call, with each item's share of the seconds;
+        {} when either call fails (each item then scores alone, so a bad readout or image
+        fails only its own item)."""
         if not readouts:
             return {}
         t = time.perf_counter()
         try:
             confs = self.heads.assess(list(readouts.values()))
+            checks = self.heads.image_readings([images[k] for k in readouts])
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
@@ -138,15 +143,20 @@ class Service:
                         exc_info=e)
             return {}
         each = (time.perf_counter() - t) / len(readouts)
-        return {k: (c, each) for k, c in zip(readouts, confs)}
+        return {k: (c, None if checks is None else checks[j], each)
+                for j, (k, c) in enumerate(zip(readouts, confs))}
 
-    def _answer(self, r: Response, timings, scored: tuple[Assessment, float] | None = None,
+    def _answer(self, r: Response, timings,
+                scored: tuple[Assessment, NoveltyReading | None, float] | None = None,
                 image: Image.Image | None = None) -> AnswerResult:
         t = time.perf_counter()
-        a, batch_s = scored if scored is not None else (self.heads.assess([r.readout])[0], 0.0)
+        if scored is not None:
+            a, chk, batch_s = scored
+        else:
+            a, batch_s = self.heads.assess([r.readout])[0], 0.0
+            chk = self.heads.image_reading(image) if image is not None else None
         conf = _confidences(a.confidence)
         nov = a.novelty                              # None: these heads have no detector
-        chk = self.heads.image_reading(image) if image is not None else None
         heads_s = time.perf_counter() - t + batch_s
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
         # the heads hold the whole rule: τ, the novelty and image-check p-values against α,

@@ -34,29 +34,8 @@ MAX_SIDE = 256             # larger images are shrunk (box filter) before measur
 MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
 
-def _luminance(rgb: np.ndarray) -> np.ndarray:
-    return rgb @ np.array([0.299, 0.587, 0.114])
-
-
-def _laplacian(y: np.ndarray) -> np.ndarray:
-    return (y[:-2, 1:-1] + y[2:, 1:-1] + y[1:-1, :-2] + y[1:-1, 2:] - 4 * y[1:-1, 1:-1])
-
-
-def _blockiness(y: np.ndarray, block: int = 8) -> float:
-    """Mean absolute step across block borders over the mean step elsewhere (both axes);
-    1 for an image with no block structure, above 1 for JPEG blocking."""
-    ratios = []
-    for d in (np.abs(np.diff(y, axis=1)), np.abs(np.diff(y, axis=0)).T):
-        border = np.zeros(d.shape[1], bool)
-        border[block - 1:: block] = True
-        if border.all() or not border.any():
-            continue
-        ratios.append((d[:, border].mean() + EPS) / (d[:, ~border].mean() + EPS))
-    return float(np.mean(ratios)) if ratios else 1.0
-
-
-def pixel_features(image: Image.Image) -> np.ndarray:
-    """`PIXEL_FEATURES` of one image, float64."""
+def _prepared(image: Image.Image) -> np.ndarray:
+    """RGB in [0, 1], float64, after the size bounds (the array the statistics read)."""
     image = image.convert("RGB")
     if max(image.size) > MAX_SIDE:       # bounded cost; fitting and serving shrink alike
         image = image.copy()
@@ -64,33 +43,79 @@ def pixel_features(image: Image.Image) -> np.ndarray:
     if min(image.size) < MIN_SIDE:       # a 1×1 or 3000×2 input still gets a reading
         k = -(-MIN_SIDE // min(image.size))
         image = image.resize((image.width * k, image.height * k), Image.Resampling.NEAREST)
-    rgb = np.asarray(image, dtype=np.float64) / 255.0
-    y = _luminance(rgb)
-    lap = _laplacian(y)
-    h2, w2 = (y.shape[0] // 2) * 2, (y.shape[1] // 2) * 2
-    q = y[:h2, :w2]
-    diag = (q[0::2, 0::2] - q[1::2, 0::2] - q[0::2, 1::2] + q[1::2, 1::2]) / 2
-    sigma = np.median(np.abs(diag)) / 0.6745
-    power = np.abs(np.fft.fft2(y - y.mean())) ** 2
-    fy = np.abs(np.fft.fftfreq(y.shape[0]))[:, None]
-    fx = np.abs(np.fft.fftfreq(y.shape[1]))[None, :]
-    high = power[np.maximum(fy, fx) > 0.25].sum()
+    return np.asarray(image, dtype=np.float64) / 255.0
+
+
+def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
+    """Mean absolute step across block borders over the mean step elsewhere (both axes),
+    per image of a stack [N, H, W]; 1 for an image with no block structure, above 1 for
+    JPEG blocking."""
+    ratios = []
+    for d in (np.abs(np.diff(y, axis=2)), np.abs(np.diff(y, axis=1)).transpose(0, 2, 1)):
+        border = np.zeros(d.shape[2], bool)
+        border[block - 1:: block] = True
+        if border.all() or not border.any():
+            continue
+        ratios.append((d[:, :, border].mean(axis=(1, 2)) + EPS)
+                      / (d[:, :, ~border].mean(axis=(1, 2)) + EPS))
+    return np.mean(ratios, axis=0) if ratios else np.ones(len(y))
+
+
+def _stack_features(rgb: np.ndarray) -> np.ndarray:
+    """`PIXEL_FEATURES` of a stack of same-size images [N, H, W, 3] -> [N, 10]: one set
+    of array operations for the stack instead of one per image (the per-call overhead of
+    numpy, not the arithmetic, is what a 64×64 image costs)."""
+    n = len(rgb)
+    ax = (1, 2)
+    y = rgb @ np.array([0.299, 0.587, 0.114])
+    lap = (y[:, :-2, 1:-1] + y[:, 2:, 1:-1] + y[:, 1:-1, :-2] + y[:, 1:-1, 2:]
+           - 4 * y[:, 1:-1, 1:-1])
+    h2, w2 = (y.shape[1] // 2) * 2, (y.shape[2] // 2) * 2
+    q = y[:, :h2, :w2]
+    diag = (q[:, 0::2, 0::2] - q[:, 1::2, 0::2] - q[:, 0::2, 1::2] + q[:, 1::2, 1::2]) / 2
+    sigma = np.median(np.abs(diag).reshape(n, -1), axis=1) / 0.6745
+    power = np.abs(np.fft.fft2(y - y.mean(axis=ax, keepdims=True), axes=ax)) ** 2
+    fy = np.abs(np.fft.fftfreq(y.shape[1]))[:, None]
+    fx = np.abs(np.fft.fftfreq(y.shape[2]))[None, :]
+    high = power[:, np.maximum(fy, fx) > 0.25].sum(axis=1)
     rg = rgb[..., 0] - rgb[..., 1]
     yb = (rgb[..., 0] + rgb[..., 1]) / 2 - rgb[..., 2]
-    colourful = np.hypot(rg.std(), yb.std()) + 0.3 * np.hypot(rg.mean(), yb.mean())
-    gy, gx = np.gradient(y)
+    colourful = np.hypot(rg.std(axis=ax), yb.std(axis=ax)) + \
+        0.3 * np.hypot(rg.mean(axis=ax), yb.mean(axis=ax))
+    gy, gx = np.gradient(y, axis=ax)
     q5 = (rgb * 255).astype(np.int64) >> 3                       # 5 bits per channel
-    palette = np.count_nonzero(np.bincount(
-        ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).ravel(), minlength=1 << 15))
-    return np.array([
-        y.mean(),
-        y.std(),
-        np.log(lap.var() + EPS),
+    codes = ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).reshape(n, -1)
+    codes = codes + (np.arange(n)[:, None] << 15)                 # one histogram per image
+    palette = np.count_nonzero(np.bincount(codes.ravel(), minlength=n << 15)
+                               .reshape(n, 1 << 15), axis=1)
+    size = y.shape[1] * y.shape[2]
+    return np.stack([
+        y.mean(axis=ax),
+        y.std(axis=ax),
+        np.log(lap.var(axis=ax) + EPS),
         np.log(sigma + EPS),
-        np.log((high + EPS) / (power.sum() + EPS)),
+        np.log((high + EPS) / (power.sum(axis=ax) + EPS)),
         _blockiness(y),
         colourful,
-        float(np.mean((y < 0.02) | (y > 0.98))),
-        float(np.mean(np.hypot(gx, gy) > 0.1)),
-        np.log(palette / y.size),
-    ])
+        np.mean((y < 0.02) | (y > 0.98), axis=ax),
+        np.mean(np.hypot(gx, gy) > 0.1, axis=ax),
+        np.log(palette / size),
+    ], axis=1)
+
+
+def pixel_features(image: Image.Image) -> np.ndarray:
+    """`PIXEL_FEATURES` of one image, float64."""
+    return _stack_features(_prepared(image)[None])[0]
+
+
+def pixel_features_many(images: list[Image.Image]) -> np.ndarray:
+    """`pixel_features` of every image, [N, 10]: images of the same size (after the size
+    bounds) are measured as one stack."""
+    arrays = [_prepared(im) for im in images]
+    out = np.empty((len(arrays), len(PIXEL_FEATURES)))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, a in enumerate(arrays):
+        groups.setdefault(a.shape, []).append(k)
+    for idx in groups.values():
+        out[idx] = _stack_features(np.stack([arrays[k] for k in idx]))
+    return out

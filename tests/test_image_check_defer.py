@@ -13,7 +13,7 @@ from heads.defer import DeferPolicy
 from heads.dualread import Heads
 from heads.evaluate import evaluate
 from heads.fit import fit_heads, fit_image_check, image_split, novelty_items
-from heads.image_check import pixel_features
+from heads.image_check import pixel_features, pixel_features_many
 from heads.novelty import Novelty
 from models.data import load
 from tests.conftest import random_image
@@ -201,3 +201,22 @@ def test_image_check_stage_takes_every_image_it_is_given(actors, own_or_wrong_da
     assert sum(logs[len(items)]["n_images"].values()) > sum(logs[len(half)]["n_images"].values())
     assert logs[len(items)]["questions_given"] == len(items)
     assert logs[len(items)]["distinct_images"] == len({it.image_id for it in items})
+
+
+def test_batched_image_readings_equal_one_at_a_time(check):
+    """Same-size images are measured as one stack: the statistics, scores and p-values
+    equal those of each image alone (sizes mixed, tiny and grayscale included)."""
+    heads = Heads(dim=2, policy=_policy(0.5))
+    heads.image_check = check
+    ims = [random_image(k) for k in range(5)] + [
+        Image.new("L", (3, 1), 7), random_image(9).resize((40, 30)),
+        _blocks(np.random.default_rng(1))]
+    many = pixel_features_many(ims)
+    one = np.stack([pixel_features(im) for im in ims])
+    assert np.allclose(many, one, rtol=0, atol=1e-12)
+    got = heads.image_readings(ims)
+    want = [heads.image_reading(im) for im in ims]
+    assert [g.p_value for g in got] == [w.p_value for w in want]
+    assert np.allclose([g.score for g in got], [w.score for w in want], atol=1e-9)
+    assert heads.image_readings([]) == []
+    assert Heads(dim=2, policy=_policy(0.5)).image_readings(ims) is None

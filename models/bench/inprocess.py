@@ -66,11 +66,12 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
 
 def decide_all(heads, readouts: Sequence, images: Sequence | None = None) -> list[bool]:
     """Confidence (one batched call of the readers), novelty, the image check (when the
-    images are given) and the defer rule for every readout, as `Service.answer_batch`
-    runs them."""
+    images are given; one call for the batch) and the defer rule for every readout, as
+    `Service.answer_batch` runs them."""
+    checks = heads.image_readings(list(images)) if images is not None else None
     out = []
     for k, a in enumerate(heads.assess(list(readouts))):
-        chk = heads.image_reading(images[k]) if images is not None else None
+        chk = checks[k] if checks else None
         out.append(heads.decide(a.confidence["dualread"],
                                 a.novelty.p_value if a.novelty else None, None,
                                 chk.p_value if chk else None)[0])
