@@ -82,6 +82,16 @@ class DeadlineExceeded(ServiceError):
     status = 504
 
 
+class ClientGone(ServiceError):
+    """The client closed the connection before its answer was ready (nginx's 499; nobody
+    receives it, but logs and metrics count it)."""
+
+    status = 499
+
+    def __init__(self, detail: str = "client closed the connection") -> None:
+        super().__init__(detail)
+
+
 class ModelFailure(ServiceError):
     """The model raised on this item (alone): a server-side fault, reported without a trace."""
 

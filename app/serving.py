@@ -12,7 +12,7 @@ import asyncio
 import base64
 import binascii
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, make_dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,14 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from app.engine import Batcher, BatcherHooks, Job
-from app.errors import DeadlineExceeded, InvalidInput, NotReady, ShuttingDown, TrajectoryInvalid
+from app.errors import (
+    ClientGone,
+    DeadlineExceeded,
+    InvalidInput,
+    NotReady,
+    ShuttingDown,
+    TrajectoryInvalid,
+)
 from app.settings import Settings
 from clients.schemas import SERVED_CONFIDENCES
 from models.images import ImageError, ImageTooLarge, open_image
@@ -244,11 +251,15 @@ class Serving:
     def _deadline(self) -> float:
         return time.monotonic() + self.settings.request_timeout_s
 
-    async def _await(self, jobs: list[Job]) -> list[Served]:
+    async def _await(self, jobs: list[Job], gone: Gone | None = None) -> list[Served]:
+        """The jobs' results; on timeout, on cancellation, or when `gone()` says the client
+        has closed the connection, their futures are cancelled, so the worker drops the
+        jobs still queued (a client that times out and retries adds no model work)."""
         timeout = self.settings.request_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                results = await asyncio.gather(*(asyncio.shield(j.future) for j in jobs))
+                work = asyncio.gather(*(asyncio.shield(j.future) for j in jobs))
+                results = await (work if gone is None else _unless_gone(work, gone))
         except TimeoutError:
             for j in jobs:          # the worker skips them, or stops decoding at the deadline
                 j.future.cancel()
@@ -259,19 +270,36 @@ class Serving:
             raise
         return [Served(r, j.queued_s, j.batch) for r, j in zip(results, jobs)]
 
-    async def answer(self, items: list[AnswerItem], request_id: str | None = None
-                     ) -> list[Served]:
-        """Answers for one request's items (1, or 2 for a counterfactual), in order."""
+    async def answer(self, items: list[AnswerItem], request_id: str | None = None,
+                     gone: Gone | None = None) -> list[Served]:
+        """Answers for one request's items (1, or 2 for a counterfactual), in order.
+        `gone`: tells whether the client has disconnected (polled while waiting)."""
         self.require_backend()
         key = items[0].max_new_tokens   # one generation limit per batch
         jobs = self.batcher.submit_many("answer", items, self._deadline(), key)
-        served = await self._await(jobs)
+        served = await self._await(jobs, gone)
         if request_id is not None:
             for s in served:
                 self.hooks.answered(request_id, s.result, s.queued_s)
         return served
 
-    async def score(self, items: list[ScoreItem]) -> list[Served]:
+    async def score(self, items: list[ScoreItem], gone: Gone | None = None) -> list[Served]:
         self.require_backend()
         jobs = self.batcher.submit_many("score", items, self._deadline())
-        return await self._await(jobs)
+        return await self._await(jobs, gone)
+
+
+# How often a waiting request checks that its client is still connected.
+GONE_POLL_S = 0.1
+Gone = Callable[[], Awaitable[bool]]
+
+
+async def _unless_gone(work: asyncio.Future, gone: Gone) -> Any:
+    """`work`'s result, or ClientGone once `gone()` is true while it is pending."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=GONE_POLL_S)
+        if done:
+            return work.result()
+        if await gone():
+            work.cancel()
+            raise ClientGone()

@@ -493,3 +493,40 @@ def test_dispatch_drops_a_job_abandoned_while_an_earlier_group_ran():
 
     assert run(body()) == [2, 40]
     assert a.batches == [[1]] and s.batches == [[20]]
+
+
+def test_a_job_whose_client_has_gone_is_dropped_before_it_runs():
+    """While the worker is busy, a waiting request whose client disconnects gets
+    ClientGone and its job never reaches a handler (a client that times out and retries
+    adds no model work)."""
+    from types import SimpleNamespace
+
+    from app.errors import ClientGone
+    from app.serving import Serving
+
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+    batcher = Batcher({"answer": h}, max_batch=1, wait_ms=0, queue_limit=8)
+    serving = Serving.__new__(Serving)
+    serving.settings = SimpleNamespace(request_timeout_s=FAR)
+    polls = []
+
+    async def gone() -> bool:
+        polls.append(1)
+        return len(polls) >= 2          # the client leaves after the first poll
+
+    async def body():
+        busy = batcher.submit("answer", 1, deadline())          # holds the worker
+        await until(lambda: h.gate is not None and batcher.inflight >= 1)
+        [left] = batcher.submit_many("answer", [2], deadline())
+        with pytest.raises(ClientGone):
+            await serving._await([left], gone)
+        assert left.future.cancelled()
+        gate.set()
+        assert await within(busy.future) == 2
+        still = batcher.submit("answer", 3, deadline())         # the worker goes on
+        assert await within(still.future) == 6
+
+    run(_with(batcher, body))
+    assert [p for b in h.batches for p in b] == [1, 3]       # 2 never ran
+    assert len(polls) == 2

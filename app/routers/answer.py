@@ -98,7 +98,7 @@ async def answer(request: Request, serving: Serving = Depends(get_serving)) -> A
     else:
         raise UnsupportedMediaType("send application/json or multipart/form-data")
     rid = request_id(request)
-    [served] = await serving.answer([item], request_id=rid)
+    [served] = await serving.answer([item], request_id=rid, gone=request.is_disconnected)
     request.scope["state"]["batch_size"] = served.batch
     return response(serving, rid, served.result, served.queued_s)
 

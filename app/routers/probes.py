@@ -66,7 +66,8 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
     cf = blank_image() if body.counterfactual == "blank" else \
         await serving.image_b64(body.counterfactual, "counterfactual")
     a, b = await serving.answer([AnswerItem(real, question, limit),
-                                 AnswerItem(cf, question, limit)])
+                                 AnswerItem(cf, question, limit)],
+                                gone=request.is_disconnected)
     ra, rb = a.result, b.result
     ref, cf_ref = body.reference_answer, body.counterfactual_reference_answer
     z_real = is_correct(ra.answer, ref) if ref is not None else None
@@ -89,7 +90,7 @@ async def score(request: Request, body: ScoreRequest, serving: Serving = Depends
     mask = mask_spec(body.mask, body.response)
     image = await serving.image_b64(body.image)
     [item] = await serving.score_items(image, question, [(body.response, mask)])
-    [served] = await serving.score([item])
+    [served] = await serving.score([item], gone=request.is_disconnected)
     request.scope["state"]["batch_size"] = served.batch
     r = trajectory_score(served.result)
     return ScoreResponse(**r.model_dump(), request_id=request_id(request))
@@ -107,7 +108,7 @@ async def score_batch(request: Request, body: ScoreBatchRequest,
     image = await serving.image_b64(body.image)
     items = await serving.score_items(
         image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
-    served = await serving.score(items)
+    served = await serving.score(items, gone=request.is_disconnected)
     request.scope["state"]["batch_size"] = max(s.batch for s in served)
     return ScoreBatchResponse(results=[trajectory_score(s.result) for s in served],
                               request_id=request_id(request))
