@@ -89,9 +89,10 @@ class Service:
 
     def check_response(self, response: str, max_tokens: int) -> str:
         """The text that will be scored (masks index into it), or TrajectoryInvalid."""
-        text = self.actor.score_text(response)
-        self._check_tokens(text, max_tokens, TrajectoryInvalid)
-        return text
+        # the budget counts the trajectory's own tokens, not the cue appended to it
+        self._check_tokens(self.actor.score_text(response, cue=False), max_tokens,
+                           TrajectoryInvalid)
+        return self.actor.score_text(response)
 
     def _check_tokens(self, text: str, max_tokens: int, error: type[Exception],
                       subject: str = "") -> None:

@@ -238,6 +238,18 @@ def test_huge_trajectory_is_refused_before_queueing(api):
     assert metric(api, "dualread_batch_size_count") == before     # nothing reached the model
 
 
+def test_trajectory_budget_counts_its_own_tokens_only(service):
+    """A trajectory of exactly the limit passes (the cue appended for scoring is not
+    counted against it); one token more does not."""
+    from app.errors import TrajectoryInvalid
+
+    text = "<think>I see a red circle.</think><answer>" + "red " * 10 + "</answer>"
+    n = service.actor.count_tokens(text)
+    assert service.check_response(text, n) == service.actor.score_text(text)
+    with pytest.raises(TrajectoryInvalid):
+        service.check_response(text, n - 1)
+
+
 def test_question_token_budget(service):
     with make(service, max_question_tokens=5) as c:
         r = c.post("/answer", json={"image": IMG, "question": "red " * 40})
