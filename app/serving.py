@@ -256,10 +256,11 @@ class Serving:
         has closed the connection, their futures are cancelled, so the worker drops the
         jobs still queued (a client that times out and retries adds no model work)."""
         timeout = self.settings.request_timeout_s
+        futures = [j.future for j in jobs]
         try:
             async with asyncio.timeout(timeout):
-                work = asyncio.gather(*(asyncio.shield(j.future) for j in jobs))
-                results = await (work if gone is None else _unless_gone(work, gone))
+                await _settled(futures, gone)
+            results = [f.result() for f in futures]   # raises a failed job's error
         except TimeoutError:
             for j in jobs:          # the worker skips them, or stops decoding at the deadline
                 j.future.cancel()
@@ -294,12 +295,16 @@ GONE_POLL_S = 0.1
 Gone = Callable[[], Awaitable[bool]]
 
 
-async def _unless_gone(work: asyncio.Future, gone: Gone) -> Any:
-    """`work`'s result, or ClientGone once `gone()` is true while it is pending."""
-    while True:
-        done, _ = await asyncio.wait({work}, timeout=GONE_POLL_S)
-        if done:
-            return work.result()
-        if await gone():
-            work.cancel()
+async def _settled(futures: list[asyncio.Future], gone: Gone | None) -> None:
+    """Wait until every future is done or one has failed; ClientGone once `gone()` is
+    true while some are pending. The futures are waited on, never wrapped (a wrapper
+    nobody reads logs "exception was never retrieved" when it is cancelled)."""
+    pending = set(futures)
+    while pending:
+        done, pending = await asyncio.wait(
+            pending, timeout=None if gone is None else GONE_POLL_S,
+            return_when=asyncio.FIRST_EXCEPTION)
+        if any(not f.cancelled() and f.exception() is not None for f in done):
+            return
+        if pending and gone is not None and await gone():
             raise ClientGone()

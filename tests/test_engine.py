@@ -495,10 +495,12 @@ def test_dispatch_drops_a_job_abandoned_while_an_earlier_group_ran():
     assert a.batches == [[1]] and s.batches == [[20]]
 
 
-def test_a_job_whose_client_has_gone_is_dropped_before_it_runs():
+def test_a_job_whose_client_has_gone_is_dropped_before_it_runs(caplog):
     """While the worker is busy, a waiting request whose client disconnects gets
     ClientGone and its job never reaches a handler (a client that times out and retries
-    adds no model work)."""
+    adds no model work); nothing is logged as an error on the way."""
+    import gc
+    import logging
     from types import SimpleNamespace
 
     from app.errors import ClientGone
@@ -527,6 +529,41 @@ def test_a_job_whose_client_has_gone_is_dropped_before_it_runs():
         still = batcher.submit("answer", 3, deadline())         # the worker goes on
         assert await within(still.future) == 6
 
-    run(_with(batcher, body))
+    with caplog.at_level(logging.WARNING):
+        run(_with(batcher, body))
+        gc.collect()                    # an unread cancelled wrapper would log here
     assert [p for b in h.batches for p in b] == [1, 3]       # 2 never ran
     assert len(polls) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_timed_out_request_is_a_deadline_error_and_logs_nothing(caplog):
+    import gc
+    import logging
+    from types import SimpleNamespace
+
+    from app.serving import Serving
+
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+    batcher = Batcher({"answer": h}, max_batch=1, wait_ms=0, queue_limit=8)
+    serving = Serving.__new__(Serving)
+    serving.settings = SimpleNamespace(request_timeout_s=0.05)
+
+    async def never_gone() -> bool:
+        return False
+
+    async def body():
+        busy = batcher.submit("answer", 1, deadline())
+        jobs = batcher.submit_many("answer", [2, 3], deadline())
+        with pytest.raises(DeadlineExceeded):
+            await serving._await(jobs, never_gone)
+        assert all(j.future.cancelled() for j in jobs)
+        gate.set()
+        assert await within(busy.future) == 2
+
+    with caplog.at_level(logging.WARNING):
+        run(_with(batcher, body))
+        gc.collect()
+    assert [p for b in h.batches for p in b] == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
