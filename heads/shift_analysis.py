@@ -199,6 +199,13 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
     report["refit_clean"] = {n: cell(p_b0[n], z[n], p_b0[n] < b0.tau) for n in cells}
     report["refit_clean_tau"] = b0.tau
 
+    # the shipped image check (one-class on clean images: every family is held out from
+    # it by construction), for the shipped rule's leave-one-family-out column
+    img_p = None
+    if heads.image_check is not None:
+        img_p = {n: np.array([c.p_value for c in heads.image_readings(
+            [it.image() for it in sets[n]])]) for n in cells}
+
     # (3) leave one family out (needs every family's pool)
     lofo: dict = {}
     if len(pool_names) < len(FAMILIES):
@@ -235,6 +242,12 @@ def analyse(data: dict, sets: dict[str, list[Item]], out: Path, command: str = "
         for alpha in ALPHAS:
             row[f"c@{alpha}"] = {n: cell(pb[n], z[n], (pb[n] < hb.tau) |
                                          (p_sup[n] < alpha)) for n in test_names}
+        if img_p is not None:
+            # the shipped rule with its novelty detector refitted without `held`:
+            # p_DR < τ, or novelty p < α, or image-check p < α
+            row[f"rule@{a0}"] = {
+                n: cell(p_dr[n], z[n], (p_dr[n] < tau) | (p_sup[n] < a0) | (img_p[n] < a0))
+                for n in test_names}
         lofo[held] = row
         print(f"held out {held}: (a) {best}", flush=True)
     report["lofo"] = lofo
@@ -302,17 +315,21 @@ def markdown(rep: dict) -> str:
           "defer / risk among kept (n kept); ✓ = target met. (a) conformal p-value of a "
           "novelty score (unsupervised: chosen by power at α on the other families' pool; "
           "supervised: logistic clean vs other families), (b) DualRead refitted on clean + "
-          "other families, τ on clean, (c) = (b) + supervised (a).", ""]
+          "other families, τ on clean, (c) = (b) + supervised (a); rule = the shipped defer "
+          "rule (shipped heads' τ, the supervised detector of (a) refitted without the "
+          "held-out family, the shipped image check, which is fitted on clean images only).",
+          ""]
     L += _lofo_table(rep, 5)
     L += ["", "### Same, severities 3 and 1", ""]
     L += _lofo_table(rep, 3) + [""] + _lofo_table(rep, 1)
     L += ["", "### In distribution (clean `easyvqa:test`): defer rate", ""]
     shipped = rep["shipped"]["test"]["defer_rate"]
     L += [f"Shipped heads alone: {shipped:.3f}.", "",
-          "| held-out fold | " + " | ".join(_METHODS) + " |", "|---" * (len(_METHODS) + 1) + "|"]
+          "| held-out fold | " + " | ".join(_methods(rep)) + " |",
+          "|---" * (len(_methods(rep)) + 1) + "|"]
     for held, row in rep["lofo"].items():
         L.append(f"| {held} | " + " | ".join(
-            _f(row[m]["test"]["defer_rate"]) for m in _METHODS) + " |")
+            _f(row[m]["test"]["defer_rate"]) for m in _methods(rep)) + " |")
     L += ["", "Scorer chosen for (a) per fold: " + ", ".join(
         f"{h}: {row['a_choice']['unsupervised']}" for h, row in rep["lofo"].items()), ""]
     return "\n".join(L) + "\n"
@@ -331,7 +348,7 @@ def _summary(rep: dict) -> list[str]:
          "|---|---|---|"]
     shipped = sum(meets(rep["shipped"][f"test~{h}:5"], r) for h in rep["lofo"])
     L.append(f"| shipped heads alone | {shipped} | 0 |")
-    for m in _METHODS:
+    for m in _methods(rep):
         ok = sum(meets(row[m][f"test~{h}:5"], r) for h, row in rep["lofo"].items())
         rise = max(row[m]["test"]["defer_rate"] for row in rep["lofo"].values()) - base
         L.append(f"| {m} | {ok} | {100 * rise:+.1f} points |")
@@ -344,20 +361,26 @@ def _summary(rep: dict) -> list[str]:
 
 
 _METHODS = ("a_unsup@0.01", "a_sup@0.01", "a_unsup@0.05", "a_sup@0.05", "b", "c@0.01",
-            "c@0.05")
+            "c@0.05", "rule@0.01")
+
+
+def _methods(rep: dict) -> tuple[str, ...]:
+    """The methods every fold of this report has (older reports have no rule column)."""
+    return tuple(m for m in _METHODS if all(m in row for row in rep["lofo"].values()))
 
 
 def _lofo_table(rep: dict, sev: int) -> list[str]:
     r = rep["target_risk"]
-    L = ["| held out (shipped) | " + " | ".join(_METHODS) + " |",
-         "|---" * (len(_METHODS) + 1) + "|"]
+    methods = _methods(rep)
+    L = ["| held out (shipped) | " + " | ".join(methods) + " |",
+         "|---" * (len(methods) + 1) + "|"]
     for held, row in rep["lofo"].items():
         n = f"test~{held}:{sev}"
         if n not in row["b"]:
             continue
         s = rep["shipped"][n]
         cells = [f"{_f(s['defer_rate'], 2)} / {_f(s['risk_kept'], 2)}"]
-        for m in _METHODS:
+        for m in methods:
             c = row[m][n]
             mark = " ✓" if meets(c, r) else ""
             cells.append(f"{_f(c['defer_rate'], 2)} / {_f(c['risk_kept'], 2)} "
