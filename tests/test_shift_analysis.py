@@ -90,3 +90,26 @@ def test_refit_uses_the_study_settings_not_the_shipped_ones(monkeypatch):
     fit_linear(expected, f["h_close"][reader], f["z"][reader], l2=1e-3)
     torch.testing.assert_close(refit.heads.readers["state"].net[-1].weight,
                                expected.net[-1].weight)
+
+
+def test_lofo_table_shows_the_rule_column_only_when_every_fold_has_it():
+    from heads.shift_analysis import _METHODS, _lofo_table, _methods
+
+    def c(defer: float, risk: float, kept: int) -> dict:
+        return {"defer_rate": defer, "risk_kept": risk, "n_kept": kept}
+
+    def row(with_rule: bool) -> dict:
+        r = {m: {"test~blur:5": c(0.5, 0.2, 100)} for m in _METHODS if m != "rule@0.01"}
+        r["b"] = {"test~blur:5": c(0.5, 0.2, 100)}
+        if with_rule:
+            r["rule@0.01"] = {"test~blur:5": c(0.95, 0.3, 10)}   # defer ≥ 0.9: met
+        return r
+
+    rep = {"target_risk": 0.05, "shipped": {"test~blur:5": c(0.2, 0.2, 160)},
+           "lofo": {"blur": row(True)}}
+    assert _methods(rep)[-1] == "rule@0.01"
+    line = _lofo_table(rep, 5)[-1]
+    assert line.endswith("0.95 / 0.30 (10) ✓ |") and line.startswith("| blur:5 (0.20 / 0.20)")
+    rep["lofo"]["noise"] = row(False)
+    assert "rule@0.01" not in _methods(rep)
+    assert "rule@0.01" not in _lofo_table(rep, 5)[0]
