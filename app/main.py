@@ -87,5 +87,5 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         app.include_router(router)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
-                       body_timeout_s=settings.body_timeout_s)
+                       body_timeout_s=settings.body_timeout_s, api_key=settings.api_key)
     return app

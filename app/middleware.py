@@ -5,6 +5,7 @@ plain-text trace, never a dropped connection)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -91,14 +92,23 @@ def _is_json(headers: Headers) -> bool:
                                           and kind.endswith("+json"))
 
 
+def bearer_matches(authorization: str, key: str) -> bool:
+    """`Authorization: Bearer <key>` (scheme in any case), compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    given = token.encode() if scheme.lower() == "bearer" else b""
+    return hmac.compare_digest(given, key.encode())
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int,
-                 draining: Callable[[], bool], body_timeout_s: float = 30.0) -> None:
+                 draining: Callable[[], bool], body_timeout_s: float = 30.0,
+                 api_key: str | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body_bytes
         self.draining = draining
         self.body_timeout = body_timeout_s
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -180,7 +190,15 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            if scope.get("method") in ("POST", "PUT", "PATCH") and self.api_key and \
+                    not bearer_matches(headers.get("authorization", ""), self.api_key):
+                # every route that takes a body needs the key: refused before a byte of the
+                # body is read or its size is judged (the routes check the key again)
+                precheck = True
+                await error_response(401, "missing or invalid credentials", rid,
+                                     {"WWW-Authenticate": "Bearer"})(scope, receive,
+                                                                     send_with_ids)
+            elif length is not None and (not length.isdigit() or int(length) > self.max_body):
                 # refused before a byte of the body is read
                 precheck = True
                 await error_response(413, f"body over the limit of {self.max_body} bytes",

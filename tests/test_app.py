@@ -324,6 +324,31 @@ def test_auth_on(service):
         assert c.get("/v1/models").status_code == 401
 
 
+def test_the_key_is_checked_before_the_body(service):
+    """Without the key a body is refused 401 before it is read or judged: no 422 from the
+    JSON pre-check and no 413 that would tell the body limit; with the key those stand."""
+    nested = '{"a": ' * 20 + "1" + "}" * 20
+    key = {"Authorization": "Bearer s3cret"}
+    with client(service, api_key="s3cret", max_body_bytes=10_000) as c:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+            r = c.post("/answer", content=nested,
+                       headers={"content-type": "application/json", **headers})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["detail"] == "missing or invalid credentials"
+            big = c.post("/probe/score", content=b"x" * 20_000,
+                         headers={"content-type": "application/json", **headers})
+            assert big.status_code == 401
+        r = c.post("/answer", content=nested,
+                   headers={"content-type": "application/json", **key})
+        assert r.status_code == 422 and "nested" in r.json()["detail"]
+        big = c.post("/probe/score", content=b"x" * 20_000,
+                     headers={"content-type": "application/json", **key})
+        assert big.status_code == 413
+        ok = c.post("/answer", json={"image": IMG, "question": Q},
+                    headers={"Authorization": "bEaReR s3cret"})    # scheme in any case
+        assert ok.status_code == 200
+
+
 def test_readiness_is_503_until_loaded(tmp_path):
     settings = Settings(actor=str(tmp_path / "missing"))
     with TestClient(create_app(settings)) as c:
