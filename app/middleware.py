@@ -56,33 +56,53 @@ def json_problem(body: bytes) -> str | None:
     # do, and json.loads would decode them behind this byte-level scan.
     if b"\x00" in body:
         return "body: JSON must be UTF-8 text"
-    stack: list[list] = []     # per open container: [is an object, keys or commas so far]
+    # per open container: [is an object, keys or commas so far, its keys]
+    stack: list[list] = []
     values = 0
+    last = (0, 0)              # the latest string token (a key when ':' follows it)
     for m in _TOKEN.finditer(body):
         c = body[m.start()]
         if c == _QUOTE:
             if m.group(1) is None:
                 return None        # a string that never closes: invalid, the parser says so
+            last = m.span()
             continue
         if c in _OPEN:
-            stack.append([c == _OPEN[0], 0])
+            stack.append([c == _OPEN[0], 0, set()])
             if len(stack) > MAX_JSON_DEPTH:
                 return f"body: nested deeper than {MAX_JSON_DEPTH} levels"
         elif c in _CLOSE:
             if stack:
                 stack.pop()
         elif stack:
-            obj, count = stack[-1]
+            obj, count, _ = stack[-1]
             if (c == ord(":")) == obj:       # a key in an object, a comma in a list
                 stack[-1][1] = count = count + 1
                 if obj and count > MAX_JSON_KEYS:
                     return f"body: an object has more than {MAX_JSON_KEYS} fields"
+                if obj:
+                    # the parser would keep the last of two equal keys, and a proxy that
+                    # checked the first would have judged another request
+                    key = _key(body[last[0]: last[1]])
+                    if key in stack[-1][2]:
+                        return "body: an object has a duplicate key"
+                    stack[-1][2].add(key)
                 if not obj and count >= MAX_JSON_ITEMS:
                     return f"body: a list has more than {MAX_JSON_ITEMS} items"
             values += 1
             if values > MAX_JSON_NODES:
                 return f"body: more than {MAX_JSON_NODES} values"
     return None
+
+
+def _key(token: bytes) -> str:
+    """A key as the parser will read it: escapes decoded (`"\\u0071"` is `"q"`)."""
+    if b"\\" not in token:
+        return token[1:-1].decode("utf-8", "replace")
+    try:
+        return json.loads(token)
+    except ValueError:     # an invalid escape: the parser refuses the body anyway
+        return token.decode("utf-8", "replace")
 
 
 def _is_json(headers: Headers) -> bool:

@@ -806,3 +806,24 @@ def test_an_animated_png_is_refused():
     frames[0].save(buf, "PNG", save_all=True, append_images=frames[1:])
     with pytest.raises(ImageInvalid, match="animated image \\(2 frames\\)"):
         open_image(buf.getvalue())
+
+
+def test_a_repeated_field_is_refused_not_last_wins(api):
+    """Two values for one field would let the parser keep the last while a proxy checked
+    the first; JSON (escaped spellings included, at any depth) and multipart alike."""
+    img = f'"image": "{IMG}"'
+    body = "{" + img + ', "question": "what color is the shape?", "question": "is it red?"}'
+    nested = "{" + img + ', "question": "q", "response": "x", ' \
+        '"mask": {"target": "think", "target": "answer"}}'
+    for text in (body, body.replace('"question": "is', '"quest\\u0069on": "is'), nested):
+        path = "/probe/score" if "mask" in text else "/answer"
+        r = api.post(path, content=text, headers={"content-type": "application/json"})
+        assert_error(r, 422, "duplicate key")
+    # the same key in two different objects is fine
+    ok = api.post("/probe/score", json={"image": IMG, "question": Q, "response": "x",
+                                        "mask": {"target": "think"}})
+    assert ok.status_code == 200
+    raw = png_bytes(random_image(0))
+    r = api.post("/answer", files=[("file", ("x.png", raw, "image/png")),
+                                   ("question", (None, Q)), ("question", (None, "is it red?"))])
+    assert_error(r, 422, "repeats a part")

@@ -41,6 +41,10 @@ async def _multipart(request: Request, serving: Serving) -> AnswerItem:
     if extra:
         raise InvalidInput("multipart body has unexpected parts; send file, question and "
                            "optionally max_new_tokens")
+    if any(len(form.getlist(k)) > 1 for k in MULTIPART_FIELDS):
+        # the last would win, and a proxy that checked the first judged another request
+        raise InvalidInput("multipart body repeats a part; send each of file, question and "
+                           "max_new_tokens at most once")
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         raise InvalidInput("multipart body needs a 'file' part")
