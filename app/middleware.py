@@ -152,7 +152,12 @@ class RequestContext:
                 h[REQUEST_ID] = rid
                 if correlation:
                     h[CORRELATION_ID] = correlation
-            await send(message)
+            try:
+                await send(message)
+            except (OSError, RuntimeError) as e:
+                # the transport is closed (a client gone unnoticed, e.g. while a pipelined
+                # request paused reading): the client's doing, not a server fault
+                raise ClientDisconnect() from e
 
         received = 0
         body_done = False

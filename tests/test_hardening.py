@@ -827,3 +827,32 @@ def test_a_repeated_field_is_refused_not_last_wins(api):
     r = api.post("/answer", files=[("file", ("x.png", raw, "image/png")),
                                    ("question", (None, Q)), ("question", (None, "is it red?"))])
     assert_error(r, 422, "repeats a part")
+
+
+def test_a_reply_to_a_closed_connection_counts_as_the_client_gone(caplog):
+    """When sending the reply fails because the transport is closed, the request is
+    counted and logged as 499 (the client went away), not as an unhandled server error."""
+    import asyncio
+    import logging
+
+    from app.metrics import Metrics
+    from app.middleware import RequestContext
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def closed(message):
+        if message["type"] == "http.response.body":
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    metrics = Metrics()
+    mw = RequestContext(app, metrics, 1000, draining=lambda: False)
+    scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
+    with caplog.at_level(logging.INFO, logger="dualread"):
+        asyncio.run(mw(scope, receive, closed))
+    assert metrics.requests.labels("precheck", "499")._value.get() == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
