@@ -89,6 +89,10 @@ class Service:
 
     def check_response(self, response: str, max_tokens: int) -> str:
         """The text that will be scored (masks index into it), or TrajectoryInvalid."""
+        bad = CONTROL.search(response)
+        if bad:   # as for questions; the response's answer is returned to the caller
+            raise TrajectoryInvalid(f"contains a control character "
+                                    f"(U+{ord(bad.group()):04X}); remove it")
         # the budget counts the trajectory's own tokens, not the cue appended to it
         self._check_tokens(self.actor.score_text(response, cue=False), max_tokens,
                            TrajectoryInvalid)

@@ -856,3 +856,15 @@ def test_a_reply_to_a_closed_connection_counts_as_the_client_gone(caplog):
         asyncio.run(mw(scope, receive, closed))
     assert metrics.requests.labels("precheck", "499")._value.get() == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_control_characters_are_refused_in_trajectories_too(api):
+    for bad in ("x\u0000y", "<answer>red\u202e</answer>", "\x1b[31mred"):
+        r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": bad})
+        assert_error(r, 422, "response: contains a control character")
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q, "trajectories": [
+        {"response": "<answer>red</answer>"}, {"response": "a\u0007b"}]})
+    assert_error(r, 422, "trajectories.1: contains a control character (U+0007)")
+    ok = api.post("/probe/score", json={"image": IMG, "question": Q,
+                                        "response": "<think>a\tb\nc</think><answer>red</answer>"})
+    assert ok.status_code == 200      # tab and newline are text
