@@ -156,7 +156,10 @@ class RequestContext:
                 await send(message)
             except (OSError, RuntimeError) as e:
                 # the transport is closed (a client gone unnoticed, e.g. while a pipelined
-                # request paused reading): the client's doing, not a server fault
+                # request paused reading): the client's doing, not a server fault. Other
+                # RuntimeErrors (a wrong message order) stay server errors.
+                if isinstance(e, RuntimeError) and "closed" not in str(e):
+                    raise
                 raise ClientDisconnect() from e
 
         received = 0

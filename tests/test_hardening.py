@@ -849,6 +849,10 @@ def test_a_reply_to_a_closed_connection_counts_as_the_client_gone(caplog):
         if message["type"] == "http.response.body":
             raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
 
+    async def misordered(message):     # an app bug, not a closed connection
+        if message["type"] == "http.response.body":
+            raise RuntimeError("Unexpected ASGI message 'http.response.body' sent")
+
     metrics = Metrics()
     mw = RequestContext(app, metrics, 1000, draining=lambda: False)
     scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
@@ -856,6 +860,9 @@ def test_a_reply_to_a_closed_connection_counts_as_the_client_gone(caplog):
         asyncio.run(mw(scope, receive, closed))
     assert metrics.requests.labels("precheck", "499")._value.get() == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    with caplog.at_level(logging.INFO, logger="dualread"):
+        asyncio.run(mw({**scope}, receive, misordered))
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR]   # stays an error
 
 
 def test_control_characters_are_refused_in_trajectories_too(api):
