@@ -28,13 +28,17 @@ def request_id(request: Request) -> str:
     return request.scope["state"]["request_id"]
 
 
+def key_matches(given: str, key: str) -> bool:
+    """The one comparison of a presented key with the configured one (constant time)."""
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
 def check_key(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
     key = settings.api_key
     if not key:
         return
-    # HTTPBearer checked the scheme; an absent header compares as empty (constant time)
-    given = creds.credentials.encode() if creds is not None else b""
-    if not hmac.compare_digest(given, key.encode()):
+    # HTTPBearer checked the scheme; an absent header compares as empty
+    if not key_matches(creds.credentials if creds is not None else "", key):
         raise Unauthorized()
 
 

@@ -5,7 +5,6 @@ plain-text trace, never a dropped connection)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -19,6 +18,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.deps import key_matches
 from app.errors import REQUEST_ID, error_response
 from app.metrics import Metrics
 
@@ -113,10 +113,9 @@ def _is_json(headers: Headers) -> bool:
 
 
 def bearer_matches(authorization: str, key: str) -> bool:
-    """`Authorization: Bearer <key>` (scheme in any case), compared in constant time."""
+    """`Authorization: Bearer <key>` (scheme in any case), as the routes' check reads it."""
     scheme, _, token = authorization.partition(" ")
-    given = token.encode() if scheme.lower() == "bearer" else b""
-    return hmac.compare_digest(given, key.encode())
+    return key_matches(token if scheme.lower() == "bearer" else "", key)
 
 
 class RequestContext:

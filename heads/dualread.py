@@ -22,7 +22,7 @@ import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.features import FEATURE_SCHEMA, KAPPA, extract, image_stats
-from heads.image_check import pixel_features, pixel_features_many
+from heads.image_check import pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
@@ -283,10 +283,8 @@ class Heads:
 
     def image_reading(self, image) -> NoveltyReading | None:
         """The image check's score, p-value and flag for one image; None without a check."""
-        if self.image_check is None:
-            return None
-        x = torch.from_numpy(pixel_features(image))[None]
-        return self.image_check.read({"pixels": x}, self.image_check_alpha)[0]
+        readings = self.image_readings([image])
+        return readings[0] if readings is not None else None
 
     def image_readings(self, images: Sequence) -> list[NoveltyReading] | None:
         """`image_reading` of every image, the pixel statistics of same-size images
