@@ -55,6 +55,29 @@ def test_paired_median_ratio_by_hand():
     assert out["capture_ratio"] == pytest.approx(2.0 / 2.0)              # ratio of medians
 
 
+def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():
+    """Two rounds of the same two items are two units, not four: the ratio is taken over
+    per-unit means, and a bootstrap over four measurements would narrow the CI."""
+    from models.bench.inprocess import Timed, per_unit, summarise
+
+    assert per_unit([1.0, 3.0, 2.0, 6.0], [0, 1, 0, 1]) == [1.5, 4.5]
+    assert per_unit([1.0, 2.0], []) == [1.0, 2.0]
+    t = Timed(batch=1)
+    for rnd in range(2):
+        for unit, plain in enumerate((1.0, 10.0)):
+            t.unit_ids.append(unit)
+            for m, f in (("plain", 1.0), ("capture", 1.5 if unit == 0 else 1.0),
+                         ("replay", 2.0), ("sc8", 3.0)):
+                t.seconds[m].append(plain * f * (1 + rnd))
+                t.cpu_seconds[m].append(plain * f)
+                t.tokens[m].append(1.0)
+    out = summarise(t, n_boot=50)
+    assert out["units"] == 2 and out["measurements"] == 4
+    # per-unit means: plain 1.5 and 15, capture 2.25 and 15 (the median of two: their mean)
+    assert out["capture_ratio"] == pytest.approx(((2.25 + 15) / 2) / ((1.5 + 15) / 2))
+    assert out["capture_ratio_paired_median"] == pytest.approx((1.5 + 1.0) / 2)
+
+
 def test_load_summary_by_hand():
     s = Load(4, [k / 10 for k in range(1, 11)], wall_s=2.0, errors=1).summary()
     # 10 answered in 2 s; latencies 100..1000 ms, linear-interpolated percentiles
@@ -74,9 +97,9 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert (tmp_path / "out" / "bench.md").read_text().startswith("Command: `test`")
     assert saved["in_process"].keys() == {"b1", "b8"}
-    for b, units in (("b1", 16), ("b8", 1)):
+    for b, units, measured in (("b1", 8, 16), ("b8", 1, 1)):
         blk = saved["in_process"][b]
-        assert blk["units"] == units
+        assert blk["units"] == units and blk["measurements"] == measured
         for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median"):
             assert math.isfinite(blk[key]) and blk[key] > 0, (b, key)
         # greedy decoding from the same inputs must give the same tokens in every mode

@@ -45,6 +45,8 @@ class Timed:
     readouts: list = field(default_factory=list)
     # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
     readout_seconds: list[float] = field(default_factory=list)
+    # which unit (item, or batch of 8) each measurement is of: rounds repeat the units
+    unit_ids: list[int] = field(default_factory=list)
 
 
 def sync(device: torch.device) -> None:
@@ -115,7 +117,7 @@ def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int
         call(mode, list(imgs), list(qs), 0)
     n = 0
     for rep in range(repeats):
-        for unit in units:
+        for unit_id, unit in enumerate(units):
             imgs, qs = [it[0] for it in unit], [it[1] for it in unit]
             order = MODES[n % len(MODES):] + MODES[: n % len(MODES)]
             got = {}
@@ -129,6 +131,7 @@ def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int
             plain = got["plain"]
             out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
             out.readout_seconds.append(got["capture"].timings.readout / batch)
+            out.unit_ids.append(unit_id)
             for mode in ("capture", "replay"):
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
@@ -161,28 +164,41 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], n_boot: int = 2000,
     return point, float(lo), float(hi)
 
 
+def per_unit(values: Sequence[float], unit_ids: Sequence[int]) -> list[float]:
+    """One value per unit, the mean over its rounds: rounds of the same items are not
+    independent samples, so the bootstrap must resample units, not measurements."""
+    if not unit_ids:
+        return list(values)
+    groups: dict[int, list[float]] = {}
+    for v, u in zip(values, unit_ids):
+        groups.setdefault(u, []).append(v)
+    return [float(np.mean(g)) for g in groups.values()]
+
+
 def summarise(t: Timed, n_boot: int = 2000) -> dict:
     """The `in_process.bN` block of bench.json."""
-    plain = t.seconds["plain"]
-    out: dict = {"batch": t.batch, "units": len(plain),
-                 "seconds_per_item": {m: float(np.median(t.seconds[m])) for m in MODES},
-                 "cpu_seconds_per_item": {m: float(np.median(t.cpu_seconds[m])) for m in MODES},
+    sec = {m: per_unit(t.seconds[m], t.unit_ids) for m in MODES}
+    cpu = {m: per_unit(t.cpu_seconds[m], t.unit_ids) for m in MODES}
+    plain = sec["plain"]
+    out: dict = {"batch": t.batch, "units": len(plain), "measurements": len(t.seconds["plain"]),
+                 "seconds_per_item": {m: float(np.median(sec[m])) for m in MODES},
+                 "cpu_seconds_per_item": {m: float(np.median(cpu[m])) for m in MODES},
                  "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in MODES},
                  "greedy_tokens_identical": bool(all(t.same_tokens)),
                  "readout_seconds_per_item": float(np.median(t.readout_seconds))
                  if t.readout_seconds else None}
     for m in ("capture", "replay", "sc8"):
-        r, lo, hi = ratio_ci(t.seconds[m], plain, n_boot)
+        r, lo, hi = ratio_ci(sec[m], plain, n_boot)
         out[f"{m}_ratio"] = r
         out[f"{m}_ratio_ci"] = [lo, hi]
-        r, lo, hi = ratio_ci(t.cpu_seconds[m], t.cpu_seconds["plain"], n_boot)
+        r, lo, hi = ratio_ci(cpu[m], cpu["plain"], n_boot)
         out[f"{m}_ratio_cpu"] = r
         out[f"{m}_ratio_cpu_ci"] = [lo, hi]
     # cross-check: the median of per-unit ratios (each unit's modes ran back to back)
     for m in ("capture", "replay"):
         out[f"{m}_ratio_paired_median"] = float(np.median(
-            np.asarray(t.seconds[m]) / np.asarray(plain)))
-    r, lo, hi = ratio_ci(t.seconds["capture"], t.seconds["sc8"], n_boot)
+            np.asarray(sec[m]) / np.asarray(plain)))
+    r, lo, hi = ratio_ci(sec["capture"], sec["sc8"], n_boot)
     out["capture_over_sc8"] = r
     out["capture_over_sc8_ci"] = [lo, hi]
     return out
