@@ -212,6 +212,10 @@ def fit_heads(
     image_check: Annotated[bool, typer.Option(
         "--image-check/--no-image-check", help="fit the image check of the defer rule "
         "(image-quality statistics, clean images only)")] = True,
+    image_data: Annotated[str | None, typer.Option(
+        "--image-data", help="data spec whose images the image check is fitted and "
+        "calibrated on (pixels only, no actor pass; default: --data). More clean images "
+        "make it sharper: the embedded heads use easyvqa:train")] = None,
 ) -> None:
     """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold, the
     novelty detector and the image check."""
@@ -236,8 +240,11 @@ def fit_heads(
     items = sample(everything, limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
                       seed=seed, novelty=novelty, novelty_per_family=novelty_per_family,
-                      image_check=image_check, image_items=everything)
+                      image_check=image_check,
+                      image_items=load(image_data) if image_data else everything)
     console.print(summary_table(info["defer_split_metrics"]))
+    if info.get("image_check"):
+        info["image_check"]["data"] = image_data or data
     try:
         refuse_worse_than_prior(info)
     except WorseThanPrior as e:
@@ -248,6 +255,7 @@ def fit_heads(
     cmd += "" if novelty else " --no-novelty"
     cmd += "" if image_check else " --no-image-check"
     cmd += f" --novelty-per-family {novelty_per_family}" if novelty or image_check else ""
+    cmd += f" --image-data {image_data}" if image_data and image_check else ""
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
             "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
     heads.save(out, card)

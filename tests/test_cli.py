@@ -79,13 +79,23 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     from models.loading import load_actor
 
     actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
+    # the image check's own images (pixels only): 40 more than the 12 of --data
+    rows = []
+    for k in range(40):
+        random_image(900 + k, 32, 32).save(tmp_path / f"p{k}.png")
+        rows.append({"id": f"p{k}", "image": f"p{k}.png", "question": "q?", "answer": "a"})
+    (tmp_path / "pixels.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    pixels = f"jsonl:{tmp_path / 'pixels.jsonl'}"
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
                                    "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
                                    "--cache", str(tmp_path / "cache"), "--allow-dirty",
-                                   "--novelty-per-family", "2"])
+                                   "--novelty-per-family", "2", "--image-data", pixels])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())
+    chk = card["image_check"]
+    assert chk["data"] == pixels and f"--image-data {pixels}" in card["command"]
+    assert chk["distinct_images"] == sum(chk["n_images"].values()) == 40
     assert card["actor_fingerprint"] == load_actor(actor_dir).fingerprint
     assert card["limit"] == 48 and card["data"] == labelled
     assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 48

@@ -72,17 +72,20 @@ def test_the_defer_rule_with_an_image_check(check):
     assert plain.image_reading(random_image(0)) is None
 
 
-def test_image_reading_is_the_conformal_p_value_of_the_mahalanobis_distance(check):
+def test_image_reading_is_the_conformal_p_value_of_the_knn_distance(check):
     heads = Heads(dim=2, image_check=check)
+    fit = _pixels([_blocks(rng) for rng in [np.random.default_rng(0)] for _ in range(150)]
+                  ).numpy()                     # the fixture's fitting images, redrawn
+    mean, sd = fit.mean(0), np.maximum(fit.std(0, ddof=1), 1e-6)   # constant ones: 1e-6
     rng = np.random.default_rng(9)
     clean, blurred = _blocks(rng), _blocks(rng).filter(ImageFilter.GaussianBlur(2))
     cal = np.sort(check.t["calibration"].numpy())
     for im in (clean, blurred):
         r = heads.image_reading(im)
-        # independently: standardise, then d' P d with the stored Ledoit-Wolf precision
-        z = (pixel_features(im) - check.t["mean"].numpy()) / check.t["scale"].numpy()
-        d = z - check.t["location"].numpy()
-        assert r.score == pytest.approx(float(np.sqrt(d @ check.t["precision"].numpy() @ d)))
+        # independently: standardise with the fitting images' mean and sd, then the
+        # distance to the 5th nearest fitting image
+        z, bank = (pixel_features(im) - mean) / sd, (fit - mean) / sd
+        assert r.score == pytest.approx(float(np.sort(np.linalg.norm(bank - z, axis=1))[4]))
         assert r.p_value == pytest.approx((1 + (cal >= r.score).sum()) / (len(cal) + 1))
         assert r.novel == (r.p_value < 0.01)
     assert heads.image_reading(blurred).novel and not heads.image_reading(clean).novel
@@ -90,13 +93,13 @@ def test_image_reading_is_the_conformal_p_value_of_the_mahalanobis_distance(chec
 
 def test_save_and_load_keep_the_check_and_its_card(check, tmp_path):
     heads = Heads(dim=2, policy=_policy(0.5), image_check=check)
-    heads.save(tmp_path, {"image_check": {"kind": "mahalanobis", "defer_split_flag_rate": 0.0}})
+    heads.save(tmp_path, {"image_check": {"kind": "knn", "defer_split_flag_rate": 0.0}})
     assert (tmp_path / "image_check.safetensors").exists()
     card = json.loads((tmp_path / "heads_card.json").read_text())
     assert card["card_version"] == 4 and card["defer_rule"] == RULE_IMAGE
     c = card["image_check"]
     assert (c["kind"], c["feature"], c["alpha"], c["n_fit"], c["n_calibration"]) == \
-        ("mahalanobis", "pixels", 0.01, 150, 199)
+        ("knn", "pixels", 0.01, 150, 199)
     assert c["defer_split_flag_rate"] == 0.0            # what fitting logged is kept
     assert c["files"] == ["image_check.safetensors", "image_check.json"]
     back = Heads.load(tmp_path)
@@ -126,7 +129,8 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     x = _pixels([it.image() for it in first_per_image(reader)])
     assert info["image_check"]["n_images"]["reader"] == len(x) < len(reader)
     assert torch.allclose(heads.image_check.t["mean"], x.mean(0))
-    want = np.sort(Novelty("mahalanobis", "pixels").fit(x).score(
+    assert info["image_check"]["kind"] == "knn"
+    want = np.sort(Novelty("knn", "pixels").fit(x).score(
         _pixels([it.image() for it in first_per_image(defer)])))
     assert np.allclose(heads.image_check.t["calibration"].numpy(), want)
     log = info["image_check"]
