@@ -93,14 +93,14 @@ def test_image_reading_is_the_conformal_p_value_of_the_knn_distance(check):
 
 def test_save_and_load_keep_the_check_and_its_card(check, tmp_path):
     heads = Heads(dim=2, policy=_policy(0.5), image_check=check)
-    heads.save(tmp_path, {"image_check": {"kind": "knn", "defer_split_flag_rate": 0.0}})
+    heads.save(tmp_path, {"image_check": {"kind": "knn", "calibration_flag_rate": 0.0}})
     assert (tmp_path / "image_check.safetensors").exists()
     card = json.loads((tmp_path / "heads_card.json").read_text())
     assert card["card_version"] == 4 and card["defer_rule"] == RULE_IMAGE
     c = card["image_check"]
     assert (c["kind"], c["feature"], c["alpha"], c["n_fit"], c["n_calibration"]) == \
         ("knn", "pixels", 0.01, 150, 199)
-    assert c["defer_split_flag_rate"] == 0.0            # what fitting logged is kept
+    assert c["calibration_flag_rate"] == 0.0            # what fitting logged is kept
     assert c["files"] == ["image_check.safetensors", "image_check.json"]
     back = Heads.load(tmp_path)
     im = _blocks(np.random.default_rng(3))
@@ -121,7 +121,8 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
                             target_risk=0.3, novelty=False, novelty_per_family=per_family)
     assert heads.novelty is None and heads.image_check is not None
     reader = [it for it in items if image_split(it.image_id) == "reader"]
-    defer = [it for it in items if image_split(it.image_id) == "defer"]
+    # calibrated on every image it was not fitted on
+    calib = [it for it in items if image_split(it.image_id) in ("temperature", "defer")]
 
     def first_per_image(its):
         return list({it.image_id: it for it in reversed(its)}.values())[::-1]
@@ -131,10 +132,16 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     assert torch.allclose(heads.image_check.t["mean"], x.mean(0))
     assert info["image_check"]["kind"] == "knn"
     want = np.sort(Novelty("knn", "pixels").fit(x).score(
-        _pixels([it.image() for it in first_per_image(defer)])))
+        _pixels([it.image() for it in first_per_image(calib)])))
     assert np.allclose(heads.image_check.t["calibration"].numpy(), want)
     log = info["image_check"]
     assert log["statistics"][0] == "luminance_mean" and len(log["statistics"]) == 10
+    # the clean flag rate out of sample: calibrated on one split, read on the other
+    tmp, dfr = ([it.image() for it in first_per_image(items)
+                 if image_split(it.image_id) == s] for s in ("temperature", "defer"))
+    cross = [float((Novelty("knn", "pixels").fit(x).calibrate(_pixels(a)).p_value(
+        _pixels(b)) < 0.01).mean()) for a, b in ((tmp, dfr), (dfr, tmp))]
+    assert log["cross_flag_rate"] == pytest.approx(np.mean(cross), abs=1e-4)
     shifted = novelty_items(reader, per_family)
     assert set(log["corrupted_flag_rate"]) == {it.family for it in shifted}
     # the flag rates are what the shipped check says of those images
