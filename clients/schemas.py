@@ -141,6 +141,10 @@ class Run(BaseModel):
     response: str
     confidence: Confidence
     correct: bool | None = None
+    # what /answer would decide for this run: `correct` compares the answer alone, so a
+    # truncated or untagged response can match its reference; the reason says so
+    defer: bool | None = None
+    defer_reason: str | None = None
 
 
 class CounterfactualResponse(BaseModel):

@@ -221,6 +221,27 @@ def test_counterfactual_decisive_and_strict(refs, decisive, strict):
     assert body["confidence_difference"]["dualread"] == pytest.approx(0.9 - 0.2)
 
 
+class TruncatingBackend(FakeBackend):
+    """Every blue answer is cut at max_new_tokens: deferred for that reason."""
+
+    def answer_batch(self, items, deadlines):
+        out = FakeBackend.answer_batch(self, items, deadlines)
+        return [dataclasses.replace(r, defer=True, defer_reason="truncated")
+                if r.answer == "blue" else r for r in out]
+
+
+def test_counterfactual_runs_carry_the_defer_decision():
+    with TestClient(create_app(Settings(), TruncatingBackend())) as c:
+        body = c.post("/probe/counterfactual", json={
+            "question": Q, "image": solid((255, 0, 0)), "counterfactual": solid((0, 0, 255)),
+            "reference_answer": "red", "counterfactual_reference_answer": "blue"}).json()
+    # the counterfactual's answer matches its reference, but /answer would defer it
+    assert body["counterfactual"]["correct"] is True
+    assert (body["counterfactual"]["defer"], body["counterfactual"]["defer_reason"]) == \
+        (True, "truncated")
+    assert (body["real"]["defer"], body["real"]["defer_reason"]) == (False, None)
+
+
 def test_counterfactual_strict_needs_the_same_answer():
     # the blank image is gray (128, 128, 128): the fake answers "gray" there
     with TestClient(create_app(Settings(), FakeBackend())) as c:

@@ -30,7 +30,8 @@ router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(
 
 def run(r: AnswerResult, correct: bool | None) -> Run:
     return Run(answer=r.answer, canonical=r.canonical, response=r.response,
-               confidence=confidence(r.confidence), correct=correct)
+               confidence=confidence(r.confidence), correct=correct, defer=r.defer,
+               defer_reason=r.defer_reason)
 
 
 def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
