@@ -136,6 +136,12 @@ class Novelty:
         self.t["calibration"] = torch.from_numpy(np.sort(self.score(x_cal)))
         return self
 
+    def recalibrated(self, x_cal: torch.Tensor) -> Novelty:
+        """A copy with the same fit and another conformal reference (this one unchanged)."""
+        other = Novelty(self.kind, self.feature, self.k, self.max_bank)
+        other.n_fit, other.t = self.n_fit, dict(self.t)
+        return other.calibrate(x_cal)
+
     # ------------------------------------------------------------------ scoring
     def _std(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.t["mean"]) / self.t["scale"]

@@ -31,6 +31,16 @@ def test_p_value_through_a_fitted_score_on_a_hand_case():
     assert np.allclose(got, [3 / 5, 3 / 5, 5 / 5, 1 / 5])
 
 
+def test_recalibrated_keeps_the_fit_and_leaves_the_original_alone():
+    nov = Novelty("mahalanobis", "h_pre").fit(torch.tensor([[-1.0], [1.0], [-2.0], [2.0]]))
+    nov.calibrate(torch.tensor([[0.5], [-1.0], [2.0], [-3.0]]))
+    other = nov.recalibrated(torch.tensor([[0.1], [0.2]]))
+    q = torch.tensor([[0.15], [5.0]])
+    assert np.allclose(other.score(q), nov.score(q))                  # same fit
+    assert np.allclose(other.p_value(q), [2 / 3, 1 / 3])              # its own reference
+    assert np.allclose(nov.p_value(q), [5 / 5, 1 / 5])                # the original's
+
+
 @pytest.mark.parametrize("kind", ["mahalanobis", "knn"])
 def test_clean_p_values_are_valid_and_near_uniform(kind):
     nov = Novelty(kind, "h_pre").fit(gaussian(400, 6, 0)).calibrate(gaussian(400, 6, 1))

@@ -268,12 +268,14 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     assert card["defer_rule"] == RULE_NOVELTY
     assert (nov["kind"], nov["feature"], nov["alpha"], nov["C"]) == \
         ("logistic", "pre_img_mean_std", 0.01, 0.1)
-    assert nov["n_calibration"] == n_defer == card["splits"]["defer_calibration"]
-    assert nov["smallest_p_value"] == pytest.approx(1 / (n_defer + 1), abs=1e-6)
+    # calibrated on every clean item it was not fitted on: temperature and defer splits
+    n_cal = n_defer + sum(image_split(it.image_id) == "temperature" for it in items)
+    assert n_defer == card["splits"]["defer_calibration"]
+    assert nov["n_calibration"] == n_cal == len(items) - card["splits"]["reader"]
+    assert nov["smallest_p_value"] == pytest.approx(1 / (n_cal + 1), abs=1e-6)
     n_reader = sum(image_split(it.image_id) == "reader" for it in items)
     assert nov["n_shifted"] == 8 * min(per_family, n_reader)
     assert nov["n_fit"] == n_reader
-    assert 0 <= nov["temperature_split_flag_rate"] <= 1
     # the detector is the logistic fit of clean reader vs corrupted reader copies: refit
     # with sklearn from the collector's (cached) readouts
     col = Collector(actor, tmp_path / "cache", 4)
@@ -292,11 +294,25 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     back = Heads.load(folder, actor.fingerprint)
     coef = back.novelty.t["coef"].numpy()
     assert np.allclose(coef, lr.coef_[0], rtol=1e-2, atol=1e-3 * np.abs(coef).max())
-    # calibrated on the clean defer split: its sorted scores are the reference
-    d_idx = splits_of(meta)["defer"].numpy()
-    s_defer = ((stack(clean)[d_idx] - mean) / sd) @ coef + float(back.novelty.t["intercept"][0])
-    assert np.allclose(back.novelty.t["calibration"].numpy(), np.sort(s_defer), rtol=1e-6,
+    # calibrated on the clean temperature and defer splits: their sorted scores are the
+    # reference
+    sp = splits_of(meta)
+
+    def scores(idx):
+        return ((stack(clean)[idx.numpy()] - mean) / sd) @ coef + \
+            float(back.novelty.t["intercept"][0])
+
+    s_cal = scores(torch.cat([sp["temperature"], sp["defer"]]))
+    assert np.allclose(back.novelty.t["calibration"].numpy(), np.sort(s_cal), rtol=1e-6,
                        atol=1e-8)
+    # the out-of-sample clean rate: calibrated on one split, read on the other
+    s_t, s_d = scores(sp["temperature"]), scores(sp["defer"])
+
+    def flagged(ref, s):
+        return float(np.mean([(1 + (ref >= v).sum()) / (len(ref) + 1) < 0.01 for v in s]))
+
+    assert nov["cross_flag_rate"] == pytest.approx(
+        (flagged(s_t, s_d) + flagged(s_d, s_t)) / 2, abs=1e-4)
 
 
 def test_fit_heads_flags_reach_the_fit(actor_dirs, own_or_wrong_data, tmp_path, monkeypatch):
