@@ -18,7 +18,7 @@ from heads import registry
 from heads.collect import Collector
 from heads.defer import choose_threshold
 from heads.dualread import DEFER_METHOD, Heads
-from heads.image_check import PIXEL_FEATURES, pixel_features
+from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features
 from heads.metrics import METRICS
 from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
@@ -237,7 +237,8 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
 def fit_image_check(clean: torch.Tensor, calibration: torch.Tensor) -> Novelty:
     """One-class detector on image-quality statistics: fitted on clean images only (so
     every corruption family is held out from it), calibrated on a disjoint clean split."""
-    return Novelty(IMAGE_CHECK_KIND, "pixels").fit(clean).calibrate(calibration)
+    return Novelty(IMAGE_CHECK_KIND, "pixels").fit(
+        clean, min_scale=torch.tensor(SCALE_FLOOR, dtype=torch.float64)).calibrate(calibration)
 
 
 def image_check_stage(col: Collector, items: list[Item], per_family: int, seed: int = 0

@@ -30,6 +30,17 @@ PIXEL_FEATURES = (
     "log_palette",         # distinct colours (5 bits per channel) per pixel
 )
 EPS = 1e-6
+# One grey level: the offset inside logs and ratios of pixel differences, so that a flat
+# image or a noise-free one gives a finite, graded value rather than log(1e-6) or a ratio
+# of two near-zeros (a one-pixel shift of an edge moved blockiness by 10^4 with EPS alone)
+LEVEL = 1 / 255
+# Smallest standardisation scale of each statistic (same order as PIXEL_FEATURES). A
+# statistic that never varies on the fitting images (the noise estimate on noise-free
+# synthetic images) would otherwise count a one-grey-level change as millions of standard
+# deviations. log 2 is what one grey level of noise does to the noise estimate; the other
+# floors sit far below the spread of clean photographs and synthetic images alike and only
+# guard against degenerate fitting sets.
+SCALE_FLOOR = (0.01, 0.01, 0.1, float(np.log(2)), 0.1, 0.1, 0.01, 0.01, 0.005, 0.1)
 MAX_SIDE = 256             # larger images are shrunk (box filter) before measuring
 MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
@@ -48,16 +59,16 @@ def _prepared(image: Image.Image) -> np.ndarray:
 
 def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
     """Mean absolute step across block borders over the mean step elsewhere (both axes),
-    per image of a stack [N, H, W]; 1 for an image with no block structure, above 1 for
-    JPEG blocking."""
+    per image of a stack [N, H, W], each plus one grey level; 1 for an image with no block
+    structure, above 1 for JPEG blocking, at most 1 / LEVEL + 1."""
     ratios = []
     for d in (np.abs(np.diff(y, axis=2)), np.abs(np.diff(y, axis=1)).transpose(0, 2, 1)):
         border = np.zeros(d.shape[2], bool)
         border[block - 1:: block] = True
         if border.all() or not border.any():
             continue
-        ratios.append((d[:, :, border].mean(axis=(1, 2)) + EPS)
-                      / (d[:, :, ~border].mean(axis=(1, 2)) + EPS))
+        ratios.append((d[:, :, border].mean(axis=(1, 2)) + LEVEL)
+                      / (d[:, :, ~border].mean(axis=(1, 2)) + LEVEL))
     return np.mean(ratios, axis=0) if ratios else np.ones(len(y))
 
 
@@ -92,8 +103,8 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     return np.stack([
         y.mean(axis=ax),
         y.std(axis=ax),
-        np.log(lap.var(axis=ax) + EPS),
-        np.log(sigma + EPS),
+        np.log(lap.var(axis=ax) + LEVEL ** 2),
+        np.log(sigma + LEVEL),
         np.log((high + EPS) / (power.sum(axis=ax) + EPS)),
         _blockiness(y),
         colourful,

@@ -95,9 +95,11 @@ class Novelty:
         self.n_fit = 0
 
     # ------------------------------------------------------------------ fitting
-    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None) -> Novelty:
+    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None,
+            min_scale: torch.Tensor | None = None) -> Novelty:
         """Fit on clean features: [N, D], or [N, M, D] token sets for `token_knn`;
-        `logistic` also needs corrupted features `x_shifted` [N', D]."""
+        `logistic` also needs corrupted features `x_shifted` [N', D]. `min_scale` [D]:
+        the smallest standardisation scale of each feature (default 1e-6)."""
         x = torch.as_tensor(x).double()
         if (x_shifted is None) == (self.kind == "logistic"):
             raise ValueError("logistic needs x_shifted; the other kinds take clean data only")
@@ -108,6 +110,8 @@ class Novelty:
         flat = x.reshape(-1, x.shape[-1])
         self.t["mean"] = flat.mean(0)
         self.t["scale"] = flat.std(0).clamp_min(1e-6)
+        if min_scale is not None:
+            self.t["scale"] = torch.maximum(self.t["scale"], torch.as_tensor(min_scale).double())
         z = self._std(flat)
         if self.kind == "mahalanobis":
             from sklearn.covariance import LedoitWolf

@@ -8,7 +8,15 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from heads.image_check import EPS, MAX_SIDE, MIN_SIDE, PIXEL_FEATURES, pixel_features
+from heads.fit import fit_image_check
+from heads.image_check import (
+    LEVEL,
+    MAX_SIDE,
+    MIN_SIDE,
+    PIXEL_FEATURES,
+    SCALE_FLOOR,
+    pixel_features,
+)
 from heads.novelty import Novelty
 
 F = {name: k for k, name in enumerate(PIXEL_FEATURES)}
@@ -25,10 +33,11 @@ def test_a_flat_gray_image():
     assert x.shape == (len(PIXEL_FEATURES),) and x.dtype == np.float64
     assert x[F["luminance_mean"]] == pytest.approx(128 / 255)
     assert x[F["luminance_std"]] == pytest.approx(0, abs=1e-12)
-    assert x[F["log_laplacian_var"]] == pytest.approx(math.log(EPS))
-    assert x[F["log_noise_sigma"]] == pytest.approx(math.log(EPS))
+    # offsets of one grey level: finite, graded values for a flat, noise-free image
+    assert x[F["log_laplacian_var"]] == pytest.approx(math.log(LEVEL ** 2))
+    assert x[F["log_noise_sigma"]] == pytest.approx(math.log(LEVEL))
     assert x[F["log_high_freq_share"]] == pytest.approx(0.0)       # (0 + ε) / (0 + ε)
-    assert x[F["blockiness"]] == pytest.approx(1.0)                # ε / ε on both axes
+    assert x[F["blockiness"]] == pytest.approx(1.0)                # LEVEL / LEVEL, both axes
     assert x[F["colourfulness"]] == pytest.approx(0, abs=1e-12)
     assert x[F["clipped_share"]] == 0 and x[F["edge_density"]] == 0
     assert x[F["log_palette"]] == pytest.approx(math.log(1 / 256))  # one colour, 256 pixels
@@ -75,9 +84,47 @@ def test_the_noise_estimate_recovers_a_known_sigma():
 def test_blocks_of_eight_pixels_are_blocky_and_noise_is_not():
     rng = np.random.default_rng(1)
     blocks = np.kron(rng.uniform(0.2, 0.8, (4, 4)), np.ones((8, 8)))   # 32×32, 8-px blocks
-    assert pixel_features(gray(blocks))[F["blockiness"]] > 1e3        # steps only on borders
+    # steps only on borders: the largest value there is, 1 / LEVEL + 1 on each axis
+    assert pixel_features(gray(blocks))[F["blockiness"]] > 10
     noise = pixel_features(gray(rng.uniform(0, 1, (64, 64))))[F["blockiness"]]
     assert noise == pytest.approx(1.0, abs=0.15)
+
+
+def test_blockiness_of_one_edge_on_and_off_a_block_border_by_hand():
+    """A black left half on white: the only step lies on a block border (between columns
+    31 and 32) or, one pixel to the right, off it. Bounded either way (no ratio of two
+    near-zeros, which put the first at 5·10^4 before the one-grey-level offset)."""
+    for black, want_h in ((32, (1 / 7 + LEVEL) / LEVEL), (33, LEVEL / (1 / 56 + LEVEL))):
+        v = np.ones((64, 64))
+        v[:, :black] = 0.0
+        # horizontal steps: one column of 1s among 63 (7 of them on block borders, 56
+        # not); vertical steps: none, ratio LEVEL / LEVEL = 1
+        assert pixel_features(gray(v))[F["blockiness"]] == pytest.approx((want_h + 1) / 2)
+
+
+def test_a_one_grey_level_change_is_not_millions_of_standard_deviations():
+    """Fitted on noise-free images (the noise estimate never varies there), a copy with
+    one grey level of noise in 60% of its pixels must stay within a few units of the
+    fitting images, as the scale floors make it; with the bare 1e-6 floor it scored ~10^7."""
+    rng = np.random.default_rng(6)
+
+    def shapes(n):
+        out = []
+        for _ in range(n):
+            v = np.full((64, 64), 0.95)
+            r, c, h = rng.integers(4, 30), rng.integers(4, 30), rng.integers(8, 30)
+            v[r: r + h, c: c + h] = rng.uniform(0.1, 0.6)
+            out.append(v)
+        return out
+
+    x = torch.from_numpy(np.stack([pixel_features(gray(v)) for v in shapes(60)]))
+    assert x[:, F["log_noise_sigma"]].std() < 1e-12                  # never varies
+    chk = fit_image_check(x[:40], x[40:])
+    assert (chk.t["scale"] >= torch.tensor(SCALE_FLOOR, dtype=torch.float64)).all()
+    v = shapes(1)[0]
+    dithered = np.round(v * 255) - (rng.random(v.shape) < 0.6)
+    score = chk.score(torch.from_numpy(pixel_features(gray(dithered / 255)))[None])[0]
+    assert score < 10
 
 
 def test_blur_lowers_sharpness():

@@ -13,10 +13,12 @@ from heads.defer import DeferPolicy
 from heads.dualread import Heads
 from heads.evaluate import evaluate
 from heads.fit import fit_heads, fit_image_check, image_split, novelty_items
-from heads.image_check import pixel_features, pixel_features_many
+from heads.image_check import SCALE_FLOOR, pixel_features, pixel_features_many
 from heads.novelty import Novelty
 from models.data import load
 from tests.conftest import random_image
+
+FLOOR = torch.tensor(SCALE_FLOOR, dtype=torch.float64)
 
 # the rule and reasons as the card and the service state them, typed out here
 RULE_BOTH = ("defer if DualRead < tau or novelty p-value < alpha or image-check p-value < "
@@ -76,7 +78,7 @@ def test_image_reading_is_the_conformal_p_value_of_the_knn_distance(check):
     heads = Heads(dim=2, image_check=check)
     fit = _pixels([_blocks(rng) for rng in [np.random.default_rng(0)] for _ in range(150)]
                   ).numpy()                     # the fixture's fitting images, redrawn
-    mean, sd = fit.mean(0), np.maximum(fit.std(0, ddof=1), 1e-6)   # constant ones: 1e-6
+    mean, sd = fit.mean(0), np.maximum(fit.std(0, ddof=1), SCALE_FLOOR)   # floored scales
     rng = np.random.default_rng(9)
     clean, blurred = _blocks(rng), _blocks(rng).filter(ImageFilter.GaussianBlur(2))
     cal = np.sort(check.t["calibration"].numpy())
@@ -131,7 +133,7 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     assert info["image_check"]["n_images"]["reader"] == len(x) < len(reader)
     assert torch.allclose(heads.image_check.t["mean"], x.mean(0))
     assert info["image_check"]["kind"] == "knn"
-    want = np.sort(Novelty("knn", "pixels").fit(x).score(
+    want = np.sort(Novelty("knn", "pixels").fit(x, min_scale=FLOOR).score(
         _pixels([it.image() for it in first_per_image(calib)])))
     assert np.allclose(heads.image_check.t["calibration"].numpy(), want)
     log = info["image_check"]
@@ -139,7 +141,7 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     # the clean flag rate out of sample: calibrated on one split, read on the other
     tmp, dfr = ([it.image() for it in first_per_image(items)
                  if image_split(it.image_id) == s] for s in ("temperature", "defer"))
-    cross = [float((Novelty("knn", "pixels").fit(x).calibrate(_pixels(a)).p_value(
+    cross = [float((Novelty("knn", "pixels").fit(x, min_scale=FLOOR).calibrate(_pixels(a)).p_value(
         _pixels(b)) < 0.01).mean()) for a, b in ((tmp, dfr), (dfr, tmp))]
     assert log["cross_flag_rate"] == pytest.approx(np.mean(cross), abs=1e-4)
     shifted = novelty_items(reader, per_family)
