@@ -330,6 +330,7 @@ def serve(
     body_timeout_s: Annotated[float | None, _serve_opt("body_timeout_s")] = None,
     max_image_bytes: Annotated[int | None, _serve_opt("max_image_bytes")] = None,
     max_image_pixels: Annotated[int | None, _serve_opt("max_image_pixels")] = None,
+    max_decodes: Annotated[int | None, _serve_opt("max_decodes")] = None,
     max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
     max_question_tokens: Annotated[int | None, _serve_opt("max_question_tokens")] = None,
     max_response_tokens: Annotated[int | None, _serve_opt("max_response_tokens")] = None,
@@ -367,7 +368,8 @@ def serve(
         request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,
-        max_new_tokens=max_new_tokens, max_question_tokens=max_question_tokens,
+        max_decodes=max_decodes, max_new_tokens=max_new_tokens,
+        max_question_tokens=max_question_tokens,
         max_response_tokens=max_response_tokens, api_key=api_key,
         metrics_require_key=metrics_require_key,
         docs_require_key=docs_require_key).items() if v is not None}

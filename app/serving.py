@@ -156,6 +156,8 @@ class Serving:
         # What queues and batches jobs; a Ray Serve replica swaps in its @serve.batch
         # version (app.ray_deploy) before the model is attached.
         self.new_batcher: type[Batcher] = Batcher
+        # Decoding runs before a job is queued, so the queue limit does not bound it.
+        self.decode_slots = asyncio.Semaphore(settings.max_decodes)
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, backend: Backend) -> None:
@@ -196,7 +198,9 @@ class Serving:
         if len(raw) > limit:
             raise ImageTooLarge(f"{what}: {len(raw)} bytes, over the limit of {limit}")
         try:
-            return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
+            async with self.decode_slots:
+                return await run_in_threadpool(open_image, raw,
+                                               self.settings.max_image_pixels)
         except ImageError as e:   # ImageTooLarge / ImageInvalid keep their type
             raise type(e)(f"{what}: {e}") from None
 

@@ -226,6 +226,37 @@ def test_dicom_pixel_limit_before_decoding(api):
                  "frames")   # 4 x 600 x 600 > 1M: frames count towards the limit
 
 
+def test_at_most_max_decodes_images_are_decoded_at_once(monkeypatch):
+    """Decoding happens before a job is queued (the queue limit does not bound it): a
+    semaphore does. Six uploads, two slots: never more than two decodes in flight."""
+    import app.serving as serving_module
+    from app.serving import Serving
+
+    live, peak, lock = [0], [0], threading.Lock()
+
+    def slow_open(raw, max_pixels):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.05)
+        with lock:
+            live[0] -= 1
+        return Image.new("RGB", (4, 4))
+
+    monkeypatch.setattr(serving_module, "open_image", slow_open)
+    srv = Serving(Settings(max_decodes=2))
+
+    async def main():
+        return await asyncio.gather(*(srv.image(b"x") for _ in range(6)))
+
+    assert len(asyncio.run(main())) == 6
+    assert peak[0] == 2
+
+
+def test_the_default_pixel_limit_is_what_a_processor_keeps():
+    assert Settings().max_image_pixels == 4096 * 4096
+
+
 # ------------------------------------------------------------------ 6. token budgets
 def test_huge_trajectory_is_refused_before_queueing(api):
     before = metric(api, "dualread_batch_size_count")
