@@ -241,7 +241,7 @@ def fit_heads(
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
                       seed=seed, novelty=novelty, novelty_per_family=novelty_per_family,
                       image_check=image_check,
-                      image_items=load(image_data) if image_data else everything)
+                      image_items=load(image_data) if image_data and image_check else everything)
     console.print(summary_table(info["defer_split_metrics"]))
     if info.get("image_check"):
         info["image_check"]["data"] = image_data or data

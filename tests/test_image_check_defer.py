@@ -144,7 +144,10 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     cross = [float((Novelty("knn", "pixels").fit(x, min_scale=FLOOR).calibrate(_pixels(a)).p_value(
         _pixels(b)) < 0.01).mean()) for a, b in ((tmp, dfr), (dfr, tmp))]
     assert log["cross_flag_rate"] == pytest.approx(np.mean(cross), abs=1e-4)
-    shifted = novelty_items(reader, per_family)
+    # corrupted copies of the calibration images (temperature split, then defer split)
+    calib_first = [it for s in ("temperature", "defer") for it in first_per_image(items)
+                   if image_split(it.image_id) == s]
+    shifted = novelty_items(calib_first, per_family)
     assert set(log["corrupted_flag_rate"]) == {it.family for it in shifted}
     # the flag rates are what the shipped check says of those images
     for fam in ("blur", "noise"):
@@ -197,13 +200,11 @@ def test_answer_reports_the_check_and_defers_on_it_alone(actors, actor_dirs, tmp
 def test_image_check_stage_takes_every_image_it_is_given(actors, own_or_wrong_data, tmp_path):
     """One row per distinct image of what it is given, split by the image hash: the CLI
     gives it every image of --data, more than the readers' --limit sample holds."""
-    from heads.collect import Collector
     from heads.fit import image_check_stage
 
     items = load(own_or_wrong_data)
     half = items[: len(items) // 2]
-    col = Collector(actors["gemma3"], tmp_path / "cache", 4)
-    logs = {len(its): image_check_stage(col, its, 1)[1] for its in (half, items)}
+    logs = {len(its): image_check_stage(its, 1)[1] for its in (half, items)}
 
     def distinct(its, split):
         return len({it.image_id for it in its if image_split(it.image_id) == split})
@@ -233,3 +234,33 @@ def test_batched_image_readings_equal_one_at_a_time(check):
     assert np.allclose([g.score for g in got], [w.score for w in want], atol=1e-9)
     assert heads.image_readings([]) == []
     assert Heads(dim=2, policy=_policy(0.5)).image_readings(ims) is None
+
+
+def test_the_logged_flag_rates_are_what_the_check_says_at_a_testable_alpha(own_or_wrong_data):
+    """At α = 0.01 a small fixture can never flag (p ≥ 1/(n + 1)), so every logged rate
+    would be 0 whatever the code did; at α = 0.3 each is worked out independently here."""
+    from heads.fit import image_check_stage
+
+    items, alpha = load(own_or_wrong_data), 0.3
+    chk, log = image_check_stage(items, 3, alpha=alpha)
+    first = list({it.image_id: it for it in reversed(items)}.values())[::-1]
+    by = {s: [it for it in first if image_split(it.image_id) == s]
+          for s in ("reader", "temperature", "defer")}
+    x = {s: _pixels([it.image() for it in v]) for s, v in by.items()}
+
+    def flagged(cal, read):
+        ref = Novelty("knn", "pixels").fit(x["reader"], min_scale=FLOOR).calibrate(cal)
+        return float((ref.p_value(read) < alpha).mean())
+
+    cross = (flagged(x["temperature"], x["defer"]) + flagged(x["defer"], x["temperature"])) / 2
+    assert log["cross_flag_rate"] == pytest.approx(cross, abs=1e-4)
+    cal = torch.cat([x["temperature"], x["defer"]])
+    assert log["calibration_flag_rate"] == pytest.approx(flagged(cal, cal), abs=1e-4)
+    shifted = novelty_items(by["temperature"] + by["defer"], 3)
+    for fam in ("noise", "blur", "contrast"):
+        imgs = [it.image() for it in shifted if it.family == fam]
+        assert log["corrupted_flag_rate"][fam] == pytest.approx(
+            float((chk.p_value(_pixels(imgs)) < alpha).mean()), abs=1e-4)
+    # not all zero: the rates can tell a right computation from a wrong one here
+    assert log["corrupted_flag_rate"]["noise"] > 0 and log["cross_flag_rate"] > 0
+    assert log["cross_flag_rate"] != log["calibration_flag_rate"]      # out of sample
