@@ -62,7 +62,8 @@ class Novelty(BaseModel):
     score: float = Field(..., description="novelty score on the actor's states (larger = "
                                           "more unusual)")
     p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
-                                            "over the clean defer-calibration split")
+                                            "over the clean calibration items (the "
+                                            "temperature and defer splits)")
     novel: bool = Field(..., description="p_value < alpha (the heads card's novelty.alpha, "
                                          "0.01): the answer is deferred")
 
@@ -71,11 +72,11 @@ class ImageCheck(BaseModel):
     """How unlike the fitting images the input's image-quality statistics are (blur, noise,
     JPEG blocking, contrast, ...; a conformal p-value of a one-class detector)."""
 
-    score: float = Field(..., description="Mahalanobis distance of the image's quality "
-                                          "statistics from the fitting images' (larger = "
-                                          "more unusual)")
+    score: float = Field(..., description="distance of the image's standardised quality "
+                                          "statistics to the 5th nearest fitting image "
+                                          "(larger = more unusual)")
     p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
-                                            "over the clean defer-calibration images")
+                                            "over the clean calibration images")
     flagged: bool = Field(..., description="p_value < alpha (the heads card's "
                                            "image_check.alpha, 0.01): the answer is deferred")
 
