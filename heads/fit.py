@@ -242,7 +242,7 @@ def fit_image_check(clean: torch.Tensor, calibration: torch.Tensor) -> Novelty:
 
 
 def pixels_of(items: list[Item], label: str, chunk: int = 256) -> torch.Tensor:
-    """`PIXEL_FEATURES` of each item's image [N, 10] (no actor pass), in stacks of `chunk`
+    """`PIXEL_FEATURES` of each item's image [N, F] (no actor pass), in stacks of `chunk`
     images so memory stays bounded."""
     out = []
     for s in track(range(0, len(items), chunk), description=label, console=console):

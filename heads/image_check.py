@@ -28,7 +28,13 @@ PIXEL_FEATURES = (
     "clipped_share",       # pixels at black or white
     "edge_density",        # share of pixels with a strong gradient
     "log_palette",         # distinct colours (5 bits per channel) per pixel
+    # gradient energy by direction (mod 180°, six 30° bins centred on 0°, 30°, ..., 150°;
+    # 0° = vertical edges): pixel statistics above do not change when the picture turns,
+    # these do (a shape turned by 45° was read as another one, confidently, and nothing
+    # flagged it)
+    *(f"orientation_{d}" for d in range(0, 180, 30)),
 )
+ORIENTATION_BINS = 6
 EPS = 1e-6
 # One grey level: the offset inside logs and ratios of pixel differences, so that a flat
 # image or a noise-free one gives a finite, graded value rather than log(1e-6) or a ratio
@@ -40,7 +46,8 @@ LEVEL = 1 / 255
 # deviations. log 2 is what one grey level of noise does to the noise estimate; the other
 # floors sit far below the spread of clean photographs and synthetic images alike and only
 # guard against degenerate fitting sets.
-SCALE_FLOOR = (0.01, 0.01, 0.1, float(np.log(2)), 0.1, 0.1, 0.01, 0.01, 0.005, 0.1)
+SCALE_FLOOR = (0.01, 0.01, 0.1, float(np.log(2)), 0.1, 0.1, 0.01, 0.01, 0.005, 0.1,
+               *(0.01,) * 6)
 MAX_SIDE = 256             # larger images are shrunk (box filter) before measuring
 MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
@@ -73,7 +80,7 @@ def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
 
 
 def _stack_features(rgb: np.ndarray) -> np.ndarray:
-    """`PIXEL_FEATURES` of a stack of same-size images [N, H, W, 3] -> [N, 10]: one set
+    """`PIXEL_FEATURES` of a stack of same-size images [N, H, W, 3] -> [N, 16]: one set
     of array operations for the stack instead of one per image (the per-call overhead of
     numpy, not the arithmetic, is what a 64×64 image costs)."""
     n = len(rgb)
@@ -94,6 +101,13 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     colourful = np.hypot(rg.std(axis=ax), yb.std(axis=ax)) + \
         0.3 * np.hypot(rg.mean(axis=ax), yb.mean(axis=ax))
     gy, gx = np.gradient(y, axis=ax)
+    mag = np.hypot(gx, gy)
+    turn = np.mod(np.arctan2(gy, gx), np.pi)                    # gradient direction mod 180°
+    bins = (np.floor(turn / np.pi * ORIENTATION_BINS + 0.5).astype(np.int64)
+            % ORIENTATION_BINS).reshape(n, -1) + (np.arange(n)[:, None] * ORIENTATION_BINS)
+    energy = np.bincount(bins.ravel(), weights=mag.reshape(n, -1).ravel(),
+                         minlength=n * ORIENTATION_BINS).reshape(n, ORIENTATION_BINS)
+    orientation = energy / (energy.sum(axis=1, keepdims=True) + EPS)
     q5 = (rgb * 255).astype(np.int64) >> 3                       # 5 bits per channel
     codes = ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).reshape(n, -1)
     codes = codes + (np.arange(n)[:, None] << 15)                 # one histogram per image
@@ -109,8 +123,9 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
         _blockiness(y),
         colourful,
         np.mean((y < 0.02) | (y > 0.98), axis=ax),
-        np.mean(np.hypot(gx, gy) > 0.1, axis=ax),
+        np.mean(mag > 0.1, axis=ax),
         np.log(palette / size),
+        *orientation.T,
     ], axis=1)
 
 
@@ -120,7 +135,7 @@ def pixel_features(image: Image.Image) -> np.ndarray:
 
 
 def pixel_features_many(images: list[Image.Image]) -> np.ndarray:
-    """`pixel_features` of every image, [N, 10]: images of the same size (after the size
+    """`pixel_features` of every image, [N, 16]: images of the same size (after the size
     bounds) are measured as one stack."""
     arrays = [_prepared(im) for im in images]
     out = np.empty((len(arrays), len(PIXEL_FEATURES)))

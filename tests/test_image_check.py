@@ -127,6 +127,26 @@ def test_a_one_grey_level_change_is_not_millions_of_standard_deviations():
     assert score < 10
 
 
+def test_edge_orientation_shares_by_hand():
+    """A vertical edge: all gradient energy points along x (0°); turned by 90° it is a
+    horizontal edge (90°); a centred square keeps equal 0° and 90° shares either way."""
+    names = [f"orientation_{d}" for d in range(0, 180, 30)]
+    v = np.ones((32, 32))
+    v[:, :16] = 0.0
+    x = pixel_features(gray(v))
+    assert [x[F[n]] for n in names] == pytest.approx([1, 0, 0, 0, 0, 0], abs=1e-6)
+    x = pixel_features(gray(v.T))
+    assert [x[F[n]] for n in names] == pytest.approx([0, 0, 0, 1, 0, 0], abs=1e-6)
+    sq = np.ones((32, 32))
+    sq[8:24, 8:24] = 0.3
+    x = pixel_features(gray(sq))
+    assert x[F["orientation_0"]] == pytest.approx(x[F["orientation_90"]])
+    assert sum(x[F[n]] for n in names) == pytest.approx(1.0)
+    # a flat image has no gradient energy: every share is 0, not NaN
+    flat = pixel_features(gray(np.full((16, 16), 0.5)))
+    assert [flat[F[n]] for n in names] == [0.0] * 6
+
+
 def test_blur_lowers_sharpness():
     rng = np.random.default_rng(2)
     img = gray(np.kron(rng.uniform(0, 1, (8, 8)), np.ones((8, 8))))
