@@ -4,8 +4,9 @@
 
 Clean easy-VQA training images: the actor split (3,200 images) to fit on, the held-out
 split (800) to calibrate on (all but its temperature-split images) and to corrupt (the
-first 300, every family of `models.shift` at severities 3 and 5); the held-out
-temperature-split images give the clean flag rate. No test image is read. Writes
+first 300, every family of `models.shift` at severities 3 and 5, and `rotate` at 45° and
+180°, outside the suite's means); the held-out temperature-split images give the clean
+flag rate. No test image is read. Writes
 `results.json` and `results.md`: the share flagged at α = 0.01 per family × severity.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 from heads.fit import image_split
 from heads.image_check import SCALE_FLOOR, pixel_features_many
 from models.data import load
-from models.shift import FAMILIES, corrupt
+from models.shift import EXTRA_FAMILIES, FAMILIES, corrupt
 
 ALPHA = 0.01
 N_CORRUPTED = 300
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     split = np.array([image_split(it.image_id) for it in held])
     cells = {f"{f}:{s}": pixel_features_many([corrupt(it.image(), f, s, it.image_id)
                                               for it in held[:N_CORRUPTED]])
-             for f in FAMILIES for s in (3, 5)}
+             for f in (*FAMILIES, *EXTRA_FAMILIES) for s in (3, 5)}
     setups = [(name, make, fit) for name, make in scorers().items()
               for fit in (("reader split of held-out (the previous check's data)",)
                           if name == "mahalanobis"
@@ -111,9 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         row = {"score": name, "fitted_on": on, "n_fit": len(fit), "n_calibration": len(cal),
                "clean": flagged(x_held[split == "temperature"]),
                "cells": {c: flagged(x) for c, x in cells.items()}}
-        for s in (3, 5):
+        for s in (3, 5):          # the suite's families (rotate is reported on its own)
             row[f"mean_severity_{s}"] = round(float(np.mean(
-                [v for c, v in row["cells"].items() if c.endswith(f":{s}")])), 4)
+                [v for c, v in row["cells"].items()
+                 if c.endswith(f":{s}") and c.split(":")[0] in FAMILIES])), 4)
         rows.append(row)
         print(f"{name} ({on}): severity 5 {row['mean_severity_5']}, "
               f"severity 3 {row['mean_severity_3']}, clean {row['clean']}", flush=True)

@@ -1,7 +1,8 @@
 """Generic image corruptions for a shift suite (SPEC §8), ImageNet-C style.
 
 A data spec takes a suffix `~FAMILY:SEVERITY` (severity 1–5), e.g. `easyvqa:test~blur:3`;
-`~all:S` gives every family at severity S. Labels stay those of the clean item; a corrupted
+`~all:S` gives every family of the suite (`FAMILIES`) at severity S; `rotate` is addressable
+but outside the suite (`EXTRA_FAMILIES`). Labels stay those of the clean item; a corrupted
 item gets the id `ID~FAMILY:SEVERITY` (so readout caches never collide) and keeps the image
 id (same image cluster).
 
@@ -37,8 +38,14 @@ PARAMS: dict[str, tuple[float, ...]] = {
     "resolution": (0.5, 0.35, 0.25, 0.18, 0.12),    # down-sampling factor, nearest back up
     "background": (0.2, 0.4, 0.6, 0.8, 1.0),        # blend weight of a colour texture
     "occlusion": (0.05, 0.1, 0.18, 0.27, 0.4),      # share of the area under patches
+    "rotate": (15, 30, 45, 90, 180),                # degrees, counter-clockwise
 }
-FAMILIES = tuple(PARAMS)
+# The suite the novelty detector is fitted on and the grids and the study run over.
+# `rotate` (a geometry shift, not an image-quality one) is addressable as a suffix
+# (`easyvqa:test~rotate:3`) but kept out of it, so it stays held out from every fit.
+FAMILIES = ("noise", "blur", "jpeg", "contrast", "brightness", "resolution", "background",
+            "occlusion")
+EXTRA_FAMILIES = ("rotate",)
 SUFFIX = re.compile(r"~([\w-]*)(?::([^~/\\]*))?$")
 
 
@@ -113,9 +120,18 @@ def _occlusion(x, p, rng, side):
     return out
 
 
+def _rotate(x, p, rng, side):
+    # about the centre, same size, corners filled with the image's median border colour
+    # (easy-VQA's flat background)
+    border = np.concatenate([x[0], x[-1], x[:, 0], x[:, -1]])
+    fill = tuple(int(v) for v in _to_u8(np.median(border, 0)))
+    im = Image.fromarray(_to_u8(x)).rotate(p, resample=Image.BILINEAR, fillcolor=fill)
+    return np.asarray(im, np.float64) / 255
+
+
 CORRUPT = {"noise": _noise, "blur": _blur, "jpeg": _jpeg, "contrast": _contrast,
            "brightness": _brightness, "resolution": _resolution, "background": _background,
-           "occlusion": _occlusion}
+           "occlusion": _occlusion, "rotate": _rotate}
 
 
 def _to_u8(x: np.ndarray) -> np.ndarray:
@@ -135,7 +151,7 @@ def corrupt(image: Image.Image, family: str, severity: int, seed: int | str = 0
 def check(family: str, severity: int) -> None:
     if family not in PARAMS:
         raise ValueError(f"unknown corruption family {family!r}; known: "
-                         f"{', '.join(FAMILIES)} (or all)")
+                         f"{', '.join(PARAMS)} (or all: {', '.join(FAMILIES)})")
     if severity not in SEVERITIES:
         raise ValueError(f"corruption severity must be 1-5, not {severity!r}")
 
@@ -180,7 +196,7 @@ def split_spec(spec: str) -> tuple[str, tuple[str, int] | None]:
     base = spec[: m.start()]
     if family != "all" and family not in PARAMS:
         raise ValueError(f"bad shift suffix in {spec!r}: unknown family {family!r}; use "
-                         f"~FAMILY:SEVERITY with FAMILY in {', '.join(FAMILIES)} or all")
+                         f"~FAMILY:SEVERITY with FAMILY in {', '.join(PARAMS)} or all")
     if sev is None or not sev.isdigit() or int(sev) not in SEVERITIES:
         raise ValueError(f"bad shift suffix in {spec!r}: severity must be 1-5 "
                          f"(~{family}:SEVERITY)")

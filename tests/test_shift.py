@@ -109,6 +109,21 @@ def test_spec_suffix_loads_corrupted_items(tmp_path):
     assert {s.id.split("~")[1] for s in every} == {f"{f}:2" for f in FAMILIES}
 
 
+def test_rotate_is_addressable_but_outside_the_suite(tmp_path):
+    """A geometry shift: a spec suffix like the others, never in `~all` (nor in the
+    novelty detector's pool, which walks FAMILIES)."""
+    assert "rotate" not in FAMILIES and "rotate" in PARAMS
+    spec = _jsonl(tmp_path)
+    clean = load(spec)[0].image()
+    turned = load(spec + "~rotate:4")[0].image()                  # 90°
+    a = np.asarray(clean.convert("RGB"))
+    border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]]).astype(float) / 255
+    fill = tuple(int(v) for v in np.clip(np.median(border, 0) * 255 + 0.5, 0, 255))
+    want = clean.convert("RGB").rotate(90, resample=Image.BILINEAR, fillcolor=fill)
+    assert np.array_equal(arr(turned), arr(want))
+    assert {s.id.split("~")[1] for s in load(spec + "~all:4")} == {f"{f}:4" for f in FAMILIES}
+
+
 @pytest.mark.parametrize("suffix, message", [
     ("~blurr:3", "unknown family 'blurr'"), ("~blur", "severity must be 1-5"),
     ("~blur:0", "severity must be 1-5"), ("~blur:6", "severity must be 1-5"),
