@@ -5,8 +5,9 @@
 Clean easy-VQA training images: the actor split (3,200 images) to fit on, the held-out
 split (800) to calibrate on (all but its temperature-split images) and to corrupt (the
 first 300, every family of `models.shift` at severities 3 and 5, and `rotate` at 45° and
-180°, outside the suite's means); the held-out temperature-split images give the clean
-flag rate. No test image is read. Writes
+180°, outside the suite's means, and two changes of one grey level nobody can see, which
+a check should leave alone); the held-out temperature-split images give the clean flag
+rate. No test image is read. Writes
 `results.json` and `results.md`: the share flagged at α = 0.01 per family × severity.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from heads.fit import image_split
 from heads.image_check import SCALE_FLOOR, pixel_features_many
@@ -93,6 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     cells = {f"{f}:{s}": pixel_features_many([corrupt(it.image(), f, s, it.image_id)
                                               for it in held[:N_CORRUPTED]])
              for f in (*FAMILIES, *EXTRA_FAMILIES) for s in (3, 5)}
+    # changes no one can see, which a check should leave alone: one grey level of noise
+    rng = np.random.default_rng(0)
+    for name, change in (("grey-level noise", lambda a: a + rng.normal(0, 1, a.shape)),
+                         ("grey-level dither", lambda a: a - (rng.random(a.shape[:2]) < 0.6
+                                                              )[..., None])):
+        cells[name] = pixel_features_many([
+            Image.fromarray(np.clip(change(np.asarray(it.image().convert("RGB"), float)),
+                                    0, 255).round().astype(np.uint8))
+            for it in held[:N_CORRUPTED]])
     setups = [(name, make, fit) for name, make in scorers().items()
               for fit in (("reader split of held-out (the previous check's data)",)
                           if name == "mahalanobis"
