@@ -197,12 +197,18 @@ class Serving:
         limit = self.settings.max_image_bytes
         if len(raw) > limit:
             raise ImageTooLarge(f"{what}: {len(raw)} bytes, over the limit of {limit}")
+        # waiting for a slot counts against the request's deadline like queueing does
         try:
-            async with self.decode_slots:
-                return await run_in_threadpool(open_image, raw,
-                                               self.settings.max_image_pixels)
+            await asyncio.wait_for(self.decode_slots.acquire(),
+                                   self.settings.request_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what}: deadline passed waiting to be decoded") from None
+        try:
+            return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
         except ImageError as e:   # ImageTooLarge / ImageInvalid keep their type
             raise type(e)(f"{what}: {e}") from None
+        finally:
+            self.decode_slots.release()
 
     async def image_b64(self, b64: str, what: str = "image") -> Image.Image:
         # The encoded size bounds the decoded one: refuse before decoding a huge string.

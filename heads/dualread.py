@@ -22,7 +22,7 @@ import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.features import FEATURE_SCHEMA, KAPPA, extract, image_stats
-from heads.image_check import pixel_features_many
+from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
@@ -77,6 +77,10 @@ class FingerprintMismatch(RuntimeError):
 
 class CardTooNew(RuntimeError):
     """A heads card written by a newer version of this code than the one loading it."""
+
+
+class StaleImageCheck(RuntimeError):
+    """An image check fitted on other pixel statistics than this code computes."""
 
 
 def _below(pvals: Sequence[float | None] | np.ndarray | None, detector: Novelty | None,
@@ -416,6 +420,15 @@ class Heads:
         if card.get("image_check"):
             heads.image_check = Novelty.load(folder, "image_check")
             heads.image_check_alpha = float(card["image_check"].get("alpha", ALPHA))
+            # refused here, not on every image: a check fitted on other statistics
+            # (an older artefact) cannot read what this code measures
+            said = card["image_check"].get("statistics")
+            width = int(heads.image_check.t["mean"].shape[-1])
+            if width != len(PIXEL_FEATURES) or said not in (None, list(PIXEL_FEATURES)):
+                raise StaleImageCheck(
+                    f"the image check in {folder} was fitted on {width} pixel statistics "
+                    f"({said}), not on the {len(PIXEL_FEATURES)} this code computes; refit "
+                    "with `dualread fit-heads`, or pass --no-image-check when fitting")
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card
         return heads

@@ -182,7 +182,8 @@ def _rows(feats: dict, idx) -> dict:
 
 
 def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
-                  per_family: int, seed: int = 0) -> tuple[Novelty, dict]:
+                  per_family: int, seed: int = 0, alpha: float = ALPHA
+                  ) -> tuple[Novelty, dict]:
     """Readouts of corrupted reader-split items (cached by the collector), the detector
     fitted on them and calibrated on every clean item it was not fitted on (temperature
     and defer splits), and what the card logs."""
@@ -192,8 +193,9 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     shifted_items = novelty_items(reader, per_family, seed)
     shifted, _ = col.run(shifted_items, label="readouts (novelty, corrupted reader items)")
     # Neither split is used by the detector's fit (the temperature split fits the readers'
-    # temperatures, not this), so both calibrate it: a clean input's flag rate is α on
-    # average over calibration draws, and one draw's error shrinks with its size.
+    # temperatures, not this), so both calibrate it: a clean input's flag rate is at most
+    # α over calibration draws (approximately: rows are questions, several per image), and
+    # one draw's error shrinks with its size.
     tmp, dfr = splits["temperature"], splits["defer"]
     cal = torch.cat([tmp, dfr])
     nov = fit_novelty(_rows(feats, splits["reader"]), shifted, _rows(feats, cal))
@@ -204,16 +206,16 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                  # with n calibration scores no p-value is below 1/(n + 1): under 99 clean
                  # items the detector can never flag at α = 0.01
                  "smallest_p_value": round(1 / (len(cal) + 1), 6)}
-    if log["smallest_p_value"] >= ALPHA:
+    if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: {len(cal)} calibration items "
-                    f"cannot give a p-value below alpha {ALPHA}; it will never flag[/yellow]")
+                    f"cannot give a p-value below alpha {alpha}; it will never flag[/yellow]")
     x = features(nov.feature, feats)
     if len(cal):
-        log["calibration_flag_rate"] = round(float((nov.p_value(x[cal]) < ALPHA).mean()), 4)
+        log["calibration_flag_rate"] = round(float((nov.p_value(x[cal]) < alpha).mean()), 4)
     # out of sample, on clean items: calibrated on one of the two splits, the other's flag
     # rate (≈ α expected), averaged over both directions
     if len(tmp) and len(dfr):
-        rates = [float((nov.recalibrated(x[a]).p_value(x[b]) < ALPHA).mean())
+        rates = [float((nov.recalibrated(x[a]).p_value(x[b]) < alpha).mean())
                  for a, b in ((tmp, dfr), (dfr, tmp))]
         log["cross_flag_rate"] = round(float(np.mean(rates)), 4)
     # held-out separation: refit on reader_train images, score reader_val images, clean
@@ -231,7 +233,7 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
         log["heldout"] = "fitted on reader_train images, scored on reader_val images"
     console.log(f"novelty detector: {len(shifted_items)} corrupted readouts, held-out AUROC "
                 f"{log.get('heldout_auroc')}, clean flag rate (cross-calibrated) "
-                f"{log.get('cross_flag_rate')} at alpha {ALPHA}")
+                f"{log.get('cross_flag_rate')} at alpha {alpha}")
     return nov, log
 
 

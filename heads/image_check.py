@@ -28,7 +28,7 @@ PIXEL_FEATURES = (
     "clipped_share",       # pixels at black or white
     "edge_density",        # share of pixels with a strong gradient
     "log_palette",         # distinct colours (5 bits per channel) per pixel
-    # gradient energy by direction (mod 180°, six 30° bins centred on 0°, 30°, ..., 150°;
+    # gradient magnitude by direction (mod 180°, six 30° bins centred on 0°, ..., 150°;
     # 0° = vertical edges): pixel statistics above do not change when the picture turns,
     # these do (a shape turned by 45° was read as another one, confidently, and nothing
     # flagged it)

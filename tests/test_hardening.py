@@ -253,6 +253,26 @@ def test_at_most_max_decodes_images_are_decoded_at_once(monkeypatch):
     assert peak[0] == 2
 
 
+def test_waiting_for_a_decode_slot_counts_against_the_deadline(monkeypatch):
+    import app.serving as serving_module
+    from app.serving import Serving
+
+    def slow_open(raw, max_pixels):
+        time.sleep(0.3)
+        return Image.new("RGB", (4, 4))
+
+    monkeypatch.setattr(serving_module, "open_image", slow_open)
+    srv = Serving(Settings(max_decodes=1, request_timeout_s=0.05))
+
+    async def main():
+        return await asyncio.gather(srv.image(b"a"), srv.image(b"b"), return_exceptions=True)
+
+    first, second = asyncio.run(main())
+    assert isinstance(first, Image.Image)                  # a started decode finishes
+    assert isinstance(second, DeadlineExceeded) and "waiting to be decoded" in str(second)
+    assert srv.decode_slots._value == 1                    # the slot came back
+
+
 def test_the_default_pixel_limit_is_what_a_processor_keeps():
     assert Settings().max_image_pixels == 4096 * 4096
 

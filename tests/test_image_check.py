@@ -142,6 +142,17 @@ def test_edge_orientation_shares_by_hand():
     x = pixel_features(gray(sq))
     assert x[F["orientation_0"]] == pytest.approx(x[F["orientation_90"]])
     assert sum(x[F[n]] for n in names) == pytest.approx(1.0)
+    # two edges of different contrast: shares weigh each pixel by its gradient magnitude
+    # (central differences: 0.3 along the vertical edge, 0.1 along the horizontal one,
+    # both on the 4 crossing pixels, whose direction atan(0.1 / 0.3) = 18.4° falls in 30°)
+    two = np.zeros((32, 32))
+    two[:, 16:] += 0.6
+    two[16:, :] += 0.2
+    x = pixel_features(gray(two))
+    e0, e90, e30 = 30 * 2 * 0.3, 30 * 2 * 0.1, 4 * math.hypot(0.3, 0.1)
+    total = e0 + e90 + e30
+    assert [x[F[n]] for n in names] == pytest.approx(
+        [e0 / total, e30 / total, 0, e90 / total, 0, 0], abs=1e-6)
     # a flat image has no gradient energy: every share is 0, not NaN
     flat = pixel_features(gray(np.full((16, 16), 0.5)))
     assert [flat[F[n]] for n in names] == [0.0] * 6

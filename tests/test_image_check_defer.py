@@ -3,6 +3,7 @@
 
 import copy
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from heads.defer import DeferPolicy
 from heads.dualread import Heads
 from heads.evaluate import evaluate
 from heads.fit import fit_heads, fit_image_check, image_split, novelty_items
-from heads.image_check import SCALE_FLOOR, pixel_features, pixel_features_many
+from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features, pixel_features_many
 from heads.novelty import Novelty
 from models.data import load
 from tests.conftest import random_image
@@ -264,3 +265,33 @@ def test_the_logged_flag_rates_are_what_the_check_says_at_a_testable_alpha(own_o
     # not all zero: the rates can tell a right computation from a wrong one here
     assert log["corrupted_flag_rate"]["noise"] > 0 and log["cross_flag_rate"] > 0
     assert log["cross_flag_rate"] != log["calibration_flag_rate"]      # out of sample
+
+
+def test_an_image_check_fitted_on_other_statistics_is_refused_at_load(check, tmp_path):
+    """An older artefact (ten statistics) loaded fine and then failed on every image (a
+    500 on every /answer); it is refused when the heads load, with the fix in the message."""
+    from heads.dualread import StaleImageCheck
+
+    heads = Heads(dim=2, policy=_policy(0.5), image_check=copy.deepcopy(check))
+    for k in ("mean", "scale"):
+        heads.image_check.t[k] = heads.image_check.t[k][:10]
+    heads.save(tmp_path / "old", {"image_check": {"statistics": list(PIXEL_FEATURES[:10])}})
+    with pytest.raises(StaleImageCheck, match="refit"):
+        Heads.load(tmp_path / "old")
+    renamed = list(PIXEL_FEATURES[::-1])              # right width, other statistics
+    Heads(dim=2, policy=_policy(0.5), image_check=check).save(
+        tmp_path / "renamed", {"image_check": {"statistics": renamed}})
+    with pytest.raises(StaleImageCheck):
+        Heads.load(tmp_path / "renamed")
+
+
+def test_the_shipped_check_reads_the_sample_image_as_it_did_when_measured():
+    """Ties the code to the shipped artefact: the README's /answer example."""
+    root = Path(__file__).resolve().parents[1]
+    heads = Heads.load(root / "heads" / "embedded")
+    assert heads.card["image_check"]["statistics"] == list(PIXEL_FEATURES)
+    r = heads.image_reading(Image.open(root / "docs" / "sample.png"))
+    assert (round(r.score, 4), round(r.p_value, 4), r.novel) == (0.7736, 0.6669, False)
+    white = heads.image_reading(Image.new("RGB", (64, 64), "white"))
+    n = heads.card["image_check"]["n_calibration"]
+    assert white.p_value == pytest.approx(1 / (n + 1)) and white.novel

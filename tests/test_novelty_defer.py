@@ -315,6 +315,32 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
         (flagged(s_t, s_d) + flagged(s_d, s_t)) / 2, abs=1e-4)
 
 
+def test_the_novelty_stage_logs_its_flag_rates_out_of_sample(actors, own_or_wrong_data,
+                                                              tmp_path):
+    """At α = 0.01 the small fixture can never flag, so the logged rates would be 0 however
+    they were computed; at α = 0.6 each is worked out here from the detector's scores."""
+    from heads.fit import novelty_stage
+
+    actor, alpha = actors["gemma3"], 0.6      # the fixture's scores take two values
+    items = load(own_or_wrong_data)
+    col = Collector(actor, tmp_path / "cache", 4)
+    feats, meta = col.run(items)
+    sp = splits_of(meta)
+    nov, log = novelty_stage(col, items, feats, sp, 2, alpha=alpha)
+    s = {k: nov.score(features(nov.feature, {n: v[sp[k]] for n, v in feats.items()}))
+         for k in ("temperature", "defer")}
+
+    def flagged(ref, read):
+        return float((p_values(ref, read) < alpha).mean())
+
+    cross = (flagged(s["temperature"], s["defer"]) + flagged(s["defer"], s["temperature"])) / 2
+    both = np.r_[s["temperature"], s["defer"]]
+    assert log["cross_flag_rate"] == pytest.approx(cross, abs=1e-4)
+    assert log["calibration_flag_rate"] == pytest.approx(flagged(both, both), abs=1e-4)
+    assert np.allclose(nov.t["calibration"].numpy(), np.sort(both))
+    assert log["cross_flag_rate"] != log["calibration_flag_rate"]      # out of sample
+
+
 def test_fit_heads_flags_reach_the_fit(actor_dirs, own_or_wrong_data, tmp_path, monkeypatch):
     from app.cli import app
 
