@@ -13,6 +13,7 @@ import base64
 import binascii
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, make_dataclass
 from typing import Any, Protocol
 
@@ -143,6 +144,12 @@ class ServingHooks:
 
 
 # ---------------------------------------------------------------------------- serving
+# The request being served in this task: its deadline (time.monotonic) and how to tell
+# whether its client has gone. Set by `Serving.admit`; (None, None) outside a request.
+_REQUEST: ContextVar[tuple[float | None, Gone | None]] = ContextVar(
+    "dualread_request", default=(None, None))
+
+
 class Serving:
     def __init__(self, settings: Settings, hooks: ServingHooks | None = None,
                  batcher_hooks: BatcherHooks | None = None) -> None:
@@ -181,10 +188,14 @@ class Serving:
             await self.batcher.stop()
 
     def admit(self, request: Any) -> None:
-        """A request that arrived after SIGTERM is refused; one already in is served."""
+        """A request that arrived after SIGTERM is refused; one already in is served.
+        Its deadline starts here: decoding, waiting for a decode slot and queueing all
+        count against it (each request runs in its own task, so the context is its own)."""
         if request.scope["state"].get("late"):
             raise ShuttingDown()
         self.require_backend()
+        _REQUEST.set((time.monotonic() + self.settings.request_timeout_s,
+                      getattr(request, "is_disconnected", None)))
 
     def require_backend(self) -> Backend:
         if self.backend is None or self.batcher is None:
@@ -200,10 +211,13 @@ class Serving:
         # waiting for a slot counts against the request's deadline like queueing does
         try:
             await asyncio.wait_for(self.decode_slots.acquire(),
-                                   self.settings.request_timeout_s)
+                                   max(0.0, self._deadline() - time.monotonic()))
         except TimeoutError:
             raise DeadlineExceeded(f"{what}: deadline passed waiting to be decoded") from None
         try:
+            gone = _REQUEST.get()[1]
+            if gone is not None and await gone():     # nobody to decode for any more
+                raise ClientGone()
             return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
         except ImageError as e:   # ImageTooLarge / ImageInvalid keep their type
             raise type(e)(f"{what}: {e}") from None
@@ -259,7 +273,10 @@ class Serving:
 
     # ----------------------------------------------------------------- running
     def _deadline(self) -> float:
-        return time.monotonic() + self.settings.request_timeout_s
+        """The current request's deadline (set by `admit`), else one from now."""
+        deadline = _REQUEST.get()[0]
+        return deadline if deadline is not None else \
+            time.monotonic() + self.settings.request_timeout_s
 
     async def _await(self, jobs: list[Job], gone: Gone | None = None) -> list[Served]:
         """The jobs' results; on timeout, on cancellation, or when `gone()` says the client
@@ -268,7 +285,8 @@ class Serving:
         timeout = self.settings.request_timeout_s
         futures = [j.future for j in jobs]
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(asyncio.get_running_loop().time()
+                                          + max(0.0, self._deadline() - time.monotonic())):
                 await _settled(futures, gone)
             results = [f.result() for f in futures]   # raises a failed job's error
         except TimeoutError:

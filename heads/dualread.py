@@ -425,10 +425,12 @@ class Heads:
             said = card["image_check"].get("statistics")
             width = int(heads.image_check.t["mean"].shape[-1])
             if width != len(PIXEL_FEATURES) or said not in (None, list(PIXEL_FEATURES)):
+                names = "unnamed" if said is None else f"{len(said)} named"
                 raise StaleImageCheck(
-                    f"the image check in {folder} was fitted on {width} pixel statistics "
-                    f"({said}), not on the {len(PIXEL_FEATURES)} this code computes; refit "
-                    "with `dualread fit-heads`, or pass --no-image-check when fitting")
+                    f"the heads' image check was fitted on other pixel statistics ({width} "
+                    f"values per image, {names}) than the {len(PIXEL_FEATURES)} this code "
+                    "computes; refit with `dualread fit-heads`, or pass --no-image-check "
+                    "when fitting")
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card
         return heads

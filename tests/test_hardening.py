@@ -273,6 +273,45 @@ def test_waiting_for_a_decode_slot_counts_against_the_deadline(monkeypatch):
     assert srv.decode_slots._value == 1                    # the slot came back
 
 
+class _Request:
+    """What `Serving.admit` reads of a request."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.scope = {"state": {}}
+        self.gone = gone
+
+    async def is_disconnected(self) -> bool:
+        return self.gone
+
+
+def test_one_deadline_per_request_from_admission(monkeypatch):
+    """Decoding and waiting for a slot count against the request's deadline, and a client
+    that has gone is not decoded for."""
+    import app.serving as serving_module
+    from app.errors import ClientGone
+    from app.serving import Serving
+
+    decoded = []
+    monkeypatch.setattr(serving_module, "open_image",
+                        lambda raw, px: decoded.append(raw) or Image.new("RGB", (4, 4)))
+    srv = Serving(Settings(request_timeout_s=30))
+    srv.backend, srv.batcher = object(), object()          # "ready"
+
+    async def request(gone: bool):
+        srv.admit(_Request(gone))
+        admitted = srv._deadline()
+        await asyncio.sleep(0.05)
+        assert srv._deadline() == admitted                 # not reset by later steps
+        return await srv.image(b"x")
+
+    assert isinstance(asyncio.run(request(False)), Image.Image)
+    with pytest.raises(ClientGone):
+        asyncio.run(request(True))
+    assert decoded == [b"x"]                               # the gone client's was skipped
+    # outside a request (no admit in this task): one timeout from now
+    assert abs(srv._deadline() - (time.monotonic() + 30)) < 1
+
+
 def test_the_default_pixel_limit_is_what_a_processor_keeps():
     assert Settings().max_image_pixels == 4096 * 4096
 
