@@ -1,9 +1,10 @@
 """Image-quality statistics of the input image itself, for the defer rule's image check.
 
 The novelty detector on the actor's states misses corruptions that leave those states
-close to clean ones (blur, JPEG, low resolution on easy-VQA: docs/eval-shift). These are
-the textbook no-reference quality measures, computed from pixels, no model involved, so a
-one-class detector fitted on clean images only sees every corruption as held out.
+close to clean ones (blur, JPEG, low resolution on easy-VQA: docs/eval-shift). Ten of
+these are the textbook no-reference quality measures, six are shares of gradient
+magnitude by direction (they see a turned picture); all are computed from pixels, no
+model involved, and the one-class detector on them is fitted on clean images only.
 Most are ratios, logs or shares, but sharpness, edge density and palette size still
 depend on the image's size: the check compares an input with fitting images of similar
 sizes, and a very different size is itself flagged as unusual. Images over MAX_SIDE are
@@ -43,11 +44,10 @@ LEVEL = 1 / 255
 # Smallest standardisation scale of each statistic (same order as PIXEL_FEATURES). A
 # statistic that never varies on the fitting images (the noise estimate on noise-free
 # synthetic images) would otherwise count a one-grey-level change as millions of standard
-# deviations. log 2 is what one grey level of noise does to the noise estimate; a
-# twentieth of the gradient energy for the orientation shares (one-grey-level dither on a
-# set of identical squares otherwise scored 30); the other floors sit far below the spread
-# of clean photographs and synthetic images alike and only guard against degenerate
-# fitting sets.
+# deviations. log 2 is what one grey level of noise does to the noise estimate; the other
+# floors (0.05 of the gradient magnitude for the orientation shares, whose spread on
+# easy-VQA is 0.06-0.19) sit below the spread of clean photographs and synthetic images
+# alike and only guard against degenerate fitting sets.
 SCALE_FLOOR = (0.01, 0.01, 0.1, float(np.log(2)), 0.1, 0.1, 0.01, 0.01, 0.005, 0.1,
                *(0.05,) * 6)
 MAX_SIDE = 256             # larger images are shrunk (box filter) before measuring
