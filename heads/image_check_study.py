@@ -5,8 +5,8 @@
 Clean easy-VQA training images: the actor split (3,200 images) to fit on, the held-out
 split (800) to calibrate on (all but its temperature-split images) and to corrupt (the
 first 300, every family of `models.shift` at severities 3 and 5, and `rotate` at 45° and
-180°, outside the suite's means, and two changes of one grey level nobody can see, which
-a check should leave alone); the held-out temperature-split images give the clean flag
+180°, outside the suite's means, and changes a check should leave alone: one grey level
+of noise or dither, one black pixel); the held-out temperature-split images give the clean flag
 rate. No test image is read. Writes
 `results.json` and `results.md`: the share flagged at α = 0.01 per family × severity.
 """
@@ -97,9 +97,15 @@ def main(argv: list[str] | None = None) -> None:
              for f in (*FAMILIES, *EXTRA_FAMILIES) for s in (3, 5)}
     # changes no one can see, which a check should leave alone: one grey level of noise
     rng = np.random.default_rng(0)
+    def speck(a: np.ndarray) -> np.ndarray:
+        a = a.copy()
+        a[rng.integers(0, a.shape[0]), rng.integers(0, a.shape[1])] = 0
+        return a
+
     for name, change in (("grey-level noise", lambda a: a + rng.normal(0, 1, a.shape)),
                          ("grey-level dither", lambda a: a - (rng.random(a.shape[:2]) < 0.6
-                                                              )[..., None])):
+                                                              )[..., None]),
+                         ("one black pixel", speck)):
         cells[name] = pixel_features_many([
             Image.fromarray(np.clip(change(np.asarray(it.image().convert("RGB"), float)),
                                     0, 255).round().astype(np.uint8))
