@@ -13,6 +13,7 @@ Serve config of your own.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 import threading
@@ -53,7 +54,9 @@ class ServeBatcher(Batcher):
         jobs = super().submit_many(handler, payloads, deadline, key)
         loop = asyncio.get_running_loop()
         for job in jobs:
-            task = loop.create_task(self._batch(job))
+            # an empty context: the batch queue's long-lived task is created inside the
+            # first of these, and must not keep that request's context for good
+            task = loop.create_task(self._batch(job), context=contextvars.Context())
             self.pending.add(task)            # a reference, so the task is not collected
             task.add_done_callback(self.pending.discard)
         return jobs

@@ -214,15 +214,24 @@ class Serving:
                                    max(0.0, self._deadline() - time.monotonic()))
         except TimeoutError:
             raise DeadlineExceeded(f"{what}: deadline passed waiting to be decoded") from None
+        started = False
         try:
             gone = _REQUEST.get()[1]
             if gone is not None and await gone():     # nobody to decode for any more
                 raise ClientGone()
-            return await run_in_threadpool(open_image, raw, self.settings.max_image_pixels)
+            # The slot goes back when the decode thread ends, not when this task stops
+            # waiting: a cancelled request (Ray Serve cancels on disconnect) would
+            # otherwise free its slot while its decode still runs.
+            fut = asyncio.get_running_loop().run_in_executor(
+                None, open_image, raw, self.settings.max_image_pixels)
+            started = True
+            fut.add_done_callback(lambda _: self.decode_slots.release())
+            return await asyncio.shield(fut)
         except ImageError as e:   # ImageTooLarge / ImageInvalid keep their type
             raise type(e)(f"{what}: {e}") from None
         finally:
-            self.decode_slots.release()
+            if not started:
+                self.decode_slots.release()
 
     async def image_b64(self, b64: str, what: str = "image") -> Image.Image:
         # The encoded size bounds the decoded one: refuse before decoding a huge string.

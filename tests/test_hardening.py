@@ -308,8 +308,49 @@ def test_one_deadline_per_request_from_admission(monkeypatch):
     with pytest.raises(ClientGone):
         asyncio.run(request(True))
     assert decoded == [b"x"]                               # the gone client's was skipped
-    # outside a request (no admit in this task): one timeout from now
-    assert abs(srv._deadline() - (time.monotonic() + 30)) < 1
+    # each request's context is its own: nothing outside them sees one
+    assert serving_module._REQUEST.get() == (None, None)
+
+    async def two():
+        async def one(delay):
+            await asyncio.sleep(delay)
+            srv.admit(_Request())
+            await asyncio.sleep(0.15)
+            return srv._deadline()
+        return await asyncio.gather(one(0.0), one(0.1))
+
+    first, second = asyncio.run(two())
+    assert 0.05 < second - first < 0.2                     # not one shared deadline
+
+
+def test_a_cancelled_decode_keeps_its_slot_until_the_thread_ends(monkeypatch):
+    """Ray Serve cancels a request's task when its client disconnects; the decode thread
+    runs on, so its slot must too, or --max-decodes could be exceeded."""
+    import app.serving as serving_module
+    from app.serving import Serving
+
+    done = threading.Event()
+
+    def slow_open(raw, max_pixels):
+        time.sleep(0.3)
+        done.set()
+        return Image.new("RGB", (4, 4))
+
+    monkeypatch.setattr(serving_module, "open_image", slow_open)
+    srv = Serving(Settings(max_decodes=1))
+
+    async def main():
+        task = asyncio.create_task(srv.image(b"x"))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        held = srv.decode_slots._value                     # the thread still decodes
+        while not done.is_set():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        return held, srv.decode_slots._value
+
+    assert asyncio.run(main()) == (0, 1)
 
 
 def test_the_default_pixel_limit_is_what_a_processor_keeps():
