@@ -181,6 +181,22 @@ def _rows(feats: dict, idx) -> dict:
     return {k: v[idx] for k, v in feats.items()}
 
 
+def clean_flag_rates(det: Novelty, x: torch.Tensor, first: torch.Tensor,
+                     second: torch.Tensor, alpha: float) -> dict:
+    """Flag rates at `alpha` of a detector calibrated on rows `first` + `second` of `x`:
+    in sample (`calibration_flag_rate`), and out of sample (`cross_flag_rate`: calibrated
+    on one of the two, read on the other, averaged over both directions; ≤ α expected)."""
+    out: dict = {}
+    cal = torch.cat([first, second])
+    if len(cal):
+        out["calibration_flag_rate"] = round(float((det.p_value(x[cal]) < alpha).mean()), 4)
+    if len(first) and len(second):
+        rates = [float((det.recalibrated(x[a]).p_value(x[b]) < alpha).mean())
+                 for a, b in ((first, second), (second, first))]
+        out["cross_flag_rate"] = round(float(np.mean(rates)), 4)
+    return out
+
+
 def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                   per_family: int, seed: int = 0, alpha: float = ALPHA
                   ) -> tuple[Novelty, dict]:
@@ -209,15 +225,7 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: {len(cal)} calibration items "
                     f"cannot give a p-value below alpha {alpha}; it will never flag[/yellow]")
-    x = features(nov.feature, feats)
-    if len(cal):
-        log["calibration_flag_rate"] = round(float((nov.p_value(x[cal]) < alpha).mean()), 4)
-    # out of sample, on clean items: calibrated on one of the two splits, the other's flag
-    # rate (≈ α expected), averaged over both directions
-    if len(tmp) and len(dfr):
-        rates = [float((nov.recalibrated(x[a]).p_value(x[b]) < alpha).mean())
-                 for a, b in ((tmp, dfr), (dfr, tmp))]
-        log["cross_flag_rate"] = round(float(np.mean(rates)), 4)
+    log.update(clean_flag_rates(nov, features(nov.feature, feats), tmp, dfr, alpha))
     # held-out separation: refit on reader_train images, score reader_val images, clean
     # vs their corrupted copies (no extra readouts; the shipped detector uses all of them)
     val_imgs = {items[i].image_id for i in splits["reader_val"].tolist()}
@@ -287,14 +295,7 @@ def image_check_stage(items: list[Item], per_family: int, seed: int = 0,
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]image check: {n_cal} calibration images cannot give a p-value "
                     f"below alpha {alpha}; it will never flag[/yellow]")
-    if n_cal:
-        log["calibration_flag_rate"] = round(float((chk.p_value(x[cal]) < alpha).mean()), 4)
-    # out of sample, on clean images: calibrated on one of the two splits, the other's
-    # flag rate (≤ α expected), averaged over both directions
-    if len(tmp) and len(dfr):
-        rates = [float((chk.recalibrated(x[a]).p_value(x[b]) < alpha).mean())
-                 for a, b in ((tmp, dfr), (dfr, tmp))]
-        log["cross_flag_rate"] = round(float(np.mean(rates)), 4)
+    log.update(clean_flag_rates(chk, x, tmp, dfr, alpha))
     # corrupted copies of calibration images: their clean originals are not in the
     # fitting bank, so a copy is not near its own original
     calib = [first[k] for k in cal.tolist()]

@@ -20,10 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from heads.fit import image_split
 from heads.image_check import SCALE_FLOOR, pixel_features_many
+from heads.novelty import Novelty
 from models.data import load
 from models.shift import EXTRA_FAMILIES, FAMILIES, corrupt
 
@@ -36,17 +38,15 @@ def _distinct(spec: str) -> list:
     return list({it.image_id: it for it in load(spec)}.values())
 
 
-class Standardised:
-    """Standardisation as the shipped check does it: fitting mean, sample sd floored at
-    `SCALE_FLOOR` (heads.novelty with `min_scale`)."""
+def shipped(kind: str) -> Callable[[np.ndarray], Scorer]:
+    """A score as `fit-heads` builds the image check: `heads.novelty.Novelty` on the
+    statistics standardised with floored scales (`SCALE_FLOOR`)."""
+    floor = torch.tensor(SCALE_FLOOR, dtype=torch.float64)
 
-    def fit(self, x: np.ndarray) -> Standardised:
-        self.mean = x.mean(0)
-        self.scale = np.maximum(np.maximum(x.std(0, ddof=1), 1e-6), SCALE_FLOOR)
-        return self
-
-    def transform(self, x: np.ndarray) -> np.ndarray:
-        return (x - self.mean) / self.scale
+    def fit(x: np.ndarray) -> Scorer:
+        det = Novelty(kind, "pixels").fit(torch.from_numpy(x), min_scale=floor)
+        return lambda q: det.score(torch.from_numpy(q))
+    return fit
 
 
 def scorers() -> dict[str, Callable[[np.ndarray], Scorer]]:
@@ -76,10 +76,10 @@ def scorers() -> dict[str, Callable[[np.ndarray], Scorer]]:
         f = IsolationForest(n_estimators=300, random_state=0).fit(x)
         return lambda q: -f.score_samples(q)
 
-    return {"mahalanobis": mahalanobis(Standardised),
+    return {"mahalanobis": shipped("mahalanobis"),
             "yeo-johnson + mahalanobis": mahalanobis(PowerTransformer),
             "quantile + mahalanobis": mahalanobis(quantile),
-            "5-NN (shipped)": knn(Standardised),
+            "5-NN (shipped)": shipped("knn"),
             "quantile + 5-NN": knn(quantile),
             "isolation forest": forest}
 
