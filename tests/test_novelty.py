@@ -41,6 +41,23 @@ def test_recalibrated_keeps_the_fit_and_leaves_the_original_alone():
     assert np.allclose(nov.p_value(q), [5 / 5, 1 / 5])                # the original's
 
 
+def test_clean_flag_rates_by_hand():
+    """In sample on both splits, and out of sample (calibrated on one, read on the other,
+    averaged): a 1-D score monotone in |x|, so every p-value is worked out by hand."""
+    from heads.fit import clean_flag_rates
+
+    nov = Novelty("mahalanobis", "h_pre").fit(torch.tensor([[-1.0], [1.0], [-2.0], [2.0]]))
+    x = torch.tensor([[0.1], [0.2], [3.0], [0.5], [5.0]])
+    first, second = torch.tensor([0, 1, 2]), torch.tensor([3, 4])
+    nov.calibrate(x)
+    got = clean_flag_rates(nov, x, first, second, 0.5)
+    # all five: p = 6/6, 5/6, 4/6, 3/6, 2/6 -> only 5.0 is below 0.5
+    assert got["calibration_flag_rate"] == pytest.approx(1 / 5)
+    # on (0.1, 0.2, 3.0), read (0.5, 5.0): p = 2/4, 1/4 -> 1 of 2; on (0.5, 5.0), read
+    # (0.1, 0.2, 3.0): p = 3/3, 3/3, 2/3 -> 0 of 3; in sample both would be 0
+    assert got["cross_flag_rate"] == pytest.approx(0.25)
+
+
 @pytest.mark.parametrize("kind", ["mahalanobis", "knn"])
 def test_clean_p_values_are_valid_and_near_uniform(kind):
     nov = Novelty(kind, "h_pre").fit(gaussian(400, 6, 0)).calibrate(gaussian(400, 6, 1))
