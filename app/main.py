@@ -73,6 +73,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             loop.create_task(load())
         yield
         await serving.stop()
+        if service is None and serving.backend is not None:     # the one it loaded itself
+            getattr(serving.backend, "close", lambda: None)()
 
     app = FastAPI(title="dualread", version="0.1.0", lifespan=lifespan,
                   description=DESCRIPTION, docs_url=None, redoc_url=None, openapi_url=None,

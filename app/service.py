@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from app.serving import (
     ScoreResult,
     StageTimes,
 )
+from heads.check_process import CheckProcess
 from heads.dualread import Assessment, Heads
 from heads.novelty import NoveltyReading
+from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
 from models.readout import Response
@@ -33,6 +36,9 @@ log = logging.getLogger("dualread.service")
 # overrides and isolates (questions only: a trajectory may hold newlines).
 CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 AnswerJob = AnswerItem   # the earlier name
+# Longest wait for a batch's image check once the batch has decoded (a batch of 16 images
+# takes tens of milliseconds; decoding took longer than that already)
+CHECK_WAIT_S = 5.0
 
 
 def _confidences(c: dict[str, float]) -> Confidences:
@@ -42,9 +48,29 @@ def _confidences(c: dict[str, float]) -> Confidences:
 class Service:
     def __init__(self, actor_dir: str | None, heads_dir: str | None, device: str = "cpu",
                  dtype: str = "float32") -> None:
-        self.actor = load_actor(actor_dir, device=device, dtype=dtype)
+        actor = load_actor(actor_dir, device=device, dtype=dtype)
         # Heads fitted on another actor read meaningless states: refuse them.
-        self.heads = Heads.load(heads_dir, self.actor.fingerprint)
+        self._attach(actor, Heads.load(heads_dir, actor.fingerprint))
+        if self.check_process is not None:
+            self.check_process.start()
+
+    @classmethod
+    def of(cls, actor: Actor, heads: Heads) -> Service:
+        """A service over an actor and heads already loaded (the in-process benchmark runs
+        exactly what `/answer` runs)."""
+        if heads.actor_fingerprint != actor.fingerprint:
+            raise ValueError("these heads were fitted on another actor")
+        svc = cls.__new__(cls)
+        svc._attach(actor, heads)
+        return svc
+
+    def _attach(self, actor: Actor, heads: Heads) -> None:
+        self.actor, self.heads = actor, heads
+        # The image check reads pixels only: in a process of its own it runs while the
+        # batch decodes (heads.check_process says why not a thread).
+        check = heads.image_check
+        self.check_process = CheckProcess(check, heads.image_check_alpha) \
+            if check is not None and check.kind == "knn" else None
         self.fingerprint = self.actor.fingerprint
         self.heads_id = self.heads.card.get("heads_id") or \
             f"{self.heads.actor_fingerprint}-{self.heads.card.get('git_commit', '')[:8]}"
@@ -113,13 +139,21 @@ class Service:
     # ------------------------------------------------------------------ batch handlers
     def answer_batch(self, items: list[AnswerItem], deadlines: list[float]
                      ) -> list[AnswerResult | Exception]:
+        return self.answer_responses(items, deadlines)[1]
+
+    def answer_responses(self, items: list[AnswerItem], deadlines: list[float],
+                         readout: ReadoutMode = "capture"
+                         ) -> tuple[Answers, list[AnswerResult | Exception]]:
+        """`answer_batch`, with the actor's responses too (`readout`: how the states are
+        read; the service captures them, the benchmark also times replay)."""
         limit = items[0].max_new_tokens
-        res = self.actor.answer([i.image for i in items], [i.question for i in items],
-                                limit, readout="capture", deadlines=deadlines)
+        images = [i.image for i in items]
+        checks = self._check_images(images)
+        res = self.actor.answer(images, [i.question for i in items], limit,
+                                readout=readout, deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live},
-                                    {k: items[k].image for k in live})
+        scored = self._assess_batch({k: res[k].readout for k in live}, checks)
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -127,20 +161,52 @@ class Service:
                 continue
             out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
                                    self._answer(r, res.timings, c, im)))
-        return out
+        return res, out
 
-    def _assess_batch(self, readouts: dict[int, Any], images: dict[int, Image.Image]
+    def _check_images(self, images: list[Image.Image]
+                      ) -> Future[list[NoveltyReading] | None]:
+        """The image check of a batch, started before it decodes (in this thread when
+        there is no check process)."""
+        if self.check_process is not None:
+            return self.check_process.submit(images)
+        done: Future[list[NoveltyReading] | None] = Future()
+        try:
+            done.set_result(self.heads.image_readings(images))
+        except Exception as e:       # an image the check cannot read fails its own item
+            done.set_exception(e)
+        return done
+
+    def _check_result(self, image_checks: Future[list[NoveltyReading] | None]
+                      ) -> list[NoveltyReading] | None:
+        """The batch's image check, waited for at most CHECK_WAIT_S: a check process that
+        stopped answering must not hold the model worker. It is killed (the next batch
+        starts another) and this batch's items are checked here, one by one."""
+        try:
+            return image_checks.result(timeout=CHECK_WAIT_S)
+        except TimeoutError:
+            if self.check_process is not None:
+                self.check_process.close(kill=True)
+            raise
+
+    def close(self) -> None:
+        """Stops the image check's process (a later batch would start it again)."""
+        if self.check_process is not None:
+            self.check_process.close()
+
+    def _assess_batch(self, readouts: dict[int, Any],
+                      image_checks: Future[list[NoveltyReading] | None]
                       ) -> dict[int, tuple[Assessment, NoveltyReading | None, float]]:
         """Served confidences and novelty of a whole batch in one call of the readers, and
-        the image check of its images in one call, with each item's share of the seconds;
-        {} when either call fails (each item then scores alone, so a bad readout or image
-        fails only its own item)."""
+        the batch's image check (`image_checks`: one call over every image, item k's
+        reading at k), with each item's share of the seconds; {} when either call fails
+        (each item then scores alone, so a bad readout or image fails only its own item)."""
         if not readouts:
             return {}
         t = time.perf_counter()
         try:
             confs = self.heads.assess(list(readouts.values()))
-            checks = self.heads.image_readings([images[k] for k in readouts])
+            every = self._check_result(image_checks)
+            checks = None if every is None else [every[k] for k in readouts]
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
-from heads.features import FEATURE_SCHEMA, KAPPA, extract, image_stats
+from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
 from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
 from heads.novelty import ALPHA, Novelty, NoveltyReading
-from heads.registry import Method
+from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
@@ -249,8 +249,7 @@ class Heads:
         feature pass: what `/answer` needs before the defer rule."""
         if not readouts:
             return []
-        feats = [extract(ro, self.kappa) for ro in readouts]
-        f = {k: torch.stack([x[k] for x in feats]) for k in feats[0]}
+        f = Scored(extract_many(readouts, self.kappa))
         scores = {m.name: m.score(self, f) for m in registry.registered()
                   if m.served and self.has(m)}
         nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \

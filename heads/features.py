@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from models.readout import Readout
+from models.readout import Readout, mean_answer_state, mu_from_digit_probs
 
 # SPEC §1's κ, the default when heads are fitted. Fitted heads store the κ they were fitted
 # with (`Heads.kappa`); evaluation and serving use that stored value, never this constant.
@@ -24,45 +26,78 @@ def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA
     """Answer-conditioned pooling of image states.
 
     α_j = softmax_j(cos(h_ans, v_j) / κ), h_evid = Σ α_j v_j. Returns (h_global, h_evid, α).
+    One item ([D], [M, D]) or a batch ([N, D], [N, M, D]).
     """
-    h_global = v.mean(0)
-    alpha = torch.softmax(F.cosine_similarity(h_ans[None], v, dim=-1) / kappa, dim=0)
-    return h_global, alpha @ v, alpha
+    h_global = v.mean(-2)
+    alpha = torch.softmax(F.cosine_similarity(h_ans.unsqueeze(-2), v, dim=-1) / kappa, dim=-1)
+    return h_global, (alpha.unsqueeze(-2) @ v).squeeze(-2), alpha
 
 
 def phi(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA) -> torch.Tensor:
-    """φ = [h_global ; h_evid ; h_ans ⊙ h_evid ; |h_ans − h_evid|]  (4D)."""
+    """φ = [h_global ; h_evid ; h_ans ⊙ h_evid ; |h_ans − h_evid|]  (4D; batched as
+    `evidence_pool`)."""
     h_global, h_evid, _ = evidence_pool(h_ans, v, kappa)
-    return torch.cat([h_global, h_evid, h_ans * h_evid, (h_ans - h_evid).abs()])
+    return torch.cat([h_global, h_evid, h_ans * h_evid, (h_ans - h_evid).abs()], -1)
 
 
 def image_stats(h_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (unbiased) std over the image tokens of [M, D] states, as the shift study
-    measured them; std is 0 for a single token rather than NaN."""
+    """Mean and (unbiased) std over the image tokens of [M, D] states ([N, M, D]: per
+    item), as the shift study measured them; std is 0 for a single token rather than NaN."""
     v = h_image.float()
-    std = v.std(0) if len(v) > 1 else torch.zeros_like(v[0])
-    return v.mean(0), std
+    mean = v.mean(-2)
+    m = v.shape[-2]
+    if m < 2:
+        return mean, torch.zeros_like(mean)
+    # two passes, written out: `Tensor.std` over the token axis cost ten times as much
+    return mean, ((v - mean.unsqueeze(-2)) ** 2).sum(-2).div(m - 1).sqrt()
 
 
 def extract(ro: Readout, kappa: float = KAPPA) -> dict[str, torch.Tensor]:
     """Everything any scorer needs from one readout, as flat float tensors."""
-    ans_lp = ro.answer_logprobs
-    ans_ent = ro.token_entropy[ro.answer_index] if len(ro.answer_index) else ro.token_entropy
-    mu = ro.verbalized_mu
-    img_mean, img_std = image_stats(ro.h_image)
+    return {k: v[0] for k, v in extract_many([ro], kappa).items()}
+
+
+def _span_mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """[N] means of N 1-D tensors (0 for an empty one)."""
+    return torch.stack([x.mean() if len(x) else torch.zeros(()) for x in values])
+
+
+def extract_many(readouts: Sequence[Readout], kappa: float = KAPPA) -> dict[str, torch.Tensor]:
+    """`extract` of several readouts, stacked ([N, ...] a key). Readouts with as many image
+    tokens as each other (one image size) are pooled in one set of batched operations:
+    one readout at a time, the operations' calls and not their arithmetic were the cost."""
+    if not readouts:
+        raise ValueError("no readouts to extract features from")
+    if len({ro.h_image.shape[0] for ro in readouts}) > 1:
+        parts = [extract_many([ro], kappa) for ro in readouts]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    v = torch.stack([ro.h_image for ro in readouts]).float()               # [N, M, D]
+    h_ans = torch.stack([mean_answer_state(ro.h_answer) for ro in readouts]).float()
+    img_mean, img_std = image_stats(v)
+    ans_lp = [ro.answer_logprobs for ro in readouts]
+    ans_ent = [ro.token_entropy[ro.answer_index] if len(ro.answer_index) else ro.token_entropy
+               for ro in readouts]
+    mean_lp = _span_mean(ans_lp)
+    has_lp = torch.tensor([len(x) > 0 for x in ans_lp])
+    # μ(C) of the readouts that stated a confidence, in one call; 0.5 for the others
+    mu = torch.full((len(readouts), 1), 0.5, dtype=torch.float64)
+    stated = [k for k, ro in enumerate(readouts) if ro.digit_probs is not None]
+    if stated:
+        mu[stated, 0] = mu_from_digit_probs(torch.stack([readouts[k].digit_probs
+                                                         for k in stated]))
     return {
-        "h_pre": ro.h_pre.float(),
-        "h_close": ro.h_close.float(),
-        "phi": phi(ro.h_ans.float(), ro.h_image.float(), kappa),
-        "h_mid": ro.h_mid.float(),
+        "h_pre": torch.stack([ro.h_pre for ro in readouts]).float(),
+        "h_close": torch.stack([ro.h_close for ro in readouts]).float(),
+        "phi": phi(h_ans, v, kappa),
+        "h_mid": torch.stack([ro.h_mid for ro in readouts]).float(),
         # the novelty detector reads [h_pre ; img_mean ; img_std] (heads.novelty)
         "img_mean": img_mean,
         "img_std": img_std,
         # sequence statistics over the answer span (SPEC §7)
-        "msp": ans_lp.mean().exp().reshape(1) if len(ans_lp) else torch.zeros(1),
+        "msp": torch.where(has_lp, mean_lp.exp(), torch.zeros(())).reshape(-1, 1),
         # over the answer span, like the other sequence scores (SPEC §7)
-        "mean_logprob": ans_lp.mean().reshape(1) if len(ans_lp) else torch.zeros(1),
-        "entropy": ans_ent.mean().reshape(1) if len(ans_ent) else torch.zeros(1),
+        "mean_logprob": mean_lp.reshape(-1, 1),
+        "entropy": _span_mean(ans_ent).reshape(-1, 1),
         # float64: a stated 9 must stay 0.9 (HCE@0.9, ECE bins)
-        "mu": torch.tensor([0.5 if mu is None else mu], dtype=torch.float64),
+        "mu": mu,
     }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 from PIL import Image
-from scipy.ndimage import median_filter
 
 # names of `pixel_features`' entries, in order (the card lists them)
 PIXEL_FEATURES = (
@@ -55,8 +54,26 @@ MAX_SIDE = 256             # larger images are shrunk (box filter) before measur
 MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
 
-def _prepared(image: Image.Image) -> np.ndarray:
-    """RGB in [0, 1], float64, after the size bounds (the array the statistics read)."""
+# Paeth's median-of-9 exchange network (19 compare-exchanges; the median ends at index 4)
+MEDIAN9 = ((1, 2), (4, 5), (7, 8), (0, 1), (3, 4), (6, 7), (1, 2), (4, 5), (7, 8), (0, 3),
+           (5, 8), (4, 7), (3, 6), (1, 4), (2, 5), (4, 7), (4, 2), (6, 4), (4, 2))
+
+
+def median3x3(y: np.ndarray) -> np.ndarray:
+    """3×3 median of every image of a stack [N, H, W], edges repeated: equal, bit for bit,
+    to scipy's `median_filter(y, size=(1, 3, 3), mode="nearest")` (a median selects, it does
+    not round), at a quarter of its cost on small images."""
+    p = np.pad(y, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    h, w = y.shape[1], y.shape[2]
+    v = [p[:, i: i + h, j: j + w] for i in range(3) for j in range(3)]
+    for a, b in MEDIAN9:
+        v[a], v[b] = np.minimum(v[a], v[b]), np.maximum(v[a], v[b])
+    return v[4]
+
+
+def bounded(image: Image.Image) -> np.ndarray:
+    """RGB bytes [H, W, 3] after the size bounds: what the statistics read (small to send
+    to the process that measures them)."""
     image = image.convert("RGB")
     if max(image.size) > MAX_SIDE:       # bounded cost; fitting and serving shrink alike
         image = image.copy()
@@ -64,7 +81,13 @@ def _prepared(image: Image.Image) -> np.ndarray:
     if min(image.size) < MIN_SIDE:       # a 1×1 or 3000×2 input still gets a reading
         k = -(-MIN_SIDE // min(image.size))
         image = image.resize((image.width * k, image.height * k), Image.Resampling.NEAREST)
-    return np.asarray(image, dtype=np.float64) / 255.0
+    return np.asarray(image, dtype=np.uint8)
+
+
+def _prepared(image: Image.Image | np.ndarray) -> np.ndarray:
+    """RGB in [0, 1], float64, after the size bounds (the array the statistics read)."""
+    return np.asarray(image if isinstance(image, np.ndarray) else bounded(image),
+                      dtype=np.float64) / 255.0
 
 
 def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
@@ -93,16 +116,24 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     # pixel on a clean synthetic image (almost no high-frequency energy) otherwise moved
     # them by 9 standard deviations and flagged one image in seven; edges and blur survive
     # the filter, fine noise is the noise estimate's to see (on the unfiltered image).
-    ym = median_filter(y, size=(1, 3, 3), mode="nearest")
+    ym = median3x3(y)
     lap = (ym[:, :-2, 1:-1] + ym[:, 2:, 1:-1] + ym[:, 1:-1, :-2] + ym[:, 1:-1, 2:]
            - 4 * ym[:, 1:-1, 1:-1])
     h2, w2 = (y.shape[1] // 2) * 2, (y.shape[2] // 2) * 2
     q = y[:, :h2, :w2]
     diag = (q[:, 0::2, 0::2] - q[:, 1::2, 0::2] - q[:, 0::2, 1::2] + q[:, 1::2, 1::2]) / 2
     sigma = np.median(np.abs(diag).reshape(n, -1), axis=1) / 0.6745
-    power = np.abs(np.fft.fft2(ym - ym.mean(axis=ax, keepdims=True), axes=ax)) ** 2
+    # the spectrum of a real image is symmetric, so the half spectrum (`rfft2`) holds all
+    # of it: each column with a mirror counts twice
+    power = np.abs(np.fft.rfft2(ym - ym.mean(axis=ax, keepdims=True), axes=ax)) ** 2
+    width = y.shape[2]
+    twice = np.full(power.shape[2], 2.0)
+    twice[0] = 1.0
+    if width % 2 == 0:
+        twice[-1] = 1.0                               # the Nyquist column has no mirror
+    power = power * twice
     fy = np.abs(np.fft.fftfreq(y.shape[1]))[:, None]
-    fx = np.abs(np.fft.fftfreq(y.shape[2]))[None, :]
+    fx = np.abs(np.fft.rfftfreq(width))[None, :]
     high = power[:, np.maximum(fy, fx) > 0.25].sum(axis=1)
     rg = rgb[..., 0] - rgb[..., 1]
     yb = (rgb[..., 0] + rgb[..., 1]) / 2 - rgb[..., 2]

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.conformal import kth_distance, p_values
+
 KINDS = ("mahalanobis", "knn", "token_knn", "logistic")
 LOGISTIC_C = 0.1           # inverse L2 strength on standardised features
 ALPHA = 0.01
@@ -66,14 +68,6 @@ def features(name: str, feats: dict[str, torch.Tensor]) -> torch.Tensor:
     if name not in FEATURES:
         raise ValueError(f"unknown novelty feature {name!r}; known: {', '.join(FEATURES)}")
     return FEATURES[name](feats).double()
-
-
-def p_values(cal_scores: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """(1 + #{i : s_i ≥ s}) / (n + 1) for each s, against calibration scores s_i."""
-    cal = np.sort(np.asarray(cal_scores, float))
-    s = np.asarray(scores, float)
-    at_least = len(cal) - np.searchsorted(cal, s, side="left")
-    return (1 + at_least) / (len(cal) + 1)
 
 
 @dataclass(frozen=True)
@@ -158,7 +152,7 @@ class Novelty:
             return torch.einsum("nd,de,ne->n", d, self.t["precision"], d).clamp_min(0).sqrt(
             ).numpy()
         if self.kind == "knn":
-            return self._nearest(z, self.k).numpy()
+            return kth_distance(z.numpy(), self.t["bank"].numpy(), self.k)
         if self.kind == "logistic":
             return (z @ self.t["coef"] + self.t["intercept"]).numpy()
         n, m, dim = z.shape
@@ -174,7 +168,7 @@ class Novelty:
     def p_value(self, x: torch.Tensor) -> np.ndarray:
         if "calibration" not in self.t:
             raise RuntimeError("calibrate on a clean split before asking for p-values")
-        return p_values(self.t["calibration"].numpy(), self.score(x))
+        return p_values(self.t["calibration"].numpy(), self.score(x), presorted=True)
 
     def novel(self, x: torch.Tensor, alpha: float = ALPHA) -> np.ndarray:
         return self.p_value(x) < alpha
@@ -185,7 +179,7 @@ class Novelty:
         if "calibration" not in self.t:
             raise RuntimeError("calibrate on a clean split before asking for p-values")
         s = self.score(features(self.feature, feats))
-        p = p_values(self.t["calibration"].numpy(), s)
+        p = p_values(self.t["calibration"].numpy(), s, presorted=True)
         return [NoveltyReading(float(a), float(b), bool(b < alpha)) for a, b in zip(s, p)]
 
     # ------------------------------------------------------------------ artefacts

@@ -14,6 +14,7 @@ dataclass are built from that list); registration refuses it otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,27 @@ if TYPE_CHECKING:
     from heads.dualread import Heads
 
 Features = dict[str, torch.Tensor]
+
+
+class Scored(dict):
+    """The features of one scoring call, keeping what the served methods share: DualRead
+    fuses PSR's and PER's probabilities, so computing them once per call halves the
+    readers' cost on the /answer path. Fitting passes plain dicts, which keep nothing
+    (readers change between the calls there)."""
+
+    def __init__(self, feats: Features) -> None:
+        super().__init__(feats)
+        self.memo: dict[str, torch.Tensor] = {}
+
+
+def once(f: Features, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`compute()`, kept in `f` for the rest of its scoring call when `f` is `Scored`."""
+    memo = getattr(f, "memo", None)
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,21 @@ def uses_answer_tag(response_format: str | None) -> bool:
 
 def repeated_run(ids: Sequence[int], max_period: int = MAX_PERIOD,
                  min_repeats: int = MIN_REPEATS) -> bool:
-    """True when some block of 1..max_period tokens occurs min_repeats times back to back."""
+    """True when some block of 1..max_period tokens occurs min_repeats times back to back.
+
+    A block of p tokens repeated m times from s is the same as ids[i] == ids[i + p] for
+    the p·(m − 1) positions i from s on, so one pass per period counts runs of matches
+    (it runs on every served answer)."""
     n = len(ids)
     for p in range(1, max_period + 1):
-        need = p * min_repeats
-        for start in range(0, n - need + 1):
-            block = ids[start: start + p]
-            if all(ids[start + k * p: start + (k + 1) * p] == block
-                   for k in range(1, min_repeats)):
+        need, run = p * (min_repeats - 1), 0
+        if n < p * min_repeats:
+            break
+        if need == 0:                       # one occurrence is enough
+            return True
+        for i in range(n - p):
+            run = run + 1 if ids[i] == ids[i + p] else 0
+            if run >= need:
                 return True
     return False
 

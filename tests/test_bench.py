@@ -107,6 +107,7 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     assert math.isfinite(saved["heads_us"]) and saved["heads_us"] > 0
     assert saved["heads"]["batch8_median_us"] > 0     # 8 readouts: one batch of 8
     assert saved["in_process"]["b1"]["readout_seconds_per_item"] > 0
+    assert saved["in_process"]["b8"]["post_seconds_per_item"] > 0
     assert "http" not in saved
     names = [t["target"] for t in res["targets"]]
     assert "capture / plain generate, b1" in names and "heads alone (µs per item)" in names

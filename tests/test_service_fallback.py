@@ -9,6 +9,15 @@ import logging
 
 from app.service import Service
 
+IMAGES = [f"i{k}" for k in range(6)]     # item k's image at k, as a batch holds them
+
+
+def _service(heads) -> Service:
+    service = Service.__new__(Service)        # no model: only the heads are consulted
+    service.heads = heads
+    service.check_process = None              # the image check runs in this thread
+    return service
+
 
 class BrokenBatchHeads:
     def assess(self, readouts: list) -> list:
@@ -16,11 +25,10 @@ class BrokenBatchHeads:
 
 
 def test_failed_batch_scoring_is_logged_once(caplog):
-    service = Service.__new__(Service)        # no model: only the heads are consulted
-    service.heads = BrokenBatchHeads()
+    service = _service(BrokenBatchHeads())
     with caplog.at_level(logging.WARNING, logger="dualread.service"):
         out = service._assess_batch({0: "r0", 3: "r3", 5: "r5"},
-                                    {0: "i0", 3: "i3", 5: "i5"})
+                                    service._check_images(IMAGES))
     assert out == {}                          # every item falls back to scoring alone
     records = [r for r in caplog.records if r.name == "dualread.service"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
@@ -48,19 +56,19 @@ class NoCheckHeads(BrokenImageCheckHeads):
 
 
 def test_a_failing_image_check_also_falls_back_to_items_alone(caplog):
-    service = Service.__new__(Service)
-    service.heads = BrokenImageCheckHeads()
+    service = _service(BrokenImageCheckHeads())
     with caplog.at_level(logging.WARNING, logger="dualread.service"):
-        assert service._assess_batch({1: "r1"}, {1: "i1"}) == {}
+        assert service._assess_batch({1: "r1"}, service._check_images(IMAGES)) == {}
     assert json.loads(caplog.records[-1].getMessage())["error"] == "ValueError"
 
 
 def test_each_item_gets_its_own_assessment_and_image_reading():
-    service = Service.__new__(Service)
-    service.heads = EchoHeads()
-    out = service._assess_batch({4: "r4", 2: "r2"}, {2: "i2", 4: "i4"})
+    service = _service(EchoHeads())
+    # items 4 and 2 are still waited for (the others' deadlines passed): each gets the
+    # reading of its own image out of the batch's
+    out = service._assess_batch({4: "r4", 2: "r2"}, service._check_images(IMAGES))
     assert {k: v[:2] for k, v in out.items()} == {4: ("a-r4", "check-i4"),
                                                   2: ("a-r2", "check-i2")}
     service.heads = NoCheckHeads()            # heads without an image check
-    out = service._assess_batch({4: "r4"}, {4: "i4"})
+    out = service._assess_batch({4: "r4"}, service._check_images(IMAGES))
     assert out[4][:2] == ("a-r4", None)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from heads.calibration import fit_temperature, fuse
 from heads.modules import PSR_HIDDEN, fit_linear, fit_logistic, fit_mlp, prior_bce
-from heads.registry import Features, FitData, Method, ReaderSpec
+from heads.registry import Features, FitData, Method, ReaderSpec, once
 
 if TYPE_CHECKING:
     from heads.dualread import Heads
@@ -166,12 +166,14 @@ def fit_post_branch(heads: Heads, data: FitData, name: str, reader: str, key: st
 
 
 def p_pre(heads: Heads, f: Features) -> torch.Tensor:
-    return torch.sigmoid(pre_logits(heads, f).double() / heads.temperature("psr"))
+    return once(f, "p_pre", lambda: torch.sigmoid(pre_logits(heads, f).double()
+                                                  / heads.temperature("psr")))
 
 
 def p_post(heads: Heads, f: Features) -> torch.Tensor:
-    return torch.sigmoid(post_logits(heads, f).double() / heads.temperature("per")
-                         + consistency_log_prob(heads, f))
+    return once(f, "p_post", lambda: torch.sigmoid(
+        post_logits(heads, f).double() / heads.temperature("per")
+        + consistency_log_prob(heads, f)))
 
 
 def consistency_logits(heads: Heads, f: Features) -> torch.Tensor:

@@ -4,9 +4,9 @@ Modes, all on the same images, questions and `max_new_tokens`:
 - `plain`: what a user writes with transformers — processor inputs, then
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
-- `capture`: `Actor.answer(readout="capture")` + the heads (one batched call of the
-  readers, as `Service.answer_batch` makes it) + the image check + the defer decision
-  (what `/answer` runs).
+- `capture`: `Service.answer_batch`, what `/answer` runs behind HTTP: `Actor.answer`
+  (readout="capture"), the image check on a second thread while the batch decodes, one
+  batched call of the readers, novelty and the defer decision, shaped into results.
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
   exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
@@ -20,6 +20,7 @@ modes alike instead of landing in the ratios.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,8 +46,18 @@ class Timed:
     readouts: list = field(default_factory=list)
     # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
     readout_seconds: list[float] = field(default_factory=list)
+    # seconds per item of the rest of `/answer`'s batch after the readout (heads, novelty,
+    # the image check's wait if any, defer and results), capture mode
+    post_seconds: list[float] = field(default_factory=list)
     # which unit (item, or batch of 8) each measurement is of: rounds repeat the units
     unit_ids: list[int] = field(default_factory=list)
+
+
+def check_cpu(service) -> float:
+    """CPU seconds the service's image-check process has spent so far (0 without one):
+    the CPU-time ratios count that process's work too."""
+    proc = getattr(service, "check_process", None)
+    return proc.cpu_seconds if proc is not None else 0.0
 
 
 def sync(device: torch.device) -> None:
@@ -80,12 +91,17 @@ def decide_all(heads, readouts: Sequence, images: Sequence | None = None) -> lis
     return out
 
 
-def answer_with_dualread(actor, heads, images, questions, max_new_tokens: int,
-                         readout: str) -> list:
-    """`Actor.answer` + confidence + defer (image check included) for every item, as the
-    service does."""
-    res = actor.answer(images, questions, max_new_tokens, readout=readout)
-    decide_all(heads, [r.readout for r in res], images)
+def answer_with_dualread(service, images, questions, max_new_tokens: int,
+                         readout: str = "capture") -> list:
+    """What `/answer` runs for a batch (`Service.answer_batch`, image check, confidence and
+    defer included); returns the actor's responses."""
+    from app.serving import AnswerItem
+
+    items = [AnswerItem(im, q, max_new_tokens) for im, q in zip(images, questions)]
+    res, out = service.answer_responses(items, [math.inf] * len(items), readout)
+    failed = [r for r in out if isinstance(r, Exception)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} item(s) failed: {failed[0]!r}")
     return res
 
 
@@ -94,10 +110,12 @@ def sample_k(actor, images, questions, max_new_tokens: int, seed: int) -> list:
                         max_new_tokens=max_new_tokens, seed=seed)
 
 
-def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int,
+def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
               max_new_tokens: int, repeats: int = 1, keep_readouts: bool = False,
               advance: Callable[[], None] | None = None) -> Timed:
-    """Time every mode on every unit of `batch` items, interleaved, `repeats` rounds."""
+    """Time every mode on every unit of `batch` items, interleaved, `repeats` rounds
+    (`service`: an `app.service.Service` over the actor and heads)."""
+    actor = service.actor
     dev = actor.device
     units = [items[s: s + batch] for s in range(0, len(items) - batch + 1, batch)]
     if not units:
@@ -109,7 +127,7 @@ def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int
             return plain_generate(actor, imgs, qs, max_new_tokens)
         if mode == "sc8":
             return sample_k(actor, imgs, qs, max_new_tokens, seed)
-        return answer_with_dualread(actor, heads, imgs, qs, max_new_tokens, mode)
+        return answer_with_dualread(service, imgs, qs, max_new_tokens, mode)
 
     # Warm-up: first calls pay for lazy initialisation (kernels, caches, allocator).
     imgs, qs = zip(*units[0])
@@ -123,14 +141,18 @@ def run_modes(actor, heads, items: Sequence[tuple[Image.Image, str]], batch: int
             got = {}
             for mode in order:
                 sync(dev)
-                t, c = time.perf_counter(), time.process_time()
+                t, c, cc = time.perf_counter(), time.process_time(), check_cpu(service)
                 got[mode] = call(mode, imgs, qs, seed=n)
                 sync(dev)
                 out.seconds[mode].append((time.perf_counter() - t) / batch)
-                out.cpu_seconds[mode].append((time.process_time() - c) / batch)
+                out.cpu_seconds[mode].append(
+                    (time.process_time() - c + check_cpu(service) - cc) / batch)
             plain = got["plain"]
             out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
-            out.readout_seconds.append(got["capture"].timings.readout / batch)
+            stages = got["capture"].timings
+            out.readout_seconds.append(stages.readout / batch)
+            out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
+                                                                  + stages.readout) / batch)
             out.unit_ids.append(unit_id)
             for mode in ("capture", "replay"):
                 ids = [r.token_ids for r in got[mode]]
@@ -186,7 +208,9 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
                  "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in MODES},
                  "greedy_tokens_identical": bool(all(t.same_tokens)),
                  "readout_seconds_per_item": float(np.median(t.readout_seconds))
-                 if t.readout_seconds else None}
+                 if t.readout_seconds else None,
+                 "post_seconds_per_item": float(np.median(t.post_seconds))
+                 if t.post_seconds else None}
     for m in ("capture", "replay", "sc8"):
         r, lo, hi = ratio_ci(sec[m], plain, n_boot)
         out[f"{m}_ratio"] = r

@@ -78,7 +78,10 @@ def markdown(r: dict) -> str:
               "per item, not normalised per token. SC@8's tokens/item is per sampled "
               "completion; its greedy answer is not counted. Wall-clock ratios are the "
               "targets; CPU-time ratios (process CPU seconds, which leave out time spent "
-              "waiting for a core) are the cross-check on a shared machine.", "",
+              "waiting for a core, and include the image check's process) are the "
+              "cross-check on a shared machine: the image check runs in its own process "
+              "while the batch decodes, so it costs CPU time, not wall time, when a second "
+              "core is free.", "",
               f"DualRead (capture) costs {b1['capture_over_sc8']:.3f}× SC@8 at batch 1 "
               f"[{b1['capture_over_sc8_ci'][0]:.3f}, {b1['capture_over_sc8_ci'][1]:.3f}] and "
               f"{b8['capture_over_sc8']:.3f}× at batch 8 [{b8['capture_over_sc8_ci'][0]:.3f}, "
@@ -103,6 +106,13 @@ def markdown(r: dict) -> str:
                  + ", ".join(f"{1e3 * blk['readout_seconds_per_item']:.2f} ms per item at "
                              f"batch {blk['batch']}" for blk in ip.values())
                  + "." if all(blk.get("readout_seconds_per_item") for blk in ip.values())
+                 else "")
+              + (" The rest of `/answer`'s batch after the readout, as it runs there (heads, "
+                 "novelty, the image check's result, defer, results; caches are cold after "
+                 "decoding, so this is dearer than the heads timed alone): "
+                 + ", ".join(f"{1e3 * blk['post_seconds_per_item']:.2f} ms per item at "
+                             f"batch {blk['batch']}" for blk in ip.values())
+                 + "." if all(blk.get("post_seconds_per_item") for blk in ip.values())
                  else ""), ""]
     http = r.get("http")
     if http:

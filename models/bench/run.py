@@ -68,16 +68,17 @@ def request_bodies(items: list[tuple[Image.Image, str]], max_new_tokens: int) ->
     return bodies
 
 
-def in_process(actor, heads, items, plan: Plan,
+def in_process(service, items, plan: Plan,
                progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict:
     """The `in_process` block plus the heads timing (on readouts captured at batch 1)."""
     adv = progress("in-process, batch 1", len(items) * plan.b1_repeats) if progress else None
-    t1 = run_modes(actor, heads, items, 1, plan.max_new_tokens, repeats=plan.b1_repeats,
+    t1 = run_modes(service, items, 1, plan.max_new_tokens, repeats=plan.b1_repeats,
                    keep_readouts=True, advance=adv)
     units8 = len(items) // 8 * plan.b8_repeats
     adv = progress("in-process, batch 8", units8) if progress else None
-    t8 = run_modes(actor, heads, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
+    t8 = run_modes(service, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
                    advance=adv)
+    heads = service.heads
     return {"in_process": {"b1": summarise(t1), "b8": summarise(t8)},
             "heads": {**time_heads(heads, t1.readouts),
                       "image_check_us": time_image_check(heads, [im for im, _ in items])}}
@@ -100,6 +101,7 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
               heads_dir: str | None = None, gpu: bool = False, command: str = "",
               batch_wait_ms: float | None = None) -> dict:
     """Run everything `plan` asks for and write bench.json and bench.md to `out`."""
+    from app.service import Service
     from heads.dualread import Heads
     from models.evaluate import git_commit
     from models.loading import load_actor
@@ -111,7 +113,7 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
     threads_before = torch.get_num_threads()
     if plan.threads:
         torch.set_num_threads(plan.threads)
-    scratch = None
+    scratch = service = None
     if gpu:
         from models.bench.gpu import build_random_actor, build_random_heads
 
@@ -142,12 +144,13 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
                 task = bar.add_task(label, total=total)
                 return lambda: bar.advance(task)
 
-            ip = in_process(actor, heads, items, plan, progress)
+            service = Service.of(actor, heads)
+            ip = in_process(service, items, plan, progress)
             result["in_process"] = ip["in_process"]
             result["heads_us"] = ip["heads"]["median_us"]
             result["heads"] = ip["heads"]
             if plan.http:
-                result["http"] = run_http(actor, heads, items, plan, actor_dir, heads_dir,
+                result["http"] = run_http(service, items, plan, actor_dir, heads_dir,
                                           batch_wait_ms, progress)
         result["load_before"] = [round(x, 2) for x in load_before]
         result["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -157,14 +160,17 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
         (out / "bench.md").write_text(markdown(result))
         return result
     finally:
+        if service is not None:
+            service.close()
         torch.set_num_threads(threads_before)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: str | None,
+def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str | None,
              batch_wait_ms: float | None, progress) -> dict:
     """The HTTP block; the in-process references are measured in the same time window."""
+    actor = service.actor
     from app.settings import Settings
     from clients.bench import http_bench
     from models.bench.inprocess import answer_with_dualread, sync
@@ -173,7 +179,7 @@ def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: 
         img, q = items[i % len(items)]
         sync(actor.device)
         t = time.perf_counter()
-        answer_with_dualread(actor, heads, [img], [q], plan.max_new_tokens, "capture")
+        answer_with_dualread(service, [img], [q], plan.max_new_tokens)
         sync(actor.device)
         return time.perf_counter() - t
 
@@ -183,8 +189,7 @@ def run_http(actor, heads, items, plan: Plan, actor_dir: str | None, heads_dir: 
         t = time.perf_counter()
         for s in range(0, n, 8):
             imgs, qs = zip(*items[s: s + 8])
-            answer_with_dualread(actor, heads, list(imgs), list(qs), plan.max_new_tokens,
-                                 "capture")
+            answer_with_dualread(service, list(imgs), list(qs), plan.max_new_tokens)
         sync(actor.device)
         return n, time.perf_counter() - t
 

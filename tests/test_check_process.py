@@ -1,0 +1,198 @@
+"""The image check run in a process of its own (`heads.check_process`) and the faster,
+exact rewrites of its statistics: the same numbers as the in-thread check, and a dead or
+failing process costs one batch, not the service."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy.ndimage import median_filter
+
+from app.service import Service
+from app.serving import AnswerItem
+from heads.check_process import CheckProcess, CheckTables
+from heads.conformal import kth_distance, p_values
+from heads.dualread import Heads
+from heads.fit import fit_image_check
+from heads.image_check import (
+    _stack_features,
+    bounded,
+    median3x3,
+    pixel_features_many,
+)
+from tests.conftest import random_image
+from tests.helpers import random_heads
+
+ALPHA = 0.01
+
+
+def _blocks(rng: np.random.Generator, side: int = 64) -> Image.Image:
+    tiles = rng.integers(0, 256, (8, 8, 3)).astype(np.uint8)
+    return Image.fromarray(np.kron(tiles, np.ones((side // 8, side // 8, 1), np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def check():
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(pixel_features_many([_blocks(rng) for _ in range(120)]))
+    cal = torch.from_numpy(pixel_features_many([_blocks(rng) for _ in range(199)]))
+    return fit_image_check(x, cal)
+
+
+@pytest.fixture()
+def images():
+    rng = np.random.default_rng(1)
+    out = [_blocks(rng) for _ in range(3)]
+    out += [random_image(seed=s) for s in range(2)]                    # unlike the blocks
+    out += [_blocks(rng).resize((40, 24)), Image.new("RGB", (3, 500), (9, 9, 9))]
+    return out
+
+
+def _heads(check) -> Heads:
+    heads = Heads(dim=2)
+    heads.image_check = check
+    return heads
+
+
+def test_median3x3_is_scipys_median_filter_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for shape in [(2, 9, 13), (1, 1, 1), (1, 2, 5), (3, 64, 64)]:
+        y = rng.random(shape)
+        y[0, 0, :] = 0.5                                   # ties
+        assert np.array_equal(median3x3(y), median_filter(y, size=(1, 3, 3), mode="nearest"))
+
+
+def test_half_spectrum_high_frequency_share_equals_the_full_spectrum():
+    """log_high_freq_share from `rfft2` with mirrored columns counted twice, against the
+    full `fft2` written out here, for odd and even widths."""
+    rng = np.random.default_rng(2)
+    for h, w in [(16, 16), (15, 21), (8, 9), (10, 4)]:
+        rgb = rng.random((2, h, w, 3))
+        y = rgb @ np.array([0.299, 0.587, 0.114])
+        ym = median3x3(y)
+        power = np.abs(np.fft.fft2(ym - ym.mean(axis=(1, 2), keepdims=True), axes=(1, 2))) ** 2
+        f = np.maximum(np.abs(np.fft.fftfreq(h))[:, None], np.abs(np.fft.fftfreq(w))[None, :])
+        want = np.log((power[:, f > 0.25].sum(1) + 1e-6) / (power.sum((1, 2)) + 1e-6))
+        got = _stack_features(rgb)[:, 4]
+        assert np.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_kth_distance_by_hand():
+    bank = np.array([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0], [1.0, 0.0]])
+    z = np.array([[0.0, 0.0], [6.0, 8.0]])
+    # distances from (0,0): 0, 5, 10, 1 -> 2nd nearest 1; from (6,8): 10, 5, 0, sqrt(100-12+1)
+    assert kth_distance(z, bank, 2) == pytest.approx([1.0, 5.0])
+    assert kth_distance(z, bank, 1) == pytest.approx([0.0, 0.0])
+
+
+def test_presorted_p_values_equal_the_sorting_ones():
+    rng = np.random.default_rng(3)
+    cal = rng.normal(size=50)
+    s = np.r_[rng.normal(size=20), cal[:5]]              # ties with calibration scores
+    assert np.array_equal(p_values(np.sort(cal), s, presorted=True), p_values(cal, s))
+
+
+def test_the_process_reads_what_the_heads_read(check, images):
+    proc = CheckProcess(check, ALPHA)
+    try:
+        got = proc.submit(images).result(timeout=60)
+        want = _heads(check).image_readings(images)
+        assert got == want                                # score, p-value and flag, exactly
+        assert any(r.novel for r in got) and not all(r.novel for r in got)
+        assert proc.cpu_seconds > 0
+    finally:
+        proc.close()
+
+
+def test_tables_equal_the_novelty_scoring(check, images):
+    tables = CheckTables.of(check, ALPHA)
+    arrays = [bounded(im) for im in images]
+    s, p = tables.read(arrays)
+    x = torch.from_numpy(pixel_features_many(images))
+    assert np.array_equal(s, check.score(x))
+    assert np.array_equal(p, check.p_value(x))
+
+
+def test_a_killed_process_fails_its_batch_and_the_next_restarts_it(check, images):
+    proc = CheckProcess(check, ALPHA)
+    try:
+        proc.start()
+        first = proc.proc
+        first.kill()
+        first.wait()
+        outcomes = []
+        for _ in range(2):          # the first may still find the dead pipe; not both
+            try:
+                outcomes.append(proc.submit(images[:2]).result(timeout=60))
+            except RuntimeError:
+                outcomes.append(None)
+        assert outcomes[-1] == _heads(check).image_readings(images[:2])
+        assert proc.proc is not first
+    finally:
+        proc.close()
+
+
+def test_a_batch_the_child_cannot_read_fails_alone(check, images):
+    proc = CheckProcess(check, ALPHA)
+    try:
+        proc.start()
+        bad = proc.send([np.zeros((4, 4), np.uint8)])  # no colour channel
+        with pytest.raises(RuntimeError, match="image check failed"):
+            bad.result(timeout=60)
+        assert proc.submit(images[:1]).result(timeout=60) == \
+            _heads(check).image_readings(images[:1])
+    finally:
+        proc.close()
+
+
+def test_closing_ends_the_child(check):
+    proc = CheckProcess(check, ALPHA)
+    proc.start()
+    child = proc.proc
+    proc.close()
+    assert child.wait(timeout=10) == 0
+
+
+def test_service_answers_carry_the_process_readings(actors, tmp_path, check, images):
+    """`/answer`'s batch path with the check in its process: each item's image check is the
+    heads' own reading of its image, in order."""
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    try:
+        assert svc.check_process is not None
+        items = [AnswerItem(im, "what shape is it?", 4) for im in images[:4]]
+        out = svc.answer_batch(items, [math.inf] * len(items))
+        # the batch's images are measured as one stack, as the heads do in `image_readings`
+        for res, want in zip(out, heads.image_readings([i.image for i in items])):
+            assert (res.image_check.score, res.image_check.p_value, res.image_check.novel) \
+                == (want.score, want.p_value, want.novel)
+    finally:
+        svc.close()
+
+
+def test_a_check_that_never_answers_does_not_hold_the_model_worker(actors, tmp_path, check,
+                                                                   images, monkeypatch):
+    """The batch waits CHECK_WAIT_S for its image check, then kills the silent process and
+    checks its images itself; answers keep coming."""
+    from concurrent.futures import Future
+
+    import app.service as service_module
+
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    monkeypatch.setattr(service_module, "CHECK_WAIT_S", 0.2)
+    killed = []
+    monkeypatch.setattr(svc.check_process, "submit", lambda imgs: Future())   # never done
+    monkeypatch.setattr(svc.check_process, "close", lambda kill=False: killed.append(kill))
+    items = [AnswerItem(im, "what shape is it?", 3) for im in images[:2]]
+    out = svc.answer_batch(items, [math.inf] * len(items))
+    assert killed == [True]
+    for item, res in zip(items, out):
+        want = heads.image_reading(item.image)
+        assert (res.image_check.score, res.image_check.p_value) == (want.score, want.p_value)
