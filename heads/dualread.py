@@ -249,11 +249,13 @@ class Heads:
         feature pass: what `/answer` needs before the defer rule."""
         if not readouts:
             return []
-        f = Scored(extract_many(readouts, self.kappa))
-        scores = {m.name: m.score(self, f) for m in registry.registered()
-                  if m.served and self.has(m)}
-        nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
-            else [None] * len(readouts)
+        # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
+        with torch.inference_mode():
+            f = Scored(extract_many(readouts, self.kappa))
+            scores = {m.name: m.score(self, f) for m in registry.registered()
+                      if m.served and self.has(m)}
+            nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
+                else [None] * len(readouts)
         return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i])
                 for i in range(len(readouts))]
 
