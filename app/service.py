@@ -166,9 +166,14 @@ class Service:
     def _check_images(self, images: list[Image.Image]
                       ) -> Future[list[NoveltyReading] | None]:
         """The image check of a batch, started before it decodes (in this thread when
-        there is no check process)."""
-        if self.check_process is not None:
-            return self.check_process.submit(images)
+        there is no check process, or it cannot be used)."""
+        proc = self.check_process
+        if proc is not None and not proc.given_up:
+            try:
+                return proc.submit(images)
+            except Exception as e:    # cannot start one (no fds, ...): check them here
+                log.warning(json.dumps({"event": "image_check_process_failed",
+                                        "error": type(e).__name__, "detail": str(e)[:200]}))
         done: Future[list[NoveltyReading] | None] = Future()
         try:
             done.set_result(self.heads.image_readings(images))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-ROWS_AT_ONCE = 64      # rows whose distances to the whole bank are held at once
-
 
 def p_values(cal_scores: np.ndarray, scores: np.ndarray, presorted: bool = False
              ) -> np.ndarray:
@@ -21,10 +19,13 @@ def p_values(cal_scores: np.ndarray, scores: np.ndarray, presorted: bool = False
 
 
 def kth_distance(z: np.ndarray, bank: np.ndarray, k: int) -> np.ndarray:
-    """Euclidean distance of each row of `z` [N, D] to its k-th nearest row of `bank`,
-    from the differences themselves (no |a|² + |b|² − 2ab cancellation)."""
+    """Euclidean distance of each row of `z` [N, D] to its k-th nearest row of `bank`
+    (|a|² + |b|² − 2a·b, as `torch.cdist` computes it for all but tiny inputs). One row at
+    a time: a matrix product over several rows rounds differently from one over one row,
+    and an image's reading must not depend on the batch it came in."""
     out = np.empty(len(z))
-    for s in range(0, len(z), ROWS_AT_ONCE):
-        d = np.sqrt(((z[s: s + ROWS_AT_ONCE, None, :] - bank[None]) ** 2).sum(-1))
-        out[s: s + ROWS_AT_ONCE] = np.partition(d, k - 1, axis=1)[:, k - 1]
+    b2 = (bank * bank).sum(1)
+    for i, a in enumerate(z):
+        d = np.sqrt(np.maximum(b2 + a @ a - 2.0 * (bank @ a), 0.0))
+        out[i] = np.partition(d, k - 1)[k - 1]
     return out

@@ -203,4 +203,6 @@ class Novelty:
         nov = cls(d["kind"], d["feature"], d["k"])
         nov.n_fit = d["n_fit"]
         nov.t = dict(load_file(str(folder / f"{prefix}.safetensors")))
+        if "calibration" in nov.t:      # p-values search it as sorted: make sure it is
+            nov.t["calibration"] = nov.t["calibration"].sort().values
         return nov

@@ -2,7 +2,12 @@
 exact rewrites of its statistics: the same numbers as the in-thread check, and a dead or
 failing process costs one batch, not the service."""
 
+import gc
 import math
+import os
+import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -152,7 +157,119 @@ def test_closing_ends_the_child(check):
     proc.start()
     child = proc.proc
     proc.close()
-    assert child.wait(timeout=10) == 0
+    assert child.poll() is not None and proc.proc is None      # ended and reaped
+
+
+def test_a_forgotten_check_process_ends_its_child(check):
+    proc = CheckProcess(check, ALPHA)
+    proc.start()
+    child = proc.proc
+    del proc
+    gc.collect()
+    assert child.wait(timeout=10) is not None
+
+
+def test_cpu_seconds_add_up_over_batches(check, images):
+    proc = CheckProcess(check, ALPHA)
+    try:
+        proc.submit(images).result(timeout=60)
+        once = proc.cpu_seconds
+        proc.submit(images).result(timeout=60)
+        assert 0 < once < proc.cpu_seconds
+    finally:
+        proc.close()
+
+
+def test_a_reading_does_not_depend_on_its_batch(check, images):
+    """Same-size images measured together or alone give the same bits."""
+    heads = _heads(check)
+    together = heads.image_readings(images[:3] + images[:3])
+    alone = [heads.image_reading(im) for im in images[:3]]
+    assert together == alone + alone
+
+
+def test_a_stopped_child_costs_one_batch_and_never_blocks_the_caller(check):
+    """A child that stops reading (SIGSTOP) with batches larger than the pipe's buffer:
+    handing them over returns at once; closing kills and reaps it; the next batch gets a
+    new child and its right readings."""
+    big = [Image.fromarray(np.random.default_rng(k).integers(0, 256, (256, 256, 3),
+                                                              dtype=np.uint8))
+           for k in range(3)]                                  # 590 KB > a 64 KB pipe
+    proc = CheckProcess(check, ALPHA)
+    try:
+        proc.start()
+        stopped = proc.proc
+        os.kill(stopped.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        futs = [proc.submit(big) for _ in range(3)]
+        assert time.monotonic() - t < 2.0
+        with pytest.raises(TimeoutError):
+            futs[0].result(timeout=0.5)
+        proc.close(kill=True)
+        assert stopped.poll() is not None                      # killed while stopped, reaped
+        for f in futs:
+            with pytest.raises(RuntimeError, match="ended"):
+                f.result(timeout=10)
+        assert proc.submit(big[:1]).result(timeout=60) == _heads(check).image_readings(big[:1])
+        assert proc.proc is not stopped
+    finally:
+        proc.close()
+
+
+def test_an_old_childs_end_fails_only_its_own_batches(check, images):
+    proc = CheckProcess(check, ALPHA)
+    try:
+        proc.start()
+        old = proc.box["child"]
+        os.kill(old.proc.pid, signal.SIGSTOP)
+        lost = proc.submit(images[:1])
+        proc.close(kill=True)                                  # the old child's EOF follows
+        kept = proc.submit(images[1:2])
+        with pytest.raises(RuntimeError):
+            lost.result(timeout=10)
+        assert kept.result(timeout=60) == _heads(check).image_readings(images[1:2])
+    finally:
+        proc.close()
+
+
+def test_children_that_keep_dying_are_given_up_and_the_service_checks_itself(
+        actors, tmp_path, check, images, monkeypatch):
+    import heads.check_process as cp
+
+    monkeypatch.setattr(cp.sys, "executable", shutil.which("false"))   # dies at once
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
+    want = [heads.image_reading(i.image) for i in items]
+    for _ in range(cp.MAX_DEATHS + 1):
+        out = svc.answer_batch(items, [math.inf] * len(items))
+        assert [(r.image_check.score, r.image_check.p_value) for r in out] == \
+            [(w.score, w.p_value) for w in want]
+    deadline = time.monotonic() + 10
+    while not svc.check_process.given_up and time.monotonic() < deadline:
+        svc.answer_batch(items[:1], [math.inf])
+    assert svc.check_process.given_up
+    svc.close()
+
+
+def test_a_child_that_cannot_start_leaves_the_check_to_the_service(
+        actors, tmp_path, check, images, monkeypatch):
+    import heads.check_process as cp
+
+    def no_fds(*a, **k):
+        raise OSError(24, "Too many open files")
+
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    monkeypatch.setattr(cp.subprocess, "Popen", no_fds)
+    items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
+    out = svc.answer_batch(items, [math.inf] * len(items))
+    assert [r.image_check.score for r in out] == \
+        [heads.image_reading(i.image).score for i in items]
 
 
 def test_service_answers_carry_the_process_readings(actors, tmp_path, check, images):

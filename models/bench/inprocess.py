@@ -5,7 +5,7 @@ Modes, all on the same images, questions and `max_new_tokens`:
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
 - `capture`: `Service.answer_batch`, what `/answer` runs behind HTTP: `Actor.answer`
-  (readout="capture"), the image check on a second thread while the batch decodes, one
+  (readout="capture"), the image check in its child process while the batch decodes, one
   batched call of the readers, novelty and the defer decision, shaped into results.
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
@@ -46,8 +46,9 @@ class Timed:
     readouts: list = field(default_factory=list)
     # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
     readout_seconds: list[float] = field(default_factory=list)
-    # seconds per item of the rest of `/answer`'s batch after the readout (heads, novelty,
-    # the image check's wait if any, defer and results), capture mode
+    # seconds per item of the rest of `/answer`'s batch besides decoding and the readout:
+    # the image check's submission before decoding, then heads, novelty, the check's wait
+    # if any, defer and results; capture mode
     post_seconds: list[float] = field(default_factory=list)
     # which unit (item, or batch of 8) each measurement is of: rounds repeat the units
     unit_ids: list[int] = field(default_factory=list)

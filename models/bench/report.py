@@ -107,9 +107,10 @@ def markdown(r: dict) -> str:
                              f"batch {blk['batch']}" for blk in ip.values())
                  + "." if all(blk.get("readout_seconds_per_item") for blk in ip.values())
                  else "")
-              + (" The rest of `/answer`'s batch after the readout, as it runs there (heads, "
-                 "novelty, the image check's result, defer, results; caches are cold after "
-                 "decoding, so this is dearer than the heads timed alone): "
+              + (" The rest of `/answer`'s batch besides decoding and the readout, as it runs "
+                 "there (handing the images to the image check's process before decoding; "
+                 "after it heads, novelty, the check's result, defer, results; caches are "
+                 "cold after decoding, so the heads cost more there than timed alone): "
                  + ", ".join(f"{1e3 * blk['post_seconds_per_item']:.2f} ms per item at "
                              f"batch {blk['batch']}" for blk in ip.values())
                  + "." if all(blk.get("post_seconds_per_item") for blk in ip.values())
