@@ -55,6 +55,15 @@ def images():
     return out
 
 
+@pytest.fixture()
+def proc(check):
+    """A started check process, ended after the test."""
+    started = CheckProcess(check, ALPHA)
+    started.start()
+    yield started
+    started.close()
+
+
 def _heads(check) -> Heads:
     heads = Heads(dim=2)
     heads.image_check = check
@@ -99,16 +108,12 @@ def test_presorted_p_values_equal_the_sorting_ones():
     assert np.array_equal(p_values(np.sort(cal), s, presorted=True), p_values(cal, s))
 
 
-def test_the_process_reads_what_the_heads_read(check, images):
-    proc = CheckProcess(check, ALPHA)
-    try:
-        got = proc.submit(images).result(timeout=60)
-        want = _heads(check).image_readings(images)
-        assert got == want                                # score, p-value and flag, exactly
-        assert any(r.novel for r in got) and not all(r.novel for r in got)
-        assert proc.cpu_seconds > 0
-    finally:
-        proc.close()
+def test_the_process_reads_what_the_heads_read(proc, check, images):
+    got = proc.submit(images).result(timeout=60)
+    want = _heads(check).image_readings(images)
+    assert got == want                                # score, p-value and flag, exactly
+    assert any(r.novel for r in got) and not all(r.novel for r in got)
+    assert proc.cpu_seconds > 0
 
 
 def test_tables_equal_the_novelty_scoring(check, images):
@@ -120,36 +125,26 @@ def test_tables_equal_the_novelty_scoring(check, images):
     assert np.array_equal(p, check.p_value(x))
 
 
-def test_a_killed_process_fails_its_batch_and_the_next_restarts_it(check, images):
-    proc = CheckProcess(check, ALPHA)
-    try:
-        proc.start()
-        first = proc.proc
-        first.kill()
-        first.wait()
-        outcomes = []
-        for _ in range(2):          # the first may still find the dead pipe; not both
-            try:
-                outcomes.append(proc.submit(images[:2]).result(timeout=60))
-            except RuntimeError:
-                outcomes.append(None)
-        assert outcomes[-1] == _heads(check).image_readings(images[:2])
-        assert proc.proc is not first
-    finally:
-        proc.close()
+def test_a_killed_process_fails_its_batch_and_the_next_restarts_it(proc, check, images):
+    first = proc.proc
+    first.kill()
+    first.wait()
+    outcomes = []
+    for _ in range(2):          # the first may still find the dead pipe; not both
+        try:
+            outcomes.append(proc.submit(images[:2]).result(timeout=60))
+        except RuntimeError:
+            outcomes.append(None)
+    assert outcomes[-1] == _heads(check).image_readings(images[:2])
+    assert proc.proc is not first
 
 
-def test_a_batch_the_child_cannot_read_fails_alone(check, images):
-    proc = CheckProcess(check, ALPHA)
-    try:
-        proc.start()
-        bad = proc.send([np.zeros((4, 4), np.uint8)])  # no colour channel
-        with pytest.raises(RuntimeError, match="image check failed"):
-            bad.result(timeout=60)
-        assert proc.submit(images[:1]).result(timeout=60) == \
-            _heads(check).image_readings(images[:1])
-    finally:
-        proc.close()
+def test_a_batch_the_child_cannot_read_fails_alone(proc, check, images):
+    bad = proc.send([np.zeros((4, 4), np.uint8)])  # no colour channel
+    with pytest.raises(RuntimeError, match="image check failed"):
+        bad.result(timeout=60)
+    assert proc.submit(images[:1]).result(timeout=60) == \
+        _heads(check).image_readings(images[:1])
 
 
 def test_closing_ends_the_child(check):
@@ -169,15 +164,11 @@ def test_a_forgotten_check_process_ends_its_child(check):
     assert child.wait(timeout=10) is not None
 
 
-def test_cpu_seconds_add_up_over_batches(check, images):
-    proc = CheckProcess(check, ALPHA)
-    try:
-        proc.submit(images).result(timeout=60)
-        once = proc.cpu_seconds
-        proc.submit(images).result(timeout=60)
-        assert 0 < once < proc.cpu_seconds
-    finally:
-        proc.close()
+def test_cpu_seconds_add_up_over_batches(proc, images):
+    proc.submit(images).result(timeout=60)
+    once = proc.cpu_seconds
+    proc.submit(images).result(timeout=60)
+    assert 0 < once < proc.cpu_seconds
 
 
 def test_a_reading_does_not_depend_on_its_batch(check, images):
@@ -188,48 +179,38 @@ def test_a_reading_does_not_depend_on_its_batch(check, images):
     assert together == alone + alone
 
 
-def test_a_stopped_child_costs_one_batch_and_never_blocks_the_caller(check):
+def test_a_stopped_child_costs_one_batch_and_never_blocks_the_caller(proc, check):
     """A child that stops reading (SIGSTOP) with batches larger than the pipe's buffer:
     handing them over returns at once; closing kills and reaps it; the next batch gets a
     new child and its right readings."""
     big = [Image.fromarray(np.random.default_rng(k).integers(0, 256, (256, 256, 3),
-                                                              dtype=np.uint8))
-           for k in range(3)]                                  # 590 KB > a 64 KB pipe
-    proc = CheckProcess(check, ALPHA)
-    try:
-        proc.start()
-        stopped = proc.proc
-        os.kill(stopped.pid, signal.SIGSTOP)
-        t = time.monotonic()
-        futs = [proc.submit(big) for _ in range(3)]
-        assert time.monotonic() - t < 2.0
-        with pytest.raises(TimeoutError):
-            futs[0].result(timeout=0.5)
-        proc.close(kill=True)
-        assert stopped.poll() is not None                      # killed while stopped, reaped
-        for f in futs:
-            with pytest.raises(RuntimeError, match="ended"):
-                f.result(timeout=10)
-        assert proc.submit(big[:1]).result(timeout=60) == _heads(check).image_readings(big[:1])
-        assert proc.proc is not stopped
-    finally:
-        proc.close()
+                                                             dtype=np.uint8))
+           for k in range(3)]                              # 590 KB > a 64 KB pipe
+    stopped = proc.proc
+    os.kill(stopped.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    futs = [proc.submit(big) for _ in range(3)]
+    assert time.monotonic() - t < 2.0
+    with pytest.raises(TimeoutError):
+        futs[0].result(timeout=0.5)
+    proc.close(kill=True)
+    assert stopped.poll() is not None                      # killed while stopped, reaped
+    for f in futs:
+        with pytest.raises(RuntimeError, match="ended"):
+            f.result(timeout=10)
+    assert proc.submit(big[:1]).result(timeout=60) == _heads(check).image_readings(big[:1])
+    assert proc.proc is not stopped
 
 
-def test_an_old_childs_end_fails_only_its_own_batches(check, images):
-    proc = CheckProcess(check, ALPHA)
-    try:
-        proc.start()
-        old = proc.box["child"]
-        os.kill(old.proc.pid, signal.SIGSTOP)
-        lost = proc.submit(images[:1])
-        proc.close(kill=True)                                  # the old child's EOF follows
-        kept = proc.submit(images[1:2])
-        with pytest.raises(RuntimeError):
-            lost.result(timeout=10)
-        assert kept.result(timeout=60) == _heads(check).image_readings(images[1:2])
-    finally:
-        proc.close()
+def test_an_old_childs_end_fails_only_its_own_batches(proc, check, images):
+    old = proc.box["child"]
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    lost = proc.submit(images[:1])
+    proc.close(kill=True)                                  # the old child's EOF follows
+    kept = proc.submit(images[1:2])
+    with pytest.raises(RuntimeError):
+        lost.result(timeout=10)
+    assert kept.result(timeout=60) == _heads(check).image_readings(images[1:2])
 
 
 def test_children_that_keep_dying_are_given_up_and_the_service_checks_itself(
