@@ -13,9 +13,10 @@ Nothing the caller does waits on the child: batches go to the pipe from a writer
 (a child that stopped reading would otherwise block the model worker once a batch is
 larger than the pipe's buffer) and replies come back on a reader thread. Each child keeps
 its own pending batches, so a dying child fails only what it was given. A child that dies
-is reaped and replaced on the next batch, and after MAX_DEATHS deaths in a row without
-one reply the process is given up (the caller then checks images itself). On Linux the
-child is killed with its parent, even when it is stopped.
+is reaped and replaced on the next batch; a child killed for not answering counts as a
+death too. After MAX_DEATHS deaths in a row without one reply the process is given up for
+RETRY_AFTER_S (the caller checks images itself meanwhile), then tried once more. On Linux
+the child is killed with its parent, even when it is stopped.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 PARENT_ENV = "DUALREAD_CHECK_PARENT"     # the server's pid, for the child to watch
 MAX_DEATHS = 3          # children lost in a row, without one reply, before giving up
+RETRY_AFTER_S = 60.0    # how long a given-up process stays given up before one more try
 
 log = logging.getLogger("dualread.check")
 ROOT = Path(__file__).resolve().parent.parent     # where `heads` is importable from
@@ -200,12 +202,14 @@ class CheckProcess:
         self.box: dict[str, _Child | None] = {"child": None}   # the finaliser's view
         self.next_id = 0
         self.deaths = 0              # children lost in a row without a reply
+        self.last_death = 0.0        # time.monotonic() of the latest
         self.cpu_seconds = 0.0       # the process's CPU time over every finished batch
         weakref.finalize(self, _end_boxed, self.box)
 
     @property
     def given_up(self) -> bool:
-        return self.deaths >= MAX_DEATHS
+        return self.deaths >= MAX_DEATHS and \
+            time.monotonic() - self.last_death < RETRY_AFTER_S
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -227,15 +231,17 @@ class CheckProcess:
         self.deaths = 0
         self.cpu_seconds += cpu
 
-    def died(self, child: _Child) -> None:
+    def died(self, child: _Child, why: str | None = None) -> None:
         with self.lock:
             if self.box["child"] is child:
                 self.box["child"] = None
             self.deaths += 1
+            self.last_death = time.monotonic()
             deaths = self.deaths
-        log.warning("the image check's process ended (exit code %s)%s", child.proc.returncode,
-                    "; given up: images are checked in the server" if deaths >= MAX_DEATHS
-                    else "; the next batch starts another")
+        log.warning("the image check's process %s%s", why or
+                    f"ended (exit code {child.proc.returncode})",
+                    f"; given up for {RETRY_AFTER_S:.0f} s: images are checked in the server"
+                    if deaths >= MAX_DEATHS else "; the next batch starts another")
 
     def readings(self, s: np.ndarray, p: np.ndarray) -> list[NoveltyReading]:
         from heads.novelty import NoveltyReading
@@ -261,12 +267,15 @@ class CheckProcess:
         return fut
 
     def close(self, kill: bool = False) -> None:
-        """Ends the process (`kill`: the same; kept for the caller that says why). The next
-        batch starts a new one."""
+        """Ends the process; the next batch starts a new one. `kill`: because it stopped
+        answering, which counts as a death (a child that hangs every time is given up like
+        one that dies every time)."""
         with self.lock:
             child, self.box["child"] = self.box["child"], None
         if child is not None:
             child.end()
+            if kill:
+                self.died(child, "did not answer in time and was killed")
 
 
 def _end_boxed(box: dict) -> None:

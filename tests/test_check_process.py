@@ -294,3 +294,45 @@ def test_a_check_that_never_answers_does_not_hold_the_model_worker(actors, tmp_p
     for item, res in zip(items, out):
         want = heads.image_reading(item.image)
         assert (res.image_check.score, res.image_check.p_value) == (want.score, want.p_value)
+
+
+def test_a_child_that_never_answers_is_given_up_then_tried_again(
+        actors, tmp_path, check, images, monkeypatch):
+    """Timing out counts as a death: after MAX_DEATHS batches that each waited
+    CHECK_WAIT_S, batches stop waiting (images checked in the server); after
+    RETRY_AFTER_S one more child is tried."""
+    from concurrent.futures import Future
+
+    import app.service as service_module
+    import heads.check_process as cp
+
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    monkeypatch.setattr(service_module, "CHECK_WAIT_S", 0.2)
+    submitted = []
+
+    def silent(imgs):
+        svc.check_process.start()                  # a child that exists, never answers
+        submitted.append(len(imgs))
+        return Future()
+
+    monkeypatch.setattr(svc.check_process, "submit", silent)
+    items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
+    want = [heads.image_reading(i.image).score for i in items]
+    try:
+        for _ in range(cp.MAX_DEATHS):
+            out = svc.answer_batch(items, [math.inf] * len(items))
+            assert [r.image_check.score for r in out] == want
+        assert svc.check_process.given_up and len(submitted) == cp.MAX_DEATHS
+        t = time.monotonic()
+        out = svc.answer_batch(items, [math.inf] * len(items))
+        assert [r.image_check.score for r in out] == want
+        assert len(submitted) == cp.MAX_DEATHS and time.monotonic() - t < 10
+        monkeypatch.setattr(cp, "RETRY_AFTER_S", 0.0)
+        assert not svc.check_process.given_up
+        svc.answer_batch(items[:1], [math.inf])
+        assert len(submitted) == cp.MAX_DEATHS + 1
+    finally:
+        svc.close()
