@@ -64,6 +64,18 @@ def proc(check):
     started.close()
 
 
+@pytest.fixture()
+def served(actors, tmp_path, check):
+    """A service over the tiny actor and random heads with `check` as image check, and
+    those heads; closed after the test."""
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
+    heads.image_check = check
+    svc = Service.of(actor, heads)
+    yield svc, heads
+    svc.close()
+
+
 def _heads(check) -> Heads:
     heads = Heads(dim=2)
     heads.image_check = check
@@ -214,14 +226,11 @@ def test_an_old_childs_end_fails_only_its_own_batches(proc, check, images):
 
 
 def test_children_that_keep_dying_are_given_up_and_the_service_checks_itself(
-        actors, tmp_path, check, images, monkeypatch):
+        served, images, monkeypatch):
     import heads.check_process as cp
 
     monkeypatch.setattr(cp.sys, "executable", shutil.which("false"))   # dies at once
-    actor = actors["qwen3_vl"]
-    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
-    heads.image_check = check
-    svc = Service.of(actor, heads)
+    svc, heads = served
     items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
     want = [heads.image_reading(i.image) for i in items]
     for _ in range(cp.MAX_DEATHS + 1):
@@ -232,20 +241,16 @@ def test_children_that_keep_dying_are_given_up_and_the_service_checks_itself(
     while not svc.check_process.given_up and time.monotonic() < deadline:
         svc.answer_batch(items[:1], [math.inf])
     assert svc.check_process.given_up
-    svc.close()
 
 
-def test_a_child_that_cannot_start_leaves_the_check_to_the_service(
-        actors, tmp_path, check, images, monkeypatch):
+def test_a_child_that_cannot_start_leaves_the_check_to_the_service(served, images,
+                                                                   monkeypatch):
     import heads.check_process as cp
 
     def no_fds(*a, **k):
         raise OSError(24, "Too many open files")
 
-    actor = actors["qwen3_vl"]
-    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
-    heads.image_check = check
-    svc = Service.of(actor, heads)
+    svc, heads = served
     monkeypatch.setattr(cp.subprocess, "Popen", no_fds)
     items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
     out = svc.answer_batch(items, [math.inf] * len(items))
@@ -253,37 +258,27 @@ def test_a_child_that_cannot_start_leaves_the_check_to_the_service(
         [heads.image_reading(i.image).score for i in items]
 
 
-def test_service_answers_carry_the_process_readings(actors, tmp_path, check, images):
+def test_service_answers_carry_the_process_readings(served, images):
     """`/answer`'s batch path with the check in its process: each item's image check is the
     heads' own reading of its image, in order."""
-    actor = actors["qwen3_vl"]
-    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
-    heads.image_check = check
-    svc = Service.of(actor, heads)
-    try:
-        assert svc.check_process is not None
-        items = [AnswerItem(im, "what shape is it?", 4) for im in images[:4]]
-        out = svc.answer_batch(items, [math.inf] * len(items))
-        # the batch's images are measured as one stack, as the heads do in `image_readings`
-        for res, want in zip(out, heads.image_readings([i.image for i in items])):
-            assert (res.image_check.score, res.image_check.p_value, res.image_check.novel) \
-                == (want.score, want.p_value, want.novel)
-    finally:
-        svc.close()
+    svc, heads = served
+    assert svc.check_process is not None
+    items = [AnswerItem(im, "what shape is it?", 4) for im in images[:4]]
+    out = svc.answer_batch(items, [math.inf] * len(items))
+    for res, want in zip(out, heads.image_readings([i.image for i in items])):
+        assert (res.image_check.score, res.image_check.p_value, res.image_check.novel) \
+            == (want.score, want.p_value, want.novel)
 
 
-def test_a_check_that_never_answers_does_not_hold_the_model_worker(actors, tmp_path, check,
-                                                                   images, monkeypatch):
+def test_a_check_that_never_answers_does_not_hold_the_model_worker(served, images,
+                                                                   monkeypatch):
     """The batch waits CHECK_WAIT_S for its image check, then kills the silent process and
     checks its images itself; answers keep coming."""
     from concurrent.futures import Future
 
     import app.service as service_module
 
-    actor = actors["qwen3_vl"]
-    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
-    heads.image_check = check
-    svc = Service.of(actor, heads)
+    svc, heads = served
     monkeypatch.setattr(service_module, "CHECK_WAIT_S", 0.2)
     killed = []
     monkeypatch.setattr(svc.check_process, "submit", lambda imgs: Future())   # never done
@@ -296,8 +291,8 @@ def test_a_check_that_never_answers_does_not_hold_the_model_worker(actors, tmp_p
         assert (res.image_check.score, res.image_check.p_value) == (want.score, want.p_value)
 
 
-def test_a_child_that_never_answers_is_given_up_then_tried_again(
-        actors, tmp_path, check, images, monkeypatch):
+def test_a_child_that_never_answers_is_given_up_then_tried_again(served, images,
+                                                                 monkeypatch):
     """Timing out counts as a death: after MAX_DEATHS batches that each waited
     CHECK_WAIT_S, batches stop waiting (images checked in the server); after
     RETRY_AFTER_S one more child is tried."""
@@ -306,10 +301,7 @@ def test_a_child_that_never_answers_is_given_up_then_tried_again(
     import app.service as service_module
     import heads.check_process as cp
 
-    actor = actors["qwen3_vl"]
-    heads = Heads.load(random_heads(tmp_path, actor), actor.fingerprint)
-    heads.image_check = check
-    svc = Service.of(actor, heads)
+    svc, heads = served
     monkeypatch.setattr(service_module, "CHECK_WAIT_S", 0.2)
     submitted = []
 
@@ -321,18 +313,15 @@ def test_a_child_that_never_answers_is_given_up_then_tried_again(
     monkeypatch.setattr(svc.check_process, "submit", silent)
     items = [AnswerItem(im, "what shape is it?", 2) for im in images[:2]]
     want = [heads.image_reading(i.image).score for i in items]
-    try:
-        for _ in range(cp.MAX_DEATHS):
-            out = svc.answer_batch(items, [math.inf] * len(items))
-            assert [r.image_check.score for r in out] == want
-        assert svc.check_process.given_up and len(submitted) == cp.MAX_DEATHS
-        t = time.monotonic()
+    for _ in range(cp.MAX_DEATHS):
         out = svc.answer_batch(items, [math.inf] * len(items))
         assert [r.image_check.score for r in out] == want
-        assert len(submitted) == cp.MAX_DEATHS and time.monotonic() - t < 10
-        monkeypatch.setattr(cp, "RETRY_AFTER_S", 0.0)
-        assert not svc.check_process.given_up
-        svc.answer_batch(items[:1], [math.inf])
-        assert len(submitted) == cp.MAX_DEATHS + 1
-    finally:
-        svc.close()
+    assert svc.check_process.given_up and len(submitted) == cp.MAX_DEATHS
+    t = time.monotonic()
+    out = svc.answer_batch(items, [math.inf] * len(items))
+    assert [r.image_check.score for r in out] == want
+    assert len(submitted) == cp.MAX_DEATHS and time.monotonic() - t < 10
+    monkeypatch.setattr(cp, "RETRY_AFTER_S", 0.0)
+    assert not svc.check_process.given_up
+    svc.answer_batch(items[:1], [math.inf])
+    assert len(submitted) == cp.MAX_DEATHS + 1
