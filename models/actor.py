@@ -109,6 +109,7 @@ class Actor:
         self.mid_layer = saplma_layer(self.num_layers)
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.hidden_size = int(text_cfg.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         if self.tokenizer.eos_token_id is not None:
@@ -228,31 +229,35 @@ class Actor:
 
     # ---------------------------------------------------------------- readout assembly
     def _token_stats(self, last: torch.Tensor, seq: torch.Tensor, lp: int,
-                     limit: int = TOKEN_STATS_ELEMENTS
+                     limit: int = TOKEN_STATS_ELEMENTS, logits: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """At each response step of a batch: the log-prob of the response token taken there
         and the predictive entropy ([B, N]), and the log-probs of the known confidence
         digits ([B, N, K], for `_digit_probs`).
 
         `last` [B, L, D] and `seq` [B, L'] cover [prompt ; response]; N is the response
-        width. The LM head runs on slices of whole items, at most `limit` logits each (one
-        item a slice when one alone is over it), so memory stays bounded while the calls
-        stay few. Whole items because an item's rows are bitwise the same alone or in any
-        batch, while splitting an item's steps into smaller matrix products changes bits.
+        width. `logits` [B, N, V], when given, are those steps' logits as `generate` kept
+        them (then the LM head does not run again). Otherwise the LM head runs on slices of
+        whole items, at most `limit` logits each (one item a slice when one alone is over
+        it), so memory stays bounded while the calls stay few. Whole items because an
+        item's rows are bitwise the same alone or in any batch, while splitting an item's
+        steps into smaller matrix products changes bits.
         """
         h = last[:, lp - 1: seq.shape[1] - 1]
         b, n = h.shape[:2]
+        if logits is not None and logits.shape[1] < n:
+            logits = None                     # a caller's mistake must not cost rows
         tgt = seq[:, lp: lp + n].to(h.device)
         digits = torch.tensor([d for d in self.digit_ids if d is not None], dtype=torch.long,
                               device=h.device)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        items = max(1, limit // max(1, n * vocab))   # whole items per slice
+        items = max(1, limit // max(1, n * self.vocab_size))   # whole items per slice
         tok = torch.empty(b, n, device=h.device)
         ent = torch.empty(b, n, device=h.device)
         dlp = torch.empty(b, n, len(digits), device=h.device)
         for i in range(0, b, items):
             sl = slice(i, i + items)
-            logp = torch.log_softmax(self._logits(h[sl]), -1)
+            z = self._logits(h[sl]) if logits is None else logits[sl, :n].to(h.device)
+            logp = torch.log_softmax(z, -1)
             tok[sl] = logp.gather(-1, tgt[sl][..., None]).squeeze(-1)
             ent[sl] = -(logp.exp() * logp).sum(-1)
             dlp[sl] = logp[..., digits]
@@ -260,9 +265,11 @@ class Actor:
         return tok, ent, dlp
 
     def _responses(self, resp_ids: list[list[int]], last: torch.Tensor,
-                   mid: torch.Tensor | None, seq: torch.Tensor, lp: int) -> list[Response]:
-        """Every item's Response, the token statistics computed once for the batch."""
-        stats = self._token_stats(last, seq, lp)
+                   mid: torch.Tensor | None, seq: torch.Tensor, lp: int,
+                   logits: torch.Tensor | None = None) -> list[Response]:
+        """Every item's Response, the token statistics computed once for the batch
+        (from `logits` [B, N, V] when `generate` kept them)."""
+        stats = self._token_stats(last, seq, lp, logits=logits)
         # image-token positions of every row in one call, not one per item
         where = (seq[:, :lp] == self.image_token_id).nonzero()
         counts = torch.bincount(where[:, 0], minlength=len(resp_ids)).tolist()
@@ -363,11 +370,16 @@ class Actor:
         kwargs = self._vision_kwargs(batch)
         stop = DeadlineCriteria(deadlines) if deadlines is not None else None
         tap = StateTap(self.model, self.mid_layer)
+        # generate computes every step's logits anyway: keeping them spares the LM head a
+        # second run for the token statistics, where they fit the same memory bound
+        keep_logits = readout == "capture" and (
+            len(questions) * max_new_tokens * self.vocab_size <= TOKEN_STATS_ELEMENTS)
         with tap if readout == "capture" else nullcontext():
             out = self.model.generate(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True, top_p=None,
+                eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
+                output_logits=keep_logits, top_p=None,
                 top_k=None, temperature=None,
                 stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
@@ -385,7 +397,8 @@ class Actor:
             res = self._responses(resp_ids, last, mid, full.input_ids, lp)
         else:
             last, mid = self._captured(out, batch, gen, resp_ids, tap)
-            res = self._responses(resp_ids, last, mid, out.sequences, lp)
+            logits = torch.stack(out.logits, 1) if keep_logits and out.logits else None
+            res = self._responses(resp_ids, last, mid, out.sequences, lp, logits)
         return Answers(res, StageTimings(t1 - t0, time.perf_counter() - t1))
 
     def _trim(self, ids: list[int]) -> list[int]:

@@ -206,6 +206,30 @@ def test_generated_token_logprobs_match_the_model(qwen3, images):
         torch.testing.assert_close(r.readout.token_entropy, want_ent, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_reads_the_logits_generate_kept(actors, images, monkeypatch, family):
+    """Capture takes the token statistics from the logits `generate` computed (the LM head
+    does not run again); they equal the LM head rerun on the captured states, which is what
+    capture does when a batch's logits would not fit the memory bound."""
+    import models.actor as actor_module
+    actor = actors[family]
+    kept = actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
+    calls = []
+    monkeypatch.setattr(actor, "_logits", lambda h: calls.append(h.shape) or
+                        type(actor)._logits(actor, h))
+    kept_again = actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
+    assert all(len(shape) < 3 for shape in calls)   # at most the digit row, never a slice
+    monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", 0)
+    rerun = actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
+    assert any(len(shape) == 3 for shape in calls)   # the bound forced the LM head again
+    for a, b, c in zip(kept, kept_again, rerun):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert torch.equal(a.readout.token_logprobs, b.readout.token_logprobs)
+        for key in ("token_logprobs", "token_entropy"):
+            torch.testing.assert_close(getattr(a.readout, key), getattr(c.readout, key),
+                                       atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("slices", ["one", "two items", "one item"])
 def test_token_stats_in_slices_are_bitwise_the_whole_batch(qwen3, images, slices):
     """The LM head runs on bounded slices of whole items; every limit (down to one item a

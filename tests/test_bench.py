@@ -108,6 +108,11 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     assert saved["heads"]["batch8_median_us"] > 0     # 8 readouts: one batch of 8
     assert saved["in_process"]["b1"]["readout_seconds_per_item"] > 0
     assert saved["in_process"]["b8"]["post_seconds_per_item"] > 0
+    for blk in saved["in_process"].values():
+        # capture = its decoding + readout + the rest, unit by unit: medians keep the order
+        assert 0 < blk["decode_ratio"] <= blk["capture_ratio"]
+        assert blk["decode_ratio_ci"][0] <= blk["decode_ratio"] <= blk["decode_ratio_ci"][1]
+    assert "Decoding inside capture" in (tmp_path / "out" / "bench.md").read_text()
     assert "http" not in saved
     names = [t["target"] for t in res["targets"]]
     assert "capture / plain generate, b1" in names and "heads alone (µs per item)" in names

@@ -44,6 +44,9 @@ class Timed:
     tokens: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
     same_tokens: list[bool] = field(default_factory=list)
     readouts: list = field(default_factory=list)
+    # seconds per item of `Actor.answer`'s decoding stage (processor inputs + `generate`
+    # with the state capture), capture mode: what plain `generate` is compared with
+    decode_seconds: list[float] = field(default_factory=list)
     # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
     readout_seconds: list[float] = field(default_factory=list)
     # seconds per item of the rest of `/answer`'s batch besides decoding and the readout:
@@ -145,6 +148,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             plain = got["plain"]
             out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
             stages = got["capture"].timings
+            out.decode_seconds.append(stages.generate / batch)
             out.readout_seconds.append(stages.readout / batch)
             out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
                                                                   + stages.readout) / batch)
@@ -217,6 +221,13 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
     for m in ("capture", "replay"):
         out[f"{m}_ratio_paired_median"] = float(np.median(
             np.asarray(sec[m]) / np.asarray(plain)))
+    # capture's own decoding against plain generate, same units: what decoding with the
+    # state capture and the image check's process beside it costs, apart from the work
+    # after decoding
+    if t.decode_seconds:
+        r, lo, hi = ratio_ci(per_unit(t.decode_seconds, t.unit_ids), plain, n_boot)
+        out["decode_ratio"] = r
+        out["decode_ratio_ci"] = [lo, hi]
     r, lo, hi = ratio_ci(sec["capture"], sec["sc8"], n_boot)
     out["capture_over_sc8"] = r
     out["capture_over_sc8_ci"] = [lo, hi]

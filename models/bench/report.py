@@ -102,6 +102,13 @@ def markdown(r: dict) -> str:
               + (f" The image check (pixel statistics + p-value, per image, timed alone): "
                  f"{r['heads']['image_check_us']:.0f} µs per image."
                  if r["heads"].get("image_check_us") else "")
+              + (" Decoding inside capture (`Actor.answer`'s decoding stage: processor "
+                 "inputs and `generate` with the state capture, the image check's process "
+                 "working beside it) × plain generate: "
+                 + ", ".join(f"{blk['decode_ratio']:.3f} [{blk['decode_ratio_ci'][0]:.3f}, "
+                             f"{blk['decode_ratio_ci'][1]:.3f}] at batch {blk['batch']}"
+                             for blk in ip.values())
+                 + "." if all(blk.get("decode_ratio") for blk in ip.values()) else "")
               + (" Readout assembly after decoding (`Actor.answer`'s readout stage, capture): "
                  + ", ".join(f"{1e3 * blk['readout_seconds_per_item']:.2f} ms per item at "
                              f"batch {blk['batch']}" for blk in ip.values())

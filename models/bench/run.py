@@ -21,7 +21,7 @@ from models.bench.report import markdown, targets
 
 @dataclass(frozen=True)
 class Plan:
-    items: int = 64
+    items: int = 128
     b1_repeats: int = 2
     b8_repeats: int = 3
     max_new_tokens: int = 64
