@@ -1,9 +1,12 @@
 """Typed HTTP clients for a dualread deployment (any host: they speak HTTP only).
 
 `DualReadClient` (sync) and `AsyncDualReadClient` (async, with a concurrency limit) share
-one retry policy: 429, 503 and connection errors are retried with exponential backoff and
-jitter, and a `Retry-After` header, when the server sends one, sets the wait instead.
-Everything else (4xx, 500, 504) is raised at once with the server's reason.
+one retry policy: 408, 429, 503 and connection errors are retried with exponential backoff
+and jitter, and a `Retry-After` header, when the server sends one, sets the wait instead.
+Everything else (other 4xx, 500, 504) is raised at once with the server's reason. 408 is
+transient by definition (the server did not receive the body in time; the client may
+repeat the request): it is what a request gets when Ray Serve re-routes it from a replica
+that died under it to one that can no longer read its body.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from clients.schemas import (
     TrajectoryScore,
 )
 
-RETRY_STATUS = frozenset({429, 503})
+RETRY_STATUS = frozenset({408, 429, 503})
 ImageLike = bytes | str | Path
 
 

@@ -355,13 +355,16 @@ def test_client_retries_and_honours_retry_after(monkeypatch):
             raise httpx.ConnectError("refused", request=request)
         if n == 3:
             return httpx.Response(503, json={"detail": "loading"})
+        if n == 4:
+            return httpx.Response(408, json={"detail": "request body not received"})
         return httpx.Response(200, json=answer)
 
     c = h.DualReadClient("http://t", transport=httpx.MockTransport(handler), backoff_base=0.1)
     assert c.answer(b"img", "q").answer == "red"
-    assert len(calls) == 4
+    assert len(calls) == 5
     assert slept[0] == 2.0                                   # the server's Retry-After
     assert 0.05 * 2 <= slept[1] <= 0.1 * 2 and 0.05 * 4 <= slept[2] <= 0.1 * 4   # backoff
+    assert 0.05 * 8 <= slept[3] <= 0.1 * 8
 
     calls.clear()
     c422 = h.DualReadClient("http://t", transport=httpx.MockTransport(

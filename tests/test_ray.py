@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip instal
 serve = pytest.importorskip("ray.serve", reason="ray is installed without Serve: "
                                                 "pip install 'ray[serve]'")
 
-from clients.http import DualReadClient  # noqa: E402
+from clients.http import RETRY_STATUS, DualReadClient  # noqa: E402
 from tests.conftest import random_image  # noqa: E402
 from tests.helpers import b64, png_bytes, random_heads  # noqa: E402
 
@@ -163,8 +163,9 @@ def test_two_replicas_share_load_and_a_killed_one_loses_no_request(cluster):
     assert len(results) == total                         # every request answered
     assert all(0 <= r.confidence.dualread <= 1 for r in results.values())
     assert len(seen) == total                            # one 200 per request
-    # what the kill did to requests in flight: only statuses the client retries
-    assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
+    # what the kill did to requests in flight: only statuses the client retries (a 408
+    # when Serve re-routed a request to a replica that could no longer read its body)
+    assert set(statuses) <= {200} | RETRY_STATUS, sorted(set(statuses))
     with pytest.raises((LookupError, ValueError, ray.exceptions.RayActorError)):
         ray.get(_replica_actor(killed[0]).__ray_ready__.remote(), timeout=30)
 
