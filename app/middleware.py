@@ -174,8 +174,12 @@ class RequestContext:
                 # a slow-loris body must not hold a connection (and a worker) forever
                 message = await asyncio.wait_for(receive(), deadline - time.monotonic())
             except TimeoutError:
+                # Retry-After: a body that never came may come on a second try (a
+                # client's slow link, or a load balancer that re-routed the request
+                # without its body); clients retry a 408 only when it says so
                 raise HTTPException(408, f"request body not received within "
-                                         f"{self.body_timeout:g} s") from None
+                                         f"{self.body_timeout:g} s",
+                                    headers={"Retry-After": "1"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:
@@ -196,8 +200,8 @@ class RequestContext:
                     chunks.append(message.get("body", b""))
             except HTTPException as e:
                 precheck = True
-                await error_response(e.status_code, e.detail, rid)(scope, receive,
-                                                                    send_with_ids)
+                await error_response(e.status_code, e.detail, rid, dict(e.headers or {}))(
+                    scope, receive, send_with_ids)
                 return None
             body = b"".join(chunks)
             problem = await run_in_threadpool(json_problem, body)

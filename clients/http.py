@@ -1,12 +1,13 @@
 """Typed HTTP clients for a dualread deployment (any host: they speak HTTP only).
 
 `DualReadClient` (sync) and `AsyncDualReadClient` (async, with a concurrency limit) share
-one retry policy: 408, 429, 503 and connection errors are retried with exponential backoff
-and jitter, and a `Retry-After` header, when the server sends one, sets the wait instead.
-Everything else (other 4xx, 500, 504) is raised at once with the server's reason. 408 is
-transient by definition (the server did not receive the body in time; the client may
-repeat the request): it is what a request gets when Ray Serve re-routes it from a replica
-that died under it to one that can no longer read its body.
+one retry policy: 429, 503, a 408 that carries `Retry-After`, and connection errors are
+retried with exponential backoff and jitter, and a `Retry-After` header, when the server
+sends one, sets the wait instead. Everything else (other 4xx, 500, 504) is raised at once
+with the server's reason. The service's own 408 (the body did not arrive in time, so
+nothing ran) says `Retry-After`: it is what a request gets when Ray Serve re-routes it from
+a replica that died under it to one that can no longer read its body. A 408 without it (a
+proxy's own request timeout, when the request may have run) is not repeated.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from clients.schemas import (
     TrajectoryScore,
 )
 
-RETRY_STATUS = frozenset({408, 429, 503})
+RETRY_STATUS = frozenset({429, 503})
+
+
+def retryable(r: httpx.Response) -> bool:
+    """Whether the retry policy repeats a request answered with `r`."""
+    return r.status_code in RETRY_STATUS or (r.status_code == 408
+                                             and "retry-after" in r.headers)
 ImageLike = bytes | str | Path
 
 
@@ -152,7 +159,7 @@ class DualReadClient:
                     raise
                 time.sleep(backoff(attempt, None, self.base, self.cap))
                 continue
-            if r.status_code not in RETRY_STATUS or attempt == self.retries:
+            if not retryable(r) or attempt == self.retries:
                 return r
             time.sleep(backoff(attempt, r, self.base, self.cap))
         raise AssertionError("unreachable")
@@ -249,7 +256,7 @@ class AsyncDualReadClient:
                 if attempt == self.retries:
                     raise
             else:
-                if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                if not retryable(r) or attempt == self.retries:
                     return r
             self.retried += 1
             await asyncio.sleep(backoff(attempt, r, self.base, self.cap))

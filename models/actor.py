@@ -240,8 +240,10 @@ class Actor:
         them (then the LM head does not run again). Otherwise the LM head runs on slices of
         whole items, at most `limit` logits each (one item a slice when one alone is over
         it), so memory stays bounded while the calls stay few. Whole items because an
-        item's rows are bitwise the same alone or in any batch, while splitting an item's
-        steps into smaller matrix products changes bits.
+        item's rows are then bitwise the same alone or in any batch, while splitting an
+        item's steps into smaller matrix products changes bits. (Which of the two runs is
+        the caller's choice, by the batch's size against the bound: the two agree to
+        rounding, ~1e-6, not bit for bit.)
         """
         h = last[:, lp - 1: seq.shape[1] - 1]
         b, n = h.shape[:2]
@@ -371,9 +373,12 @@ class Actor:
         stop = DeadlineCriteria(deadlines) if deadlines is not None else None
         tap = StateTap(self.model, self.mid_layer)
         # generate computes every step's logits anyway: keeping them spares the LM head a
-        # second run for the token statistics, where they fit the same memory bound
-        keep_logits = readout == "capture" and (
-            len(questions) * max_new_tokens * self.vocab_size <= TOKEN_STATS_ELEMENTS)
+        # second run for the token statistics, where they and their stacked copy fit the
+        # memory bound. Not under a final-logit softcap: some classes apply it in forward
+        # (Gemma3ForCausalLM), others not (Gemma3ForConditionalGeneration); `_logits`
+        # applies it once.
+        keep_logits = readout == "capture" and not self.softcap and (
+            2 * len(questions) * max_new_tokens * self.vocab_size <= TOKEN_STATS_ELEMENTS)
         with tap if readout == "capture" else nullcontext():
             out = self.model.generate(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask,

@@ -222,6 +222,11 @@ def test_capture_reads_the_logits_generate_kept(actors, images, monkeypatch, fam
     monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", 0)
     rerun = actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
     assert any(len(shape) == 3 for shape in calls)   # the bound forced the LM head again
+    calls.clear()
+    monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", 2**30)
+    monkeypatch.setattr(actor, "softcap", 30.0)     # some classes cap in forward, some not
+    actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
+    assert any(len(shape) == 3 for shape in calls)   # so the capped LM head reruns
     for a, b, c in zip(kept, kept_again, rerun):
         assert a.token_ids == b.token_ids == c.token_ids
         assert torch.equal(a.readout.token_logprobs, b.readout.token_logprobs)
