@@ -54,21 +54,62 @@ MAX_SIDE = 256             # larger images are shrunk (box filter) before measur
 MIN_SIDE = 8               # smaller ones are enlarged (nearest neighbour)
 
 
-# Paeth's median-of-9 exchange network (19 compare-exchanges; the median ends at index 4)
-MEDIAN9 = ((1, 2), (4, 5), (7, 8), (0, 1), (3, 4), (6, 7), (1, 2), (4, 5), (7, 8), (0, 3),
-           (5, 8), (4, 7), (3, 6), (1, 4), (2, 5), (4, 7), (4, 2), (6, 4), (4, 2))
+def _pad_edge(y: np.ndarray) -> np.ndarray:
+    """`np.pad(y, ((0, 0), (1, 1), (1, 1)), mode="edge")`, without its generality's cost."""
+    n, h, w = y.shape
+    p = np.empty((n, h + 2, w + 2), dtype=y.dtype)
+    p[:, 1:-1, 1:-1] = y
+    p[:, 0, 1:-1] = y[:, 0]
+    p[:, -1, 1:-1] = y[:, -1]
+    p[:, :, 0] = p[:, :, 1]
+    p[:, :, -1] = p[:, :, -2]
+    return p
+
+
+def _median3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return np.maximum(np.minimum(a, b), np.minimum(np.maximum(a, b), c))
 
 
 def median3x3(y: np.ndarray) -> np.ndarray:
     """3×3 median of every image of a stack [N, H, W], edges repeated: equal, bit for bit,
     to scipy's `median_filter(y, size=(1, 3, 3), mode="nearest")` (a median selects, it does
-    not round), at a quarter of its cost on small images."""
-    p = np.pad(y, ((0, 0), (1, 1), (1, 1)), mode="edge")
-    h, w = y.shape[1], y.shape[2]
-    v = [p[:, i: i + h, j: j + w] for i in range(3) for j in range(3)]
-    for a, b in MEDIAN9:
-        v[a], v[b] = np.minimum(v[a], v[b]), np.maximum(v[a], v[b])
-    return v[4]
+    not round), at a tenth of its cost on small images. Each column's three values are
+    sorted once and shared by the three windows over it; a window's median is then the
+    median of (the largest of its three minima, the median of its three middles, the
+    smallest of its three maxima)."""
+    p = _pad_edge(y)
+    a, b, c = p[:, :-2], p[:, 1:-1], p[:, 2:]
+    low, high = np.minimum(a, b), np.maximum(a, b)
+    mid = np.maximum(low, np.minimum(high, c))
+    low, high = np.minimum(low, c), np.maximum(high, c)
+    left, centre, right = slice(None, -2), slice(1, -1), slice(2, None)
+    most_low = np.maximum(np.maximum(low[..., left], low[..., centre]), low[..., right])
+    least_high = np.minimum(np.minimum(high[..., left], high[..., centre]), high[..., right])
+    return _median3(most_low, _median3(mid[..., left], mid[..., centre], mid[..., right]),
+                    least_high)
+
+
+def _row_median(x: np.ndarray) -> np.ndarray:
+    """`np.median(x, axis=1)` of a 2-D array without NaNs, the same numbers (the middle
+    order statistic, or the mean of the two middle ones) at a third of its cost."""
+    k = x.shape[1]
+    if k % 2:
+        return np.partition(x, k // 2, axis=1)[:, k // 2]
+    part = np.partition(x, [k // 2 - 1, k // 2], axis=1)
+    return (part[:, k // 2 - 1] + part[:, k // 2]) / 2
+
+
+def _gradient(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.gradient(y, axis=(1, 2))` of a stack [N, H, W] (H, W ≥ 2), the same numbers:
+    central differences inside, one-sided ones on the edges."""
+    gy, gx = np.empty_like(y), np.empty_like(y)
+    gy[:, 1:-1] = (y[:, 2:] - y[:, :-2]) / 2.0
+    gy[:, 0] = y[:, 1] - y[:, 0]
+    gy[:, -1] = y[:, -1] - y[:, -2]
+    gx[:, :, 1:-1] = (y[:, :, 2:] - y[:, :, :-2]) / 2.0
+    gx[:, :, 0] = y[:, :, 1] - y[:, :, 0]
+    gx[:, :, -1] = y[:, :, -1] - y[:, :, -2]
+    return gy, gx
 
 
 def bounded(image: Image.Image) -> np.ndarray:
@@ -102,7 +143,9 @@ def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
             continue
         ratios.append((d[:, :, border].mean(axis=(1, 2)) + LEVEL)
                       / (d[:, :, ~border].mean(axis=(1, 2)) + LEVEL))
-    return np.mean(ratios, axis=0) if ratios else np.ones(len(y))
+    # the mean of one or two arrays, written out: `np.mean` of their stack cost more than
+    # the ratios themselves (same numbers: (a + b) / 2)
+    return sum(ratios) / len(ratios) if ratios else np.ones(len(y))
 
 
 def _stack_features(rgb: np.ndarray) -> np.ndarray:
@@ -121,7 +164,7 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     h2, w2 = (y.shape[1] // 2) * 2, (y.shape[2] // 2) * 2
     q = y[:, :h2, :w2]
     diag = (q[:, 0::2, 0::2] - q[:, 1::2, 0::2] - q[:, 0::2, 1::2] + q[:, 1::2, 1::2]) / 2
-    sigma = np.median(np.abs(diag).reshape(n, -1), axis=1) / 0.6745
+    sigma = _row_median(np.abs(diag).reshape(n, -1)) / 0.6745
     # the spectrum of a real image is symmetric, so the half spectrum (`rfft2`) holds all
     # of it: each column with a mirror counts twice (the full `fft2`'s share up to rounding,
     # ~1e-15, at half the cost)
@@ -139,7 +182,7 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     yb = (rgb[..., 0] + rgb[..., 1]) / 2 - rgb[..., 2]
     colourful = np.hypot(rg.std(axis=ax), yb.std(axis=ax)) + \
         0.3 * np.hypot(rg.mean(axis=ax), yb.mean(axis=ax))
-    gy, gx = np.gradient(y, axis=ax)
+    gy, gx = _gradient(y)
     mag = np.hypot(gx, gy)
     turn = np.mod(np.arctan2(gy, gx), np.pi)                    # gradient direction mod 180°
     bins = (np.floor(turn / np.pi * ORIENTATION_BINS + 0.5).astype(np.int64)

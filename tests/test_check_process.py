@@ -22,6 +22,9 @@ from heads.conformal import kth_distance, p_values
 from heads.dualread import Heads
 from heads.fit import fit_image_check
 from heads.image_check import (
+    _gradient,
+    _pad_edge,
+    _row_median,
     _stack_features,
     bounded,
     median3x3,
@@ -88,6 +91,24 @@ def test_median3x3_is_scipys_median_filter_bit_for_bit():
         y = rng.random(shape)
         y[0, 0, :] = 0.5                                   # ties
         assert np.array_equal(median3x3(y), median_filter(y, size=(1, 3, 3), mode="nearest"))
+    for _ in range(300):          # three grey levels: ties in almost every window
+        y = rng.integers(0, 3, (1, *rng.integers(1, 12, 2))).astype(float)
+        assert np.array_equal(median3x3(y), median_filter(y, size=(1, 3, 3), mode="nearest"))
+
+
+def test_the_check_s_own_numpy_helpers_give_numpys_numbers():
+    """Edge padding, row medians and the gradient, written out for speed, equal numpy's
+    general functions bit for bit."""
+    rng = np.random.default_rng(3)
+    for h, w in [(2, 2), (3, 8), (8, 3), (64, 64), (31, 17)]:
+        y = rng.random((2, h, w))
+        assert np.array_equal(_pad_edge(y), np.pad(y, ((0, 0), (1, 1), (1, 1)), mode="edge"))
+        gy, gx = _gradient(y)
+        want_y, want_x = np.gradient(y, axis=(1, 2))
+        assert np.array_equal(gy, want_y) and np.array_equal(gx, want_x)
+        x = rng.random((3, h * w))
+        x[0, : h * w // 2] = 0.25                          # ties across the middle
+        assert np.array_equal(_row_median(x), np.median(x, axis=1))
 
 
 def test_half_spectrum_high_frequency_share_equals_the_full_spectrum():
