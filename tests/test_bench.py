@@ -45,6 +45,7 @@ def test_paired_median_ratio_by_hand():
         t.seconds["plain"].append(plain)
         t.seconds["capture"].append(capture)
         t.seconds["replay"].append(2 * plain)
+        t.seconds["no_check"].append(capture - 0.1 * plain)
         t.seconds["sc8"].append(3 * plain)
     for m in t.seconds:
         t.cpu_seconds[m] = list(t.seconds[m])
@@ -53,6 +54,7 @@ def test_paired_median_ratio_by_hand():
     assert out["capture_ratio_paired_median"] == pytest.approx(1.1)      # of 1.1, 1.0, 1.3
     assert out["replay_ratio_paired_median"] == pytest.approx(2.0)
     assert out["capture_ratio"] == pytest.approx(2.0 / 2.0)              # ratio of medians
+    assert out["no_check_ratio_paired_median"] == pytest.approx(1.0)     # of 1.0, 0.9, 1.2
 
 
 def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():
@@ -67,7 +69,7 @@ def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():
         for unit, plain in enumerate((1.0, 10.0)):
             t.unit_ids.append(unit)
             for m, f in (("plain", 1.0), ("capture", 1.5 if unit == 0 else 1.0),
-                         ("replay", 2.0), ("sc8", 3.0)):
+                         ("replay", 2.0), ("no_check", 1.0), ("sc8", 3.0)):
                 t.seconds[m].append(plain * f * (1 + rnd))
                 t.cpu_seconds[m].append(plain * f)
                 t.tokens[m].append(1.0)
@@ -100,7 +102,8 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     for b, units, measured in (("b1", 8, 16), ("b8", 1, 1)):
         blk = saved["in_process"][b]
         assert blk["units"] == units and blk["measurements"] == measured
-        for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median"):
+        for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median",
+                    "no_check_ratio"):
             assert math.isfinite(blk[key]) and blk[key] > 0, (b, key)
         # greedy decoding from the same inputs must give the same tokens in every mode
         assert blk["greedy_tokens_identical"] is True

@@ -346,3 +346,23 @@ def test_a_child_that_never_answers_is_given_up_then_tried_again(served, images,
     assert not svc.check_process.given_up
     svc.answer_batch(items[:1], [math.inf])
     assert len(submitted) == cp.MAX_DEATHS + 1
+
+
+def test_the_bench_control_leaves_out_the_image_check_and_nothing_else(served, images):
+    """`no_check` (models.bench): the same actor and heads, the image check left out; the
+    service it is measured against keeps its check and its process."""
+    from models.bench.inprocess import answer_with_dualread, without_image_check
+
+    svc, heads = served
+    bare = without_image_check(svc)
+    assert bare.check_process is None and bare.heads.image_check is None
+    assert svc.check_process is not None and heads.image_check is not None
+    assert bare.actor is svc.actor and bare.heads.readers is heads.readers
+    items = [AnswerItem(im, "what shape?", 4) for im in images[:2]]
+    _, checked = svc.answer_responses(items, [math.inf] * 2)
+    _, unchecked = bare.answer_responses(items, [math.inf] * 2)
+    assert all(r.image_check is not None for r in checked)
+    assert all(r.image_check is None for r in unchecked)
+    for a, b in zip(checked, unchecked):
+        assert a.answer == b.answer and a.confidence == b.confidence
+    assert len(answer_with_dualread(bare, images[:2], ["what shape?"] * 2, 4)) == 2

@@ -8,6 +8,9 @@ Modes, all on the same images, questions and `max_new_tokens`:
   (readout="capture"), the image check in its child process while the batch decodes, one
   batched call of the readers, novelty and the defer decision, shaped into results.
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
+- `no_check`: `capture` with the image check left out (heads without it, so no check
+  process): not a way to run the service, the control that says what the image check
+  costs the rest (on a machine whose second core is not really free, its CPU time).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
   exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
   of every item of a unit are one batched `generate` (K·batch rows), not K calls. The
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-MODES = ("plain", "capture", "replay", "sc8")
+MODES = ("plain", "capture", "replay", "no_check", "sc8")
 SC_K = 8
 
 
@@ -103,6 +106,16 @@ def answer_with_dualread(service, images, questions, max_new_tokens: int,
     return res
 
 
+def without_image_check(service):
+    """The same actor and heads served with the image check left out (the `no_check`
+    control)."""
+    from dataclasses import replace
+
+    from app.service import Service
+
+    return Service.of(service.actor, replace(service.heads, image_check=None))
+
+
 def sample_k(actor, images, questions, max_new_tokens: int, seed: int) -> list:
     return actor.sample(images, questions, SC_K, temperature=1.0,
                         max_new_tokens=max_new_tokens, seed=seed)
@@ -119,12 +132,15 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
     if not units:
         raise ValueError(f"need at least {batch} items for batch {batch}")
     out = Timed(batch)
+    unchecked = without_image_check(service)
 
     def call(mode: str, imgs, qs, seed: int):
         if mode == "plain":
             return plain_generate(actor, imgs, qs, max_new_tokens)
         if mode == "sc8":
             return sample_k(actor, imgs, qs, max_new_tokens, seed)
+        if mode == "no_check":
+            return answer_with_dualread(unchecked, imgs, qs, max_new_tokens)
         return answer_with_dualread(service, imgs, qs, max_new_tokens, mode)
 
     # Warm-up: first calls pay for lazy initialisation (kernels, caches, allocator).
@@ -153,7 +169,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
                                                                   + stages.readout) / batch)
             out.unit_ids.append(unit_id)
-            for mode in ("capture", "replay"):
+            for mode in ("capture", "replay", "no_check"):
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
                 out.same_tokens.append(ids == plain)
@@ -210,7 +226,7 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
                  if t.readout_seconds else None,
                  "post_seconds_per_item": float(np.median(t.post_seconds))
                  if t.post_seconds else None}
-    for m in ("capture", "replay", "sc8"):
+    for m in ("capture", "replay", "no_check", "sc8"):
         r, lo, hi = ratio_ci(sec[m], plain, n_boot)
         out[f"{m}_ratio"] = r
         out[f"{m}_ratio_ci"] = [lo, hi]
@@ -218,7 +234,7 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
         out[f"{m}_ratio_cpu"] = r
         out[f"{m}_ratio_cpu_ci"] = [lo, hi]
     # cross-check: the median of per-unit ratios (each unit's modes ran back to back)
-    for m in ("capture", "replay"):
+    for m in ("capture", "replay", "no_check"):
         out[f"{m}_ratio_paired_median"] = float(np.median(
             np.asarray(sec[m]) / np.asarray(plain)))
     # capture's own decoding against plain generate, same units: what decoding with the
