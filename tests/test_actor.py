@@ -222,6 +222,13 @@ def test_capture_reads_the_logits_generate_kept(actors, images, monkeypatch, fam
     monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", 0)
     rerun = actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
     assert any(len(shape) == 3 for shape in calls)   # the bound forced the LM head again
+    # kept only where they and their stacked copy fit the bound: 2·B·N·V
+    need = 2 * 3 * 6 * actor.vocab_size
+    for bound, reruns in ((need - 1, True), (need, False)):
+        calls.clear()
+        monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", bound)
+        actor.answer(images[:3], QUESTIONS[:3], max_new_tokens=6)
+        assert any(len(shape) == 3 for shape in calls) == reruns, bound
     calls.clear()
     monkeypatch.setattr(actor_module, "TOKEN_STATS_ELEMENTS", 2**30)
     monkeypatch.setattr(actor, "softcap", 30.0)     # some classes cap in forward, some not

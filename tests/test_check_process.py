@@ -351,18 +351,31 @@ def test_a_child_that_never_answers_is_given_up_then_tried_again(served, images,
 def test_the_bench_control_leaves_out_the_image_check_and_nothing_else(served, images):
     """`no_check` (models.bench): the same actor and heads, the image check left out; the
     service it is measured against keeps its check and its process."""
-    from models.bench.inprocess import answer_with_dualread, without_image_check
+    from dataclasses import fields
+
+    from models.bench.inprocess import (
+        answer_with_dualread,
+        run_modes,
+        summarise,
+        without_image_check,
+    )
 
     svc, heads = served
     bare = without_image_check(svc)
     assert bare.check_process is None and bare.heads.image_check is None
     assert svc.check_process is not None and heads.image_check is not None
-    assert bare.actor is svc.actor and bare.heads.readers is heads.readers
+    assert bare.actor is svc.actor
+    for f in fields(heads):           # everything else is the served heads' own
+        if f.name != "image_check":
+            assert getattr(bare.heads, f.name) is getattr(heads, f.name), f.name
     items = [AnswerItem(im, "what shape?", 4) for im in images[:2]]
     _, checked = svc.answer_responses(items, [math.inf] * 2)
     _, unchecked = bare.answer_responses(items, [math.inf] * 2)
     assert all(r.image_check is not None for r in checked)
     assert all(r.image_check is None for r in unchecked)
     for a, b in zip(checked, unchecked):
-        assert a.answer == b.answer and a.confidence == b.confidence
+        assert (a.answer, a.confidence, a.novelty) == (b.answer, b.confidence, b.novelty)
     assert len(answer_with_dualread(bare, images[:2], ["what shape?"] * 2, 4)) == 2
+    # with an image check to leave out, the bench runs the control and reports it
+    blk = summarise(run_modes(svc, [(im, "what shape?") for im in images[:2]], 1, 3), 10)
+    assert blk["no_check_ratio"] > 0 and blk["capture_over_no_check"] > 0

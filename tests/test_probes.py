@@ -385,6 +385,41 @@ def test_client_retries_and_honours_retry_after(monkeypatch):
         always.answer(b"img", "q")
 
 
+def test_async_client_retries_only_a_408_that_says_retry_after(monkeypatch):
+    from clients import http as h
+
+    slept: list[float] = []
+
+    async def no_wait(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(h.asyncio, "sleep", no_wait)
+    answer = {"answer": "red", "response": "r", "confidence": conf(0.5), "defer": False,
+              "defer_threshold": 0.5, "model": "m", "heads": "h", "request_id": "x",
+              "timings_ms": {"queue": 0, "generate": 0, "readout": 0, "heads": 0}}
+
+    def run(first: httpx.Response) -> tuple[list[int], object]:
+        calls: list[int] = []
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            calls.append(1)
+            return first if len(calls) == 1 else httpx.Response(200, json=answer)
+
+        async def go():
+            async with h.AsyncDualReadClient("http://t", transport=httpx.MockTransport(
+                    handler)) as c:
+                try:
+                    return await c.answer(b"img", "q")
+                except httpx.HTTPStatusError as e:
+                    return e
+        return calls, asyncio.run(go())
+
+    calls, got = run(httpx.Response(408, headers={"Retry-After": "1"}, json={"detail": "x"}))
+    assert len(calls) == 2 and got.answer == "red" and slept == [1.0]
+    calls, got = run(httpx.Response(408, json={"detail": "proxy timeout"}))
+    assert len(calls) == 1 and isinstance(got, httpx.HTTPStatusError)
+
+
 def _score_batch_70(kind: str, handler) -> list:
     """70 trajectories through the blocking or the async client, against `handler`."""
     from clients.http import AsyncDualReadClient, DualReadClient

@@ -132,6 +132,8 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
     if not units:
         raise ValueError(f"need at least {batch} items for batch {batch}")
     out = Timed(batch)
+    # the control exists only where there is an image check to leave out
+    modes = tuple(m for m in MODES if m != "no_check" or service.heads.image_check is not None)
     unchecked = without_image_check(service)
 
     def call(mode: str, imgs, qs, seed: int):
@@ -145,13 +147,13 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
 
     # Warm-up: first calls pay for lazy initialisation (kernels, caches, allocator).
     imgs, qs = zip(*units[0])
-    for mode in MODES:
+    for mode in modes:
         call(mode, list(imgs), list(qs), 0)
     n = 0
     for rep in range(repeats):
         for unit_id, unit in enumerate(units):
             imgs, qs = [it[0] for it in unit], [it[1] for it in unit]
-            order = MODES[n % len(MODES):] + MODES[: n % len(MODES)]
+            order = modes[n % len(modes):] + modes[: n % len(modes)]
             got = {}
             for mode in order:
                 sync(dev)
@@ -169,7 +171,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
                                                                   + stages.readout) / batch)
             out.unit_ids.append(unit_id)
-            for mode in ("capture", "replay", "no_check"):
+            for mode in ("capture", "replay", "no_check")[: 3 if "no_check" in got else 2]:
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
                 out.same_tokens.append(ids == plain)
@@ -213,20 +215,22 @@ def per_unit(values: Sequence[float], unit_ids: Sequence[int]) -> list[float]:
 
 
 def summarise(t: Timed, n_boot: int = 2000) -> dict:
-    """The `in_process.bN` block of bench.json."""
-    sec = {m: per_unit(t.seconds[m], t.unit_ids) for m in MODES}
-    cpu = {m: per_unit(t.cpu_seconds[m], t.unit_ids) for m in MODES}
+    """The `in_process.bN` block of bench.json (modes that were not run are left out: the
+    control without an image check to leave out)."""
+    measured = [m for m in MODES if t.seconds[m]]
+    sec = {m: per_unit(t.seconds[m], t.unit_ids) for m in measured}
+    cpu = {m: per_unit(t.cpu_seconds[m], t.unit_ids) for m in measured}
     plain = sec["plain"]
     out: dict = {"batch": t.batch, "units": len(plain), "measurements": len(t.seconds["plain"]),
-                 "seconds_per_item": {m: float(np.median(sec[m])) for m in MODES},
-                 "cpu_seconds_per_item": {m: float(np.median(cpu[m])) for m in MODES},
-                 "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in MODES},
+                 "seconds_per_item": {m: float(np.median(sec[m])) for m in measured},
+                 "cpu_seconds_per_item": {m: float(np.median(cpu[m])) for m in measured},
+                 "tokens_per_item": {m: float(np.mean(t.tokens[m])) for m in measured},
                  "greedy_tokens_identical": bool(all(t.same_tokens)),
                  "readout_seconds_per_item": float(np.median(t.readout_seconds))
                  if t.readout_seconds else None,
                  "post_seconds_per_item": float(np.median(t.post_seconds))
                  if t.post_seconds else None}
-    for m in ("capture", "replay", "no_check", "sc8"):
+    for m in measured[1:]:
         r, lo, hi = ratio_ci(sec[m], plain, n_boot)
         out[f"{m}_ratio"] = r
         out[f"{m}_ratio_ci"] = [lo, hi]
@@ -235,8 +239,16 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
         out[f"{m}_ratio_cpu_ci"] = [lo, hi]
     # cross-check: the median of per-unit ratios (each unit's modes ran back to back)
     for m in ("capture", "replay", "no_check"):
-        out[f"{m}_ratio_paired_median"] = float(np.median(
-            np.asarray(sec[m]) / np.asarray(plain)))
+        if m in sec:
+            out[f"{m}_ratio_paired_median"] = float(np.median(
+                np.asarray(sec[m]) / np.asarray(plain)))
+    # what the image check costs: capture against the control, unit by unit
+    if "no_check" in sec:
+        r, lo, hi = ratio_ci(sec["capture"], sec["no_check"], n_boot)
+        out["capture_over_no_check"] = r
+        out["capture_over_no_check_ci"] = [lo, hi]
+        out["capture_over_no_check_paired_median"] = float(np.median(
+            np.asarray(sec["capture"]) / np.asarray(sec["no_check"])))
     # capture's own decoding against plain generate, same units: what decoding with the
     # state capture and the image check's process beside it costs, apart from the work
     # after decoding
