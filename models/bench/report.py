@@ -119,8 +119,8 @@ def markdown(r: dict) -> str:
                  f"{r['heads']['image_check_us']:.0f} µs per image."
                  if r["heads"].get("image_check_us") else "")
               + (" Decoding inside capture (`Actor.answer`'s decoding stage: processor "
-                 "inputs and `generate` with the state capture, the image check's process "
-                 "working beside it) × plain generate: "
+                 "inputs and `generate` with the state capture, the image check's process, "
+                 "where there is one, working beside it) × plain generate: "
                  + ", ".join(f"{blk['decode_ratio']:.3f} [{blk['decode_ratio_ci'][0]:.3f}, "
                              f"{blk['decode_ratio_ci'][1]:.3f}] at batch {blk['batch']}"
                              for blk in ip.values())
