@@ -34,13 +34,13 @@ from clients.schemas import (
 )
 
 RETRY_STATUS = frozenset({429, 503})
+ImageLike = bytes | str | Path
 
 
 def retryable(r: httpx.Response) -> bool:
     """Whether the retry policy repeats a request answered with `r`."""
     return r.status_code in RETRY_STATUS or (r.status_code == 408
                                              and "retry-after" in r.headers)
-ImageLike = bytes | str | Path
 
 
 def _b64(image: ImageLike) -> str:
