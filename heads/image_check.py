@@ -14,6 +14,8 @@ photographs), images under MIN_SIDE enlarged (nearest neighbour) so every statis
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from PIL import Image
 
@@ -125,10 +127,20 @@ def bounded(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
-def _prepared(image: Image.Image | np.ndarray) -> np.ndarray:
-    """RGB in [0, 1], float64, after the size bounds (the array the statistics read)."""
-    return np.asarray(image if isinstance(image, np.ndarray) else bounded(image),
-                      dtype=np.float64) / 255.0
+@lru_cache(maxsize=64)
+def _spectrum_tables(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """For an H×W image's half spectrum (`rfft2`): the weight of each column (2 for one
+    with a mirror, 1 for the zero and Nyquist columns) and which bins lie above half
+    Nyquist. Read-only: shared by every image of that size."""
+    twice = np.full(w // 2 + 1, 2.0)
+    twice[0] = 1.0
+    if w % 2 == 0:
+        twice[-1] = 1.0                               # the Nyquist column has no mirror
+    fy = np.abs(np.fft.fftfreq(h))[:, None]
+    fx = np.abs(np.fft.rfftfreq(w))[None, :]
+    high = np.maximum(fy, fx) > 0.25
+    twice.flags.writeable = high.flags.writeable = False
+    return twice, high
 
 
 def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
@@ -148,11 +160,12 @@ def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
     return sum(ratios) / len(ratios) if ratios else np.ones(len(y))
 
 
-def _stack_features(rgb: np.ndarray) -> np.ndarray:
-    """`PIXEL_FEATURES` of a stack of same-size images [N, H, W, 3] -> [N, 16] (served and
-    fitted images go through it one at a time: `pixel_features_many`)."""
-    n = len(rgb)
+def _stack_features(rgb8: np.ndarray) -> np.ndarray:
+    """`PIXEL_FEATURES` of a stack of same-size RGB byte images [N, H, W, 3] -> [N, 16]
+    (served and fitted images go through it one at a time: `pixel_features_many`)."""
+    n = len(rgb8)
     ax = (1, 2)
+    rgb = rgb8 / 255.0
     y = rgb @ np.array([0.299, 0.587, 0.114])
     # Sharpness and the high-frequency share read a 3×3-median-filtered copy: one stray
     # pixel on a clean synthetic image (almost no high-frequency energy) otherwise moved
@@ -169,15 +182,9 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     # of it: each column with a mirror counts twice (the full `fft2`'s share up to rounding,
     # ~1e-15, at half the cost)
     power = np.abs(np.fft.rfft2(ym - ym.mean(axis=ax, keepdims=True), axes=ax)) ** 2
-    width = y.shape[2]
-    twice = np.full(power.shape[2], 2.0)
-    twice[0] = 1.0
-    if width % 2 == 0:
-        twice[-1] = 1.0                               # the Nyquist column has no mirror
+    twice, above_half = _spectrum_tables(y.shape[1], y.shape[2])
     power = power * twice
-    fy = np.abs(np.fft.fftfreq(y.shape[1]))[:, None]
-    fx = np.abs(np.fft.rfftfreq(width))[None, :]
-    high = power[:, np.maximum(fy, fx) > 0.25].sum(axis=1)
+    high = power[:, above_half].sum(axis=1)
     rg = rgb[..., 0] - rgb[..., 1]
     yb = (rgb[..., 0] + rgb[..., 1]) / 2 - rgb[..., 2]
     colourful = np.hypot(rg.std(axis=ax), yb.std(axis=ax)) + \
@@ -190,9 +197,9 @@ def _stack_features(rgb: np.ndarray) -> np.ndarray:
     energy = np.bincount(bins.ravel(), weights=mag.reshape(n, -1).ravel(),
                          minlength=n * ORIENTATION_BINS).reshape(n, ORIENTATION_BINS)
     orientation = energy / (energy.sum(axis=1, keepdims=True) + EPS)
-    q5 = (rgb * 255).astype(np.int64) >> 3                       # 5 bits per channel
+    q5 = (rgb8 >> 3).astype(np.int32)                           # 5 bits per channel
     codes = ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).reshape(n, -1)
-    codes = codes + (np.arange(n)[:, None] << 15)                 # one histogram per image
+    codes += np.arange(n, dtype=np.int32)[:, None] << 15         # one histogram per image
     palette = np.count_nonzero(np.bincount(codes.ravel(), minlength=n << 15)
                                .reshape(n, 1 << 15), axis=1)
     size = y.shape[1] * y.shape[2]
@@ -222,5 +229,6 @@ def pixel_features_many(images: list[Image.Image | np.ndarray]) -> np.ndarray:
     bits with the images beside it, and a reading must not depend on its batch."""
     out = np.empty((len(images), len(PIXEL_FEATURES)))
     for k, im in enumerate(images):
-        out[k] = _stack_features(_prepared(im)[None])[0]
+        rgb8 = im if isinstance(im, np.ndarray) else bounded(im)
+        out[k] = _stack_features(np.asarray(rgb8, dtype=np.uint8)[None])[0]
     return out

@@ -116,13 +116,13 @@ def test_half_spectrum_high_frequency_share_equals_the_full_spectrum():
     full `fft2` written out here, for odd and even widths."""
     rng = np.random.default_rng(2)
     for h, w in [(16, 16), (15, 21), (8, 9), (10, 4)]:
-        rgb = rng.random((2, h, w, 3))
-        y = rgb @ np.array([0.299, 0.587, 0.114])
+        rgb8 = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
+        y = (rgb8 / 255.0) @ np.array([0.299, 0.587, 0.114])
         ym = median3x3(y)
         power = np.abs(np.fft.fft2(ym - ym.mean(axis=(1, 2), keepdims=True), axes=(1, 2))) ** 2
         f = np.maximum(np.abs(np.fft.fftfreq(h))[:, None], np.abs(np.fft.fftfreq(w))[None, :])
         want = np.log((power[:, f > 0.25].sum(1) + 1e-6) / (power.sum((1, 2)) + 1e-6))
-        got = _stack_features(rgb)[:, 4]
+        got = _stack_features(rgb8)[:, 4]
         assert np.allclose(got, want, rtol=0, atol=1e-12)
 
 

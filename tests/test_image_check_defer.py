@@ -295,3 +295,19 @@ def test_the_shipped_check_reads_the_sample_image_as_it_did_when_measured():
     white = heads.image_reading(Image.new("RGB", (64, 64), "white"))
     n = heads.card["image_check"]["n_calibration"]
     assert white.p_value == pytest.approx(1 / (n + 1)) and white.novel
+
+
+def test_todays_statistics_of_the_fitting_images_are_the_shipped_checks_bank_rows():
+    """The shipped check compares an image with the statistics of the images it was fitted
+    on, as computed when it was fitted. Any change to how a statistic is computed (even a
+    new statistic) must come with a refit: this fails otherwise, for 24 easy-VQA training
+    images of the fitting (reader) split. The tolerance is rounding: the fit ran on
+    equivalent older code (the full-spectrum FFT, `np.mean` of the two blockiness ratios)
+    whose last bits differ (≤ 1e-14 standard deviations here)."""
+    root = Path(__file__).resolve().parents[1]
+    check = Heads.load(root / "heads" / "embedded").image_check
+    first = list({it.image_id: it for it in load("easyvqa:train")}.values())
+    fitted = [it for it in first if image_split(it.image_id) == "reader"][:24]
+    z = check._std(torch.from_numpy(pixel_features_many([it.image() for it in fitted])))
+    gap = (z[:, None, :] - check.t["bank"][None]).abs().amax(-1).amin(-1)
+    assert len(fitted) == 24 and gap.max().item() < 1e-12
