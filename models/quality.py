@@ -13,6 +13,7 @@ from models.parse import Parsed
 # A token n-gram (n ≤ MAX_PERIOD) repeated this many times in a row is degenerate looping.
 MAX_PERIOD = 4
 MIN_REPEATS = 4
+TRUNCATED = "truncated (no end of response within max_new_tokens)"
 
 
 def uses_answer_tag(response_format: str | None) -> bool:
@@ -44,12 +45,18 @@ def repeated_run(ids: Sequence[int], max_period: int = MAX_PERIOD,
 def response_problem(parsed: Parsed, token_ids: Sequence[int], finished: bool,
                      needs_tag: bool) -> str | None:
     """Why this response is not usable as an answer, or None when it parses."""
+    ids = list(token_ids)
+    unusable = (needs_tag and not parsed.tagged) or not parsed.answer
+    if unusable and not finished:
+        # cut off before its answer: what used the token budget is the cause to report (a
+        # request with max_new_tokens 5 was told "no answer tag")
+        return "degenerate repetition" if repeated_run(ids) else TRUNCATED
     if needs_tag and not parsed.tagged:
         return "no answer tag"
     if not parsed.answer:
         return "empty answer"
-    if repeated_run(list(token_ids)):
+    if repeated_run(ids):
         return "degenerate repetition"
     if not finished:
-        return "truncated (no end of response within max_new_tokens)"
+        return TRUNCATED
     return None

@@ -29,7 +29,7 @@ from app.settings import Settings
 from models.actor import Answers, StageTimings
 from models.images import MAX_ASPECT_RATIO, ImageInvalid, ImageTooLarge, open_image
 from models.parse import parse_response
-from models.quality import repeated_run, response_problem, uses_answer_tag
+from models.quality import TRUNCATED, repeated_run, response_problem, uses_answer_tag
 from tests.conftest import random_image
 from tests.helpers import b64, png_bytes, random_heads
 
@@ -537,6 +537,13 @@ def test_response_problems_by_hand():
     assert response_problem(tagged, [7, 8, 7, 8, 7, 8, 7, 8], True, True) == \
         "degenerate repetition"
     assert response_problem(tagged, [1, 2, 3], False, True).startswith("truncated")
+    # cut off before the answer: the budget is the reason, not the missing tag; a loop that
+    # ate the budget is still a loop
+    assert response_problem(parse_response("<think>a red"), [1, 2, 3], False, True) == \
+        response_problem(plain, [1], False, True) == TRUNCATED
+    assert response_problem(empty, [1, 2], False, True) == TRUNCATED
+    assert response_problem(plain, [5, 5, 5, 5], False, True) == "degenerate repetition"
+    assert response_problem(plain, [1], False, False) == TRUNCATED
     assert repeated_run([5, 5, 5, 5]) and not repeated_run([5, 5, 5, 6])
     assert repeated_run([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3])
     assert not repeated_run([1, 2, 3, 1, 2, 3, 1, 2, 3, 4])
@@ -565,6 +572,16 @@ def test_unparseable_response_is_deferred_with_reason(service, monkeypatch):
     body = r.json()
     assert body["defer"] is True and body["defer_reason"] == "no answer tag"
     assert body["confidence"]["dualread"] >= body["defer_threshold"]   # confidence alone: keep
+
+
+def test_a_response_cut_off_before_its_answer_says_truncated(service, monkeypatch):
+    """With a small max_new_tokens the response stops inside its reasoning: the reason
+    names the budget (which the caller can raise), not a missing tag."""
+    monkeypatch.setattr(service, "needs_tag", True)
+    stub_answers(monkeypatch, service, ["<think>a red circle on a"], finished=False)
+    with make(service) as c:
+        body = c.post("/answer", json={"image": IMG, "question": Q, "max_new_tokens": 5}).json()
+    assert body["defer"] is True and body["defer_reason"] == TRUNCATED
 
 
 # ------------------------------------------------------------------ 14. docs, auth, metrics
