@@ -163,6 +163,22 @@ def test_heads_score_keeps_its_readout_only_keys():
     assert set(h.readers) == {"psr", "state", "visual", "saplma", "bicr", "consistency"}
 
 
+def test_a_caller_writing_into_one_score_does_not_change_dualreads_fusion():
+    """Within one call PSR's and PER's probabilities are kept for DualRead's fusion
+    (`Scored`); the arrays handed out must be copies of what is kept."""
+    h = Heads.new(DIM)
+    for reader in h.readers.values():
+        reader.eval()                                    # no dropout: repeatable scores
+    g = torch.Generator().manual_seed(1)
+    f = {"h_pre": torch.randn(3, DIM, generator=g), "h_close": torch.randn(3, DIM, generator=g),
+         "phi": torch.randn(3, 4 * DIM, generator=g)}
+    want = registry.get("dualread").score(h, registry.Scored(dict(f)))
+    shared = registry.Scored(dict(f))
+    for name in ("psr", "per"):
+        registry.get(name).score(h, shared)[:] = 0.0          # a careless caller
+    assert np.array_equal(registry.get("dualread").score(h, shared), want)
+
+
 def test_served_methods_are_the_answer_schema_fields():
     """`/answer`'s confidence fields come from the registry: the two must agree."""
     from clients.schemas import SERVED_CONFIDENCES, Confidence

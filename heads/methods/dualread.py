@@ -228,7 +228,8 @@ class PSR(Method):
         return log
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
-        return p_pre(heads, f).numpy()
+        # a copy: the tensor stays memoised for DualRead's fusion in the same call
+        return p_pre(heads, f).numpy().copy()
 
 
 class PostBranch(Method):
@@ -276,7 +277,7 @@ class PER(PostBranch):
     residual_of = staticmethod(state_logits)
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
-        return p_post(heads, f).numpy()
+        return p_post(heads, f).numpy().copy()      # as PSR's
 
 
 class AnswerConsistency(Method):
