@@ -46,10 +46,11 @@ def response_problem(parsed: Parsed, token_ids: Sequence[int], finished: bool,
                      needs_tag: bool) -> str | None:
     """Why this response is not usable as an answer, or None when it parses."""
     ids = list(token_ids)
-    unusable = (needs_tag and not parsed.tagged) or not parsed.answer
-    if unusable and not finished:
-        # cut off before its answer: what used the token budget is the cause to report (a
-        # request with max_new_tokens 5 was told "no answer tag")
+    # cut off before its answer was written (no tag, or a tag never closed): what used the
+    # token budget is the cause to report (a request with max_new_tokens 5 was told "no
+    # answer tag"); an answer closed empty stays "empty answer"
+    unclosed = not parsed.answer and parsed.close_span == parsed.answer_span
+    if not finished and ((needs_tag and not parsed.tagged) or unclosed):
         return "degenerate repetition" if repeated_run(ids) else TRUNCATED
     if needs_tag and not parsed.tagged:
         return "no answer tag"

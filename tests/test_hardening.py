@@ -541,7 +541,9 @@ def test_response_problems_by_hand():
     # ate the budget is still a loop
     assert response_problem(parse_response("<think>a red"), [1, 2, 3], False, True) == \
         response_problem(plain, [1], False, True) == TRUNCATED
-    assert response_problem(empty, [1, 2], False, True) == TRUNCATED
+    assert response_problem(parse_response("<think>x</think><answer>"), [1], False, True) \
+        == TRUNCATED
+    assert response_problem(empty, [1, 2], False, True) == "empty answer"   # it closed empty
     assert response_problem(plain, [5, 5, 5, 5], False, True) == "degenerate repetition"
     assert response_problem(plain, [1], False, False) == TRUNCATED
     assert repeated_run([5, 5, 5, 5]) and not repeated_run([5, 5, 5, 6])
