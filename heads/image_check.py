@@ -199,7 +199,7 @@ def _stack_features(rgb8: np.ndarray) -> np.ndarray:
     orientation = energy / (energy.sum(axis=1, keepdims=True) + EPS)
     q5 = (rgb8 >> 3).astype(np.int32)                           # 5 bits per channel
     codes = ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).reshape(n, -1)
-    codes += np.arange(n, dtype=np.int32)[:, None] << 15         # one histogram per image
+    codes = codes + (np.arange(n)[:, None] << 15)                 # one histogram per image
     palette = np.count_nonzero(np.bincount(codes.ravel(), minlength=n << 15)
                                .reshape(n, 1 << 15), axis=1)
     size = y.shape[1] * y.shape[2]
