@@ -32,7 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
+from app.errors import (
+    DeadlineExceeded,
+    EngineError,
+    QueueFull,
+    ShuttingDown,
+    TooManyItems,
+)
 
 log = logging.getLogger("dualread.engine")
 
@@ -133,6 +139,9 @@ class Batcher:
             raise ShuttingDown()
         if handler not in self.handlers:
             raise EngineError(f"no handler {handler!r}")
+        if len(payloads) > self.queue_limit:
+            raise TooManyItems(f"request has {len(payloads)} items, more than this server "
+                               f"queues at once ({self.queue_limit}); split it")
         if len(self.queue) + len(payloads) > self.queue_limit:
             raise QueueFull()
         loop = asyncio.get_running_loop()

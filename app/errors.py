@@ -69,6 +69,12 @@ class QueueFull(ServiceError):
         super().__init__(detail)
 
 
+class TooManyItems(ServiceError):
+    """More jobs in one request than the queue can ever hold: a 429 would be retried
+    forever."""
+    status = 413
+
+
 class NotReady(ServiceError):
     status = 503
 
@@ -159,7 +165,7 @@ def explain(errors: list[dict]) -> str:
         where = ".".join(x if _IDENT.match(x) or x.isdigit() else "(field)" for x in loc)
         msg = err.get("msg", "invalid")
         if err.get("type") == "json_invalid":
-            msg = "body is not valid JSON"
+            where, msg = "body", "body is not valid JSON"      # loc holds a byte offset
         parts.append(f"{where or 'body'}: {msg}")
     return "; ".join(parts) or "invalid request"
 

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import time
+import unicodedata
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,16 @@ log = logging.getLogger("dualread.service")
 # C0 and C1 controls except tab, newline and carriage return; DEL; bidi embeddings,
 # overrides and isolates (questions only: a trajectory may hold newlines).
 CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain_question(question: str) -> str:
+    """The question as the model should read it: NFKC (a non-breaking space becomes a
+    space, full-width letters plain ones), invisible format characters dropped (zero-width
+    spaces and joiners, soft hyphens, BOMs, direction marks: category Cf) and every run of
+    whitespace one space. Pasted from a document, one U+200B in a question took the
+    embedded actor's accuracy from 0.94 to 0.26 with confident, undeferred answers."""
+    q = unicodedata.normalize("NFKC", question)
+    return " ".join("".join(c for c in q if unicodedata.category(c) != "Cf").split())
 AnswerJob = AnswerItem   # the earlier name
 # Longest wait for a batch's image check once the batch has decoded (a batch of 16 images
 # takes tens of milliseconds; decoding took longer than that already)
@@ -105,9 +116,12 @@ class Service:
             # NUL, ESC or a bidi override reach the model unseen by whoever reads the log
             raise QuestionInvalid(f"question contains a control character "
                                   f"(U+{ord(bad.group()):04X}); remove it")
-        q = question.strip()
+        q = plain_question(question)
         if not q:
             raise QuestionInvalid("question is empty")
+        if not any(c.isalnum() for c in q):
+            # "?" alone was answered "yes" at confidence 0.9996
+            raise QuestionInvalid("question has no letter or digit")
         if len(q) > max_chars:
             raise QuestionInvalid(f"question is longer than {max_chars} characters")
         self._check_tokens(q, max_tokens, QuestionInvalid, "question ")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
 B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
                "pLvAAAAAElFTkSuQmCC")
@@ -159,10 +159,11 @@ class CounterfactualResponse(BaseModel):
 
 
 class MaskRequest(_Request):
-    target: Literal["think", "answer", "response"] | tuple[int, int] = Field(
+    # strict, as max_new_tokens: `true` read as ratio 1.0 or "3" as a span end is a bug
+    target: Literal["think", "answer", "response"] | tuple[StrictInt, StrictInt] = Field(
         "think", description='a tag\'s content or a [start, end) character span')
-    ratio: float = Field(1.0, ge=0, le=1)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    ratio: float = Field(1.0, ge=0, le=1, strict=True)
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
 
 
 class ScoreRequest(_Request):

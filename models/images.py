@@ -12,6 +12,7 @@ Policy (the service documents the same):
   MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
+- JPEG: at most MAX_JPEG_SCANS scans (each one decodes the whole image again).
 - JPEG/PNG EXIF orientation is applied, so the pixels are the upright image.
 """
 
@@ -25,6 +26,11 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200
+# A progressive JPEG decodes its pixels once per scan, and nothing in the pixel count
+# bounds the scans: 3,500 repeated scans in 336 KB held a decode for 35 s at 4096². An
+# encoder's progressive script has about ten (libjpeg's default: 10 for colour), and
+# libjpeg-turbo's own tools cap them (`-maxscans`) for the same reason.
+MAX_JPEG_SCANS = 64
 FORMATS = ("PNG", "JPEG")
 DICOM_MONO = ("MONOCHROME1", "MONOCHROME2")
 DICOM_COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422")
@@ -53,6 +59,35 @@ def check_geometry(width: int, height: int, max_pixels: int, frames: int = 1) ->
     if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise ImageInvalid(f"image is {width}x{height}: aspect ratio over "
                            f"{MAX_ASPECT_RATIO}:1; crop or pad it")
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS segments) a JPEG stream has, counted by walking its marker
+    segments (an EXIF thumbnail inside an APP segment is skipped with it) and, after each
+    scan header, its entropy-coded data up to the next marker (0xFF followed by anything
+    but a stuffed 0x00 or a restart marker). Stops at EOI or where the stream breaks off
+    (the decoder then judges what is there)."""
+    i, n, scans = 2, len(data), 0
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:                                 # fill byte before a marker
+            i += 1
+            continue
+        if marker == 0xD9:                                 # EOI
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:       # no length field
+            i += 2
+            continue
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        if marker != 0xDA:
+            continue
+        scans += 1
+        while (i := data.find(b"\xff", i)) != -1 and i + 1 < n and (
+                data[i + 1] == 0x00 or 0xD0 <= data[i + 1] <= 0xD7):
+            i += 2
+        if i == -1:
+            break
+    return scans
 
 
 def _tag(ds, name: str, default, cast=float):
@@ -159,6 +194,9 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 if getattr(img, "n_frames", 1) > 1:
                     raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
                                        f"frame as a still PNG or JPEG; {FORMAT_HINT}")
+                if img.format == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+                    raise ImageInvalid(f"JPEG with {scans} scans, over the limit of "
+                                       f"{MAX_JPEG_SCANS}; re-encode it (baseline JPEG or PNG)")
                 img.load()
                 # A camera's EXIF orientation: the model must see the scene upright (a
                 # rotated shape read as another one, confidently, in the attack report).
@@ -171,8 +209,12 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
             raise ImageInvalid(f"cannot decode image: not a PNG, JPEG or DICOM file; "
                                f"{FORMAT_HINT}") from None
         except Exception as e:
-            raise ImageInvalid(f"cannot decode image: {type(e).__name__}: "
-                               f"{str(e)[:120]}") from None
+            # the decoder's own words when they say what is wrong; not when they quote
+            # the file (PIL's "header b'...' not valid" repeats the client's bytes)
+            why = str(e)[:120]
+            quoted = any(c in why for c in "'\"\\") or not why.isprintable()
+            raise ImageInvalid(f"cannot decode image: {type(e).__name__}"
+                               + ("" if quoted else f": {why}")) from None
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16-bit greys (PNG stores them as I;16 or I): scale by the bit depth, not by the
         # image's own range, which turned a white image black and changed the picture

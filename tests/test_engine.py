@@ -15,7 +15,7 @@ from typing import TypeVar
 import pytest
 
 from app.engine import Batcher, BatcherHooks
-from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown
+from app.errors import DeadlineExceeded, EngineError, QueueFull, ShuttingDown, TooManyItems
 
 FAR = 3600.0   # a deadline no test reaches
 # A ceiling on each wait, never a measurement: a correct run needs milliseconds, and no
@@ -147,6 +147,19 @@ def test_queue_full_is_refused_whole():
         b.submit("x", 3, deadline())
         with pytest.raises(QueueFull):
             b.submit("x", 4, deadline())
+        await within(b.stop())
+
+    run(body())
+
+
+def test_a_request_larger_than_the_queue_is_413_not_a_429_to_retry():
+    """Four items can never fit a queue of three, however long the client waits."""
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=3)
+        with pytest.raises(TooManyItems, match="4 items.*at once \\(3\\)") as e:
+            b.submit_many("x", [1, 2, 3, 4], deadline())
+        assert e.value.status == 413 and b.depth == 0
+        b.submit_many("x", [1, 2, 3], deadline())           # the whole queue: admitted
         await within(b.stop())
 
     run(body())

@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +24,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import DeadlineExceeded
 from app.main import create_app
-from app.service import Service
+from app.service import Service, plain_question
 from app.serving import AnswerItem
 from app.settings import Settings
 from models.actor import Answers, StageTimings
-from models.images import MAX_ASPECT_RATIO, ImageInvalid, ImageTooLarge, open_image
+from models.images import (
+    MAX_ASPECT_RATIO,
+    MAX_JPEG_SCANS,
+    ImageInvalid,
+    ImageTooLarge,
+    jpeg_scans,
+    open_image,
+)
 from models.parse import parse_response
 from models.quality import TRUNCATED, repeated_run, response_problem, uses_answer_tag
 from tests.conftest import random_image
@@ -1027,3 +1035,91 @@ def test_control_characters_are_refused_in_trajectories_too(api):
     ok = api.post("/probe/score", json={"image": IMG, "question": Q,
                                         "response": "<think>a\tb\nc</think><answer>red</answer>"})
     assert ok.status_code == 200      # tab and newline are text
+
+
+# ------------------------------------------------------------------ third hostile round
+def test_invisible_characters_do_not_change_what_the_model_reads(api):
+    """Pasted text: zero-width space, soft hyphen, BOM, word joiner, non-breaking and
+    full-width spaces, a line separator. The model reads the plain question."""
+    clean = api.post("/answer", json={"image": IMG, "question": Q}).json()
+    pasted = "\ufeffwhat\u200b color is\u00a0the\u2028sha\u00adpe\u2060?\u3000"
+    got = api.post("/answer", json={"image": IMG, "question": pasted})
+    assert got.status_code == 200, got.text
+    got = got.json()
+    assert (got["response"], got["confidence"]) == (clean["response"], clean["confidence"])
+
+
+def test_plain_question_by_hand():
+    assert plain_question(" what\u200b  color\u00ad?\n") == "what color?"
+    assert plain_question("\uff37hat \ufb01sh?") == "What fish?"      # NFKC: full width, fi
+    assert plain_question("caf\u0065\u0301?") == "caf\u00e9?"           # composed
+
+
+@pytest.mark.parametrize("question", ["?", " ?! ", "\u200b?"])
+def test_a_question_without_a_letter_or_digit_is_422(api, question):
+    assert_error(api.post("/answer", json={"image": IMG, "question": question}), 422,
+                 "question has no letter or digit")
+
+
+def test_progressive_jpeg_scans_are_counted_and_bounded():
+    rng = np.random.default_rng(3)
+
+    def jpeg(a, **kw) -> bytes:
+        b = io.BytesIO()
+        Image.fromarray(a).save(b, "JPEG", **kw)
+        return b.getvalue()
+
+    a = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    im = Image.fromarray(a)
+    exif = im.getexif()
+    exif[0x0112] = 1
+    with_exif = io.BytesIO()
+    im.save(with_exif, "JPEG", exif=exif, progressive=True)
+    assert jpeg_scans(jpeg(a)) == 1
+    assert jpeg_scans(jpeg(a, progressive=True)) == jpeg_scans(with_exif.getvalue()) == 10
+    assert jpeg_scans(jpeg(a[..., 0], progressive=True)) == 6
+    open_image(with_exif.getvalue())
+    # the last scan repeated: every copy decodes the whole image again
+    p = jpeg(a, progressive=True)
+    last = p.rfind(b"\xff\xda")
+    bomb = p[:-2] + p[last:-2] * (MAX_JPEG_SCANS - 9) + p[-2:]
+    assert jpeg_scans(bomb) == MAX_JPEG_SCANS + 1
+    with pytest.raises(ImageInvalid, match=f"{MAX_JPEG_SCANS + 1} scans"):
+        open_image(bomb)
+    at_limit = p[:-2] + p[last:-2] * (MAX_JPEG_SCANS - 10) + p[-2:]
+    assert open_image(at_limit).size == (64, 64)
+
+
+def test_decoder_messages_that_quote_the_file_are_not_returned(api):
+    png = png_bytes(random_image(0))
+    chunk = b"eXIf" + b"garbageg-patient-42"
+    bad = png[:33] + len(chunk[4:]).to_bytes(4, "big") + chunk + \
+        zlib.crc32(chunk).to_bytes(4, "big") + png[33:]
+    detail = assert_error(api.post("/answer", json={"image": b64(bad), "question": Q}), 422,
+                          "cannot decode image")["detail"]
+    assert "garbage" not in detail and "patient" not in detail
+
+
+def test_malformed_json_is_located_in_the_body(api):
+    for path in ("/feedback", "/probe/score"):
+        r = api.post(path, content=b'{"request_id": ', headers={"content-type":
+                                                              "application/json"})
+        assert_error(r, 422, "body: body is not valid JSON")
+
+
+
+@pytest.mark.parametrize("mask", [{"ratio": "0.5"}, {"ratio": True}, {"seed": "3"},
+                                  {"seed": 3.0}, {"target": ["0", "3"]},
+                                  {"target": [True, True]}])
+def test_mask_fields_are_strict_like_max_new_tokens(api, mask):
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": mask,
+                                       "response": "<think>a red circle</think><answer>red"
+                                                   "</answer>"})
+    assert_error(r, 422, "mask")
+
+
+def test_mask_accepts_an_integer_ratio(api):
+    r = api.post("/probe/score", json={"image": IMG, "question": Q,
+                                       "mask": {"ratio": 1, "target": [0, 3]},
+                                       "response": "<think>a</think><answer>red</answer>"})
+    assert r.status_code == 200, r.text
