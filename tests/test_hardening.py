@@ -1123,3 +1123,10 @@ def test_mask_accepts_an_integer_ratio(api):
                                        "mask": {"ratio": 1, "target": [0, 3]},
                                        "response": "<think>a</think><answer>red</answer>"})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("span", [[3, 3], [0, 0], [41, 41]])
+def test_an_empty_mask_span_is_422(api, span):
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": {"target": span},
+                                       "response": "<think>x</think><answer>triangle</answer>"})
+    assert_error(r, 422, "is empty")

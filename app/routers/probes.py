@@ -45,6 +45,9 @@ def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
     if isinstance(target, tuple) and not 0 <= target[0] <= target[1] <= scored:
         raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
                            f"before its confidence cue (length {scored})")
+    if isinstance(target, tuple) and target[0] == target[1]:
+        # a span masks every token it touches: an empty one inside a token masked it
+        raise InvalidInput(f"{where}: mask span {list(target)} is empty")
     try:
         return MaskSpec(target, m.ratio, m.seed)
     except ValueError as e:
