@@ -143,7 +143,12 @@ class Batcher:
             raise TooManyItems(f"request has {len(payloads)} items, more than this server "
                                f"queues at once ({self.queue_limit}); split it")
         if len(self.queue) + len(payloads) > self.queue_limit:
-            raise QueueFull()
+            # jobs whose callers have gone (or whose deadline passed) would be dropped
+            # unrun; they hold no one's place (after a burst of 504s a lone request got 429)
+            self.queue = deque(job for job in self.queue if self._usable(job))
+            self._hook("depth_changed", self.depth)
+            if len(self.queue) + len(payloads) > self.queue_limit:
+                raise QueueFull()
         loop = asyncio.get_running_loop()
         jobs = [Job(handler, key, p, deadline, loop.create_future()) for p in payloads]
         self.queue.extend(jobs)

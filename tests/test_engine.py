@@ -152,6 +152,22 @@ def test_queue_full_is_refused_whole():
     run(body())
 
 
+def test_jobs_of_gone_callers_do_not_fill_the_queue():
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=3)
+        gone = b.submit_many("x", [1, 2], deadline())
+        late = b.submit("x", 3, time.monotonic() - 1)       # its deadline has passed
+        gone[0].future.cancel()                             # its caller has gone
+        with pytest.raises(QueueFull):
+            b.submit_many("x", [4, 5, 6], deadline())       # one live job is queued
+        assert b.depth == 1 and isinstance(late.future.exception(), DeadlineExceeded)
+        b.submit_many("x", [4, 5], deadline())              # room for two: admitted
+        assert b.depth == 3
+        await within(b.stop())
+
+    run(body())
+
+
 def test_a_request_larger_than_the_queue_is_413_not_a_429_to_retry():
     """Four items can never fit a queue of three, however long the client waits."""
     async def body():
