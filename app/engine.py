@@ -140,8 +140,8 @@ class Batcher:
         if handler not in self.handlers:
             raise EngineError(f"no handler {handler!r}")
         if len(payloads) > self.queue_limit:
-            raise TooManyItems(f"request has {len(payloads)} items, more than this server "
-                               f"queues at once ({self.queue_limit}); split it")
+            raise TooManyItems(f"request needs {len(payloads)} model jobs, more than this "
+                               f"server queues at once (--queue-limit {self.queue_limit})")
         if len(self.queue) + len(payloads) > self.queue_limit:
             # jobs whose callers have gone (or whose deadline passed) would be dropped
             # unrun; they hold no one's place (after a burst of 504s a lone request got 429)

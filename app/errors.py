@@ -165,7 +165,7 @@ def explain(errors: list[dict]) -> str:
         where = ".".join(x if _IDENT.match(x) or x.isdigit() else "(field)" for x in loc)
         msg = err.get("msg", "invalid")
         if err.get("type") == "json_invalid":
-            where, msg = "body", "body is not valid JSON"      # loc holds a byte offset
+            where, msg = "body", "not valid JSON"      # loc holds a byte offset
         parts.append(f"{where or 'body'}: {msg}")
     return "; ".join(parts) or "invalid request"
 

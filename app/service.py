@@ -38,14 +38,23 @@ log = logging.getLogger("dualread.service")
 CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
+JOINERS = "\u200c\u200d"          # ZWNJ, ZWJ: spelling in Persian, Indic scripts, emoji
+FULL_WIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}    # full-width ASCII
+
+
 def plain_question(question: str) -> str:
-    """The question as the model should read it: NFKC (a non-breaking space becomes a
-    space, full-width letters plain ones), invisible format characters dropped (zero-width
-    spaces and joiners, soft hyphens, BOMs, direction marks: category Cf) and every run of
-    whitespace one space. Pasted from a document, one U+200B in a question took the
-    embedded actor's accuracy from 0.94 to 0.26 with confident, undeferred answers."""
-    q = unicodedata.normalize("NFKC", question)
-    return " ".join("".join(c for c in q if unicodedata.category(c) != "Cf").split())
+    """The question as the model should read it. Pasted from a document, one U+200B in a
+    question took the embedded actor's accuracy from 0.94 to 0.26 with confident,
+    undeferred answers. So: invisible format characters (category Cf: zero-width spaces,
+    soft hyphens, BOMs, direction marks) are dropped, but for the joiners after a
+    non-ASCII character, where they spell words and emoji; full-width ASCII becomes
+    ASCII; then NFC (canonical composition only: NFKC would turn cm² into cm2) and every
+    run of whitespace (non-breaking and ideographic spaces too) one space."""
+    kept = [c for k, c in enumerate(question)
+            if unicodedata.category(c) != "Cf"
+            or (c in JOINERS and k > 0 and not question[k - 1].isascii())]
+    q = unicodedata.normalize("NFC", "".join(kept).translate(FULL_WIDTH))
+    return " ".join(q.split())
 AnswerJob = AnswerItem   # the earlier name
 # Longest wait for a batch's image check once the batch has decoded (a batch of 16 images
 # takes tens of milliseconds; decoding took longer than that already)
@@ -116,6 +125,10 @@ class Service:
             # NUL, ESC or a bidi override reach the model unseen by whoever reads the log
             raise QuestionInvalid(f"question contains a control character "
                                   f"(U+{ord(bad.group()):04X}); remove it")
+        if len(question) > 4 * max_chars:
+            # before normalising: it walks every character (a 32 MB body of them would
+            # hold the event loop for a minute)
+            raise QuestionInvalid(f"question is longer than {max_chars} characters")
         q = plain_question(question)
         if not q:
             raise QuestionInvalid("question is empty")

@@ -19,7 +19,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="port to listen on")
     max_batch_size: int = Field(16, ge=1, le=256, description="jobs per model batch")
     batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch waits to fill")
-    queue_limit: int = Field(64, ge=1, description="queued jobs before 429")
+    # ge=2: a counterfactual probe is two jobs, admitted together
+    queue_limit: int = Field(64, ge=2, description="queued jobs before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of every job (504)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024,
                                 description="request body limit (413 before reading more)")

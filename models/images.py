@@ -62,20 +62,26 @@ def check_geometry(width: int, height: int, max_pixels: int, frames: int = 1) ->
 
 
 def jpeg_scans(data: bytes) -> int:
-    """How many scans (SOS segments) a JPEG stream has, counted by walking its marker
-    segments (an EXIF thumbnail inside an APP segment is skipped with it) and, after each
-    scan header, its entropy-coded data up to the next marker (0xFF followed by anything
-    but a stuffed 0x00 or a restart marker). Stops at EOI or where the stream breaks off
-    (the decoder then judges what is there)."""
+    """How many scans (SOS segments) a JPEG stream has, counted by walking its markers as
+    libjpeg reads them: bytes that are not a marker are skipped up to the next 0xFF (junk
+    between segments, which libjpeg passes over too), a segment by its length (an EXIF
+    thumbnail inside an APP segment goes with it) and, after each scan header, the
+    entropy-coded data up to the next marker (0xFF followed by anything but a stuffed
+    0x00 or a restart marker). Stops at EOI or where the stream ends."""
     i, n, scans = 2, len(data), 0
-    while i + 4 <= n and data[i] == 0xFF:
+    while i + 4 <= n:
+        if data[i] != 0xFF:                                # junk: to the next 0xFF
+            i = data.find(b"\xff", i)
+            if i == -1:
+                break
+            continue
         marker = data[i + 1]
         if marker == 0xFF:                                 # fill byte before a marker
             i += 1
             continue
         if marker == 0xD9:                                 # EOI
             break
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:       # no length field
+        if marker in (0x00, 0x01) or 0xD0 <= marker <= 0xD7:   # junk or no length field
             i += 2
             continue
         i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
@@ -194,7 +200,10 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 if getattr(img, "n_frames", 1) > 1:
                     raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
                                        f"frame as a still PNG or JPEG; {FORMAT_HINT}")
-                if img.format == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+                # every 0xFF in entropy-coded data is stuffed, so the SOS bytes bound the
+                # scans; only a file over the limit by that bound needs the walk
+                if img.format == "JPEG" and data.count(b"\xff\xda") > MAX_JPEG_SCANS \
+                        and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
                     raise ImageInvalid(f"JPEG with {scans} scans, over the limit of "
                                        f"{MAX_JPEG_SCANS}; re-encode it (baseline JPEG or PNG)")
                 img.load()

@@ -168,11 +168,19 @@ def test_jobs_of_gone_callers_do_not_fill_the_queue():
     run(body())
 
 
+def test_the_queue_holds_a_counterfactual():
+    from app.settings import Settings
+
+    with pytest.raises(ValueError, match="queue_limit"):
+        Settings(queue_limit=1)                  # a counterfactual's two jobs never fit
+    assert Settings(queue_limit=2).queue_limit == 2
+
+
 def test_a_request_larger_than_the_queue_is_413_not_a_429_to_retry():
     """Four items can never fit a queue of three, however long the client waits."""
     async def body():
         b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=3)
-        with pytest.raises(TooManyItems, match="4 items.*at once \\(3\\)") as e:
+        with pytest.raises(TooManyItems, match="needs 4 model jobs.*queue-limit 3\\)") as e:
             b.submit_many("x", [1, 2, 3, 4], deadline())
         assert e.value.status == 413 and b.depth == 0
         b.submit_many("x", [1, 2, 3], deadline())           # the whole queue: admitted

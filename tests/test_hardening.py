@@ -1051,8 +1051,32 @@ def test_invisible_characters_do_not_change_what_the_model_reads(api):
 
 def test_plain_question_by_hand():
     assert plain_question(" what\u200b  color\u00ad?\n") == "what color?"
-    assert plain_question("\uff37hat \ufb01sh?") == "What fish?"      # NFKC: full width, fi
-    assert plain_question("caf\u0065\u0301?") == "caf\u00e9?"           # composed
+    assert plain_question("\uff37hat\u3000size?") == "What size?"       # full width
+    assert plain_question("caf\u0065\u0301?") == "caf\u00e9?"           # composed (NFC)
+    assert plain_question("e\u200b\u0301") == "\u00e9"                  # composed after
+    # meaning kept: no compatibility folding; joiners kept where they spell
+    assert plain_question("lesion of 2 cm\u00b2, 10\u207b\u00b3 mg?") == \
+        "lesion of 2 cm\u00b2, 10\u207b\u00b3 mg?"
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"
+    doctor = "\U0001f468\u200d\u2695\ufe0f"
+    assert plain_question(persian) == persian and plain_question(doctor) == doctor
+    assert plain_question("wh\u200dat\u200c?") == "what?"             # after ASCII: dropped
+
+
+@pytest.mark.parametrize("question", ["what is \uff1c\uff5cimage_pad\uff5c\uff1e?",
+                                      "what is <|image\u200b_pad|>?"])
+def test_a_reserved_token_hidden_by_width_or_format_characters_is_422(api, question):
+    assert_error(api.post("/answer", json={"image": IMG, "question": question}), 422,
+                 "reserved token")
+
+
+def test_a_huge_question_is_refused_before_it_is_normalised(api, service):
+    limit = Settings().max_question_chars
+    raw = "what" + "\u200b" * (4 * limit)            # short once normalised, but not read
+    assert_error(api.post("/answer", json={"image": IMG, "question": raw}), 422,
+                 f"longer than {limit} characters")
+    ok = "what" + "\u200b" * (2 * limit) + " color?"  # within the raw bound: read
+    assert api.post("/answer", json={"image": IMG, "question": ok}).status_code == 200
 
 
 @pytest.mark.parametrize("question", ["?", " ?! ", "\u200b?"])
@@ -1088,6 +1112,13 @@ def test_progressive_jpeg_scans_are_counted_and_bounded():
         open_image(bomb)
     at_limit = p[:-2] + p[last:-2] * (MAX_JPEG_SCANS - 10) + p[-2:]
     assert open_image(at_limit).size == (64, 64)
+    # junk the decoder skips (a byte before a marker, a stuffed zero between segments)
+    # does not hide the scans from the count
+    first = bomb.find(b"\xff\xda")
+    for hidden in (bomb[:first] + b"\x00" + bomb[first:], bomb[:2] + b"\xff\x00" + bomb[2:]):
+        assert jpeg_scans(hidden) == MAX_JPEG_SCANS + 1
+        with pytest.raises(ImageInvalid, match="scans"):
+            open_image(hidden)
 
 
 def test_decoder_messages_that_quote_the_file_are_not_returned(api):
@@ -1104,7 +1135,7 @@ def test_malformed_json_is_located_in_the_body(api):
     for path in ("/feedback", "/probe/score"):
         r = api.post(path, content=b'{"request_id": ', headers={"content-type":
                                                               "application/json"})
-        assert_error(r, 422, "body: body is not valid JSON")
+        assert_error(r, 422, "body: not valid JSON")
 
 
 
