@@ -12,7 +12,9 @@ Policy (the service documents the same):
   MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
-- JPEG: at most MAX_JPEG_SCANS scans (each one decodes the whole image again).
+- JPEG: Huffman-coded baseline, extended or progressive only; at most one scan per
+  component (sequential) or MAX_JPEG_SCANS (progressive): each scan decodes the whole
+  image again.
 - JPEG/PNG EXIF orientation is applied, so the pixels are the upright image.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -31,6 +34,8 @@ MAX_ASPECT_RATIO = 200
 # encoder's progressive script has about ten (libjpeg's default: 10 for colour), and
 # libjpeg-turbo's own tools cap them (`-maxscans`) for the same reason.
 MAX_JPEG_SCANS = 64
+JPEG_CODINGS = (0xC0, 0xC1, 0xC2)       # Huffman: baseline, extended sequential, progressive
+MAX_JPEG_SEGMENTS = 4096      # an encoder writes tens; libjpeg parses each (a DoS of its own)
 FORMATS = ("PNG", "JPEG")
 DICOM_MONO = ("MONOCHROME1", "MONOCHROME2")
 DICOM_COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422")
@@ -61,39 +66,83 @@ def check_geometry(width: int, height: int, max_pixels: int, frames: int = 1) ->
                            f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
 
-def jpeg_scans(data: bytes) -> int:
-    """How many scans (SOS segments) a JPEG stream has, counted by walking its markers as
+def _jpeg_segments(data: bytes) -> Iterator[tuple[int, int]]:
+    """(marker, offset of its payload) of each marker segment of a JPEG stream, walked as
     libjpeg reads them: bytes that are not a marker are skipped up to the next 0xFF (junk
     between segments, which libjpeg passes over too), a segment by its length (an EXIF
     thumbnail inside an APP segment goes with it) and, after each scan header, the
     entropy-coded data up to the next marker (0xFF followed by anything but a stuffed
     0x00 or a restart marker). Stops at EOI or where the stream ends."""
-    i, n, scans = 2, len(data), 0
+    i, n = 2, len(data)
     while i + 4 <= n:
         if data[i] != 0xFF:                                # junk: to the next 0xFF
             i = data.find(b"\xff", i)
             if i == -1:
-                break
+                return
             continue
         marker = data[i + 1]
         if marker == 0xFF:                                 # fill byte before a marker
             i += 1
             continue
         if marker == 0xD9:                                 # EOI
-            break
+            return
         if marker in (0x00, 0x01) or 0xD0 <= marker <= 0xD7:   # junk or no length field
             i += 2
             continue
+        yield marker, i + 4
         i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
-        if marker != 0xDA:
-            continue
-        scans += 1
-        while (i := data.find(b"\xff", i)) != -1 and i + 1 < n and (
-                data[i + 1] == 0x00 or 0xD0 <= data[i + 1] <= 0xD7):
-            i += 2
-        if i == -1:
+        if marker == 0xDA:
+            while (i := data.find(b"\xff", i)) != -1 and i + 1 < n and (
+                    data[i + 1] == 0x00 or 0xD0 <= data[i + 1] <= 0xD7):
+                i += 2
+            if i == -1:
+                return
+
+
+def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int]:
+    """The first frame header's (marker, number of components) or None (0xC0 baseline,
+    0xC1 extended sequential, 0xC2 progressive, 0xC9.. arithmetic, ...), the number of
+    scans (SOS segments) and of marker segments, in one walk (`_jpeg_segments`). Stops
+    counting segments past MAX_JPEG_SEGMENTS + 1."""
+    frame, scans, segments = None, 0, 0
+    for marker, at in _jpeg_segments(data):
+        segments += 1
+        if segments > MAX_JPEG_SEGMENTS:
             break
-    return scans
+        if frame is None and 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            frame = (marker, data[at + 5] if at + 5 < len(data) else 0)   # not DHT/JPG/DAC
+        scans += marker == 0xDA
+    return frame, scans, segments
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS segments) a JPEG stream has."""
+    return jpeg_layout(data)[1]
+
+
+def check_jpeg(data: bytes) -> None:
+    """Refuse JPEGs whose decoding costs far more than their pixels: every scan decodes
+    the whole image again, arithmetic decoding does each block's work even for a scan
+    with no data (64 empty scans in a 1 KB file held a decode for 4.5 s at 4096²), and
+    every segment is parsed (a file of millions of empty ones). Huffman-coded baseline,
+    extended and progressive JPEGs are what encoders write; a sequential one has at most
+    one scan per component, a progressive one MAX_JPEG_SCANS (an encoder's script has
+    about ten; libjpeg-turbo's tools cap them, `-maxscans`)."""
+    frame, scans, segments = jpeg_layout(data)
+    if segments > MAX_JPEG_SEGMENTS:
+        raise ImageInvalid(f"JPEG with over {MAX_JPEG_SEGMENTS} marker segments; "
+                           f"re-encode it (baseline JPEG or PNG)")
+    if frame is None:
+        raise ImageInvalid("cannot decode image: JPEG without a frame header")
+    if frame[0] not in JPEG_CODINGS:
+        raise ImageInvalid("JPEG coding not accepted (arithmetic, lossless or hierarchical): "
+                           "re-encode it as a baseline or progressive JPEG, or a PNG")
+    limit = MAX_JPEG_SCANS if frame[0] == 0xC2 else frame[1]
+    if scans > limit:
+        kind = "progressive JPEG" if frame[0] == 0xC2 else \
+            f"sequential JPEG of {frame[1]} component(s)"
+        raise ImageInvalid(f"{kind} with {scans} scans, over its limit of {limit}; "
+                           f"re-encode it (baseline JPEG or PNG)")
 
 
 def _tag(ds, name: str, default, cast=float):
@@ -195,17 +244,13 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
+                if data[:3] == b"\xff\xd8\xff":
+                    check_jpeg(data)     # before PIL, whose header parser is Python too
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
                 if getattr(img, "n_frames", 1) > 1:
                     raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
                                        f"frame as a still PNG or JPEG; {FORMAT_HINT}")
-                # every 0xFF in entropy-coded data is stuffed, so the SOS bytes bound the
-                # scans; only a file over the limit by that bound needs the walk
-                if img.format == "JPEG" and data.count(b"\xff\xda") > MAX_JPEG_SCANS \
-                        and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
-                    raise ImageInvalid(f"JPEG with {scans} scans, over the limit of "
-                                       f"{MAX_JPEG_SCANS}; re-encode it (baseline JPEG or PNG)")
                 img.load()
                 # A camera's EXIF orientation: the model must see the scene upright (a
                 # rotated shape read as another one, confidently, in the attack report).

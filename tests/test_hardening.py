@@ -31,8 +31,10 @@ from models.actor import Answers, StageTimings
 from models.images import (
     MAX_ASPECT_RATIO,
     MAX_JPEG_SCANS,
+    MAX_JPEG_SEGMENTS,
     ImageInvalid,
     ImageTooLarge,
+    jpeg_layout,
     jpeg_scans,
     open_image,
 )
@@ -1119,6 +1121,40 @@ def test_progressive_jpeg_scans_are_counted_and_bounded():
         assert jpeg_scans(hidden) == MAX_JPEG_SCANS + 1
         with pytest.raises(ImageInvalid, match="scans"):
             open_image(hidden)
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return b"\xff" + bytes([marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+def _frame_and_scans(sof: int, scans: int) -> bytes:
+    """A 4096² four-component JPEG of `scans` empty interleaved scans, frame `sof`."""
+    d = b"\xff\xd8" + _segment(0xDB, bytes([0]) + bytes([1] * 64))
+    d += _segment(sof, bytes([8]) + (4096).to_bytes(2, "big") * 2 + bytes([4])
+                  + b"".join(bytes([i + 1, 0x11, 0]) for i in range(4)))
+    sos = _segment(0xDA, bytes([4]) + b"".join(bytes([i + 1, 0]) for i in range(4))
+                   + bytes([0, 63, 0]))
+    return d + sos * scans + b"\xff\xd9"
+
+
+def test_jpegs_that_cost_far_more_than_their_pixels_are_refused_before_pil(monkeypatch):
+    """Arithmetic coding (64 empty scans in 1 KB held a decode for 4.5 s at 4096²), a
+    sequential JPEG with more scans than components, a flood of segments (PIL's own
+    header parser took 3 s over 2.6 M of them): refused before PIL reads a byte."""
+    def no_pil(*a, **k):
+        raise AssertionError("PIL was asked to open it")
+
+    monkeypatch.setattr(Image, "open", no_pil)
+    cases = {"coding not accepted": _frame_and_scans(0xC9, 64),
+             "sequential JPEG of 4 component(s) with 5 scans": _frame_and_scans(0xC1, 5),
+             f"over {MAX_JPEG_SEGMENTS} marker segments":
+                 b"\xff\xd8" + b"\xff\xe0\x00\x02" * (MAX_JPEG_SEGMENTS + 1)
+                 + _frame_and_scans(0xC0, 1)[2:],
+             "without a frame header": b"\xff\xd8\xff\xe0\x00\x02\xff\xd9"}
+    for why, data in cases.items():
+        with pytest.raises(ImageInvalid, match=re.escape(why)):
+            open_image(data, 4096 * 4096)
+    assert jpeg_layout(_frame_and_scans(0xC2, 3)) == ((0xC2, 4), 3, 5)
 
 
 def test_decoder_messages_that_quote_the_file_are_not_returned(api):
