@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
-import unicodedata
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from app.serving import (
     ScoreResult,
     StageTimes,
 )
+from app.text import CONTROL, mixed_script_letter, plain_question
 from heads.check_process import CheckProcess
 from heads.dualread import Assessment, Heads
 from heads.novelty import NoveltyReading
@@ -33,28 +32,6 @@ from models.quality import response_problem, uses_answer_tag
 from models.readout import Response
 
 log = logging.getLogger("dualread.service")
-# C0 and C1 controls except tab, newline and carriage return; DEL; bidi embeddings,
-# overrides and isolates (questions only: a trajectory may hold newlines).
-CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-JOINERS = "\u200c\u200d"          # ZWNJ, ZWJ: spelling in Persian, Indic scripts, emoji
-FULL_WIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}    # full-width ASCII
-
-
-def plain_question(question: str) -> str:
-    """The question as the model should read it. Pasted from a document, one U+200B in a
-    question took the embedded actor's accuracy from 0.94 to 0.26 with confident,
-    undeferred answers. So: invisible format characters (category Cf: zero-width spaces,
-    soft hyphens, BOMs, direction marks) are dropped, but for the joiners after a
-    non-ASCII character, where they spell words and emoji; full-width ASCII becomes
-    ASCII; then NFC (canonical composition only: NFKC would turn cm² into cm2) and every
-    run of whitespace (non-breaking and ideographic spaces too) one space."""
-    kept = [c for k, c in enumerate(question)
-            if unicodedata.category(c) != "Cf"
-            or (c in JOINERS and k > 0 and not question[k - 1].isascii())]
-    q = unicodedata.normalize("NFC", "".join(kept).translate(FULL_WIDTH))
-    return " ".join(q.split())
 AnswerJob = AnswerItem   # the earlier name
 # Longest wait for a batch's image check once the batch has decoded (a batch of 16 images
 # takes tens of milliseconds; decoding took longer than that already)
@@ -135,6 +112,10 @@ class Service:
         if not any(c.isalnum() for c in q):
             # "?" alone was answered "yes" at confidence 0.9996
             raise QuestionInvalid("question has no letter or digit")
+        odd = mixed_script_letter(q)
+        if odd is not None:
+            raise QuestionInvalid(f"question mixes Latin and Cyrillic letters in one word "
+                                  f"(U+{ord(odd):04X}); retype it")
         if len(q) > max_chars:
             raise QuestionInvalid(f"question is longer than {max_chars} characters")
         self._check_tokens(q, max_tokens, QuestionInvalid, "question ")

@@ -24,9 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import DeadlineExceeded
 from app.main import create_app
-from app.service import Service, plain_question
+from app.service import Service
 from app.serving import AnswerItem
 from app.settings import Settings
+from app.text import plain_question
 from models.actor import Answers, StageTimings
 from models.images import (
     MAX_ASPECT_RATIO,
@@ -827,10 +828,13 @@ def test_dicom_tags_that_overflow_once_applied_are_422(api, extra, tag):
 def test_mask_span_is_checked_against_the_response(api):
     response = "<think>x</think><answer>triangle</answer>"
     assert len(response) == 41
-    for span in ([41, 53], [53, 54], [5, 3]):
+    for span in ([41, 53], [53, 54], [-1, 3]):
         r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                            "mask": {"target": span}})
         assert_error(r, 422, "outside the response", "length 41")
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+                                       "mask": {"target": [5, 3]}})
+    assert_error(r, 422, "mask span [5, 3] ends before it starts")
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                        "mask": {"target": [0, 41]}})
     assert r.status_code == 200, r.text
@@ -1045,6 +1049,10 @@ def test_invisible_characters_do_not_change_what_the_model_reads(api):
     full-width spaces, a line separator. The model reads the plain question."""
     clean = api.post("/answer", json={"image": IMG, "question": Q}).json()
     pasted = "\ufeffwhat\u200b color is\u00a0the\u2028sha\u00adpe\u2060?\u3000"
+    # the ones that are letters or marks, not format characters: Hangul fillers, a
+    # variation selector after ASCII, the combining grapheme joiner, a braille blank
+    pasted = pasted.replace("color", "co\u3164lo\u115fr\uffa0\ufe0f\U000e0100\u034f") \
+        .replace("the", "the\u2800")
     got = api.post("/answer", json={"image": IMG, "question": pasted})
     assert got.status_code == 200, got.text
     got = got.json()
@@ -1063,6 +1071,13 @@ def test_plain_question_by_hand():
     doctor = "\U0001f468\u200d\u2695\ufe0f"
     assert plain_question(persian) == persian and plain_question(doctor) == doctor
     assert plain_question("wh\u200dat\u200c?") == "what?"             # after ASCII: dropped
+
+
+def test_a_latin_word_with_a_cyrillic_look_alike_is_422(api):
+    r = api.post("/answer", json={"image": IMG, "question": "wh\u0430t is the shape?"})
+    assert_error(r, 422, "mixes Latin and Cyrillic letters in one word", "U+0430")
+    for fine in ("what is the TNF\u03b1 level?", "\u0447\u0442\u043e \u044d\u0442\u043e?"):
+        assert api.post("/answer", json={"image": IMG, "question": fine}).status_code == 200
 
 
 @pytest.mark.parametrize("question", ["what is \uff1c\uff5cimage_pad\uff5c\uff1e?",
