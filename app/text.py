@@ -27,31 +27,51 @@ SPELLING = "\u200c\u200d\ufe0e\ufe0f"      # ZWNJ, ZWJ, text and emoji presentat
 BLANKS = {0x2800: " "}                     # braille pattern blank: looks like a space
 FULL_WIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}    # full-width ASCII
 WORD = re.compile(r"[^\W\d_]+")
+# Cyrillic letters drawn like Latin ones (Unicode's confusables for a–z, A–Z)
+LOOK_ALIKE = set("аеорсухіјѕԁԛԝһӏАВЕКМНОРСТХІЈЅԜҮ")
 
 
 def _ignorable(c: str) -> bool:
     return unicodedata.category(c) == "Cf" or IGNORABLE.match(c) is not None
 
 
+def _spells(prev: str, c: str) -> bool:
+    """Whether joiner or selector `c` after `prev` is part of how something is written:
+    a joiner after a letter or mark of a script other than Latin, or inside an emoji
+    sequence; a presentation selector after a symbol."""
+    if prev.isascii() or (prev in SPELLING and not (prev == "\ufe0f" and c == "\u200d")):
+        return prev == "\ufe0f" and c == "\u200d"
+    cat = unicodedata.category(prev)
+    if c in "\ufe0e\ufe0f":
+        return cat[0] == "S"
+    return cat == "So" or (cat[0] in "LM" and not unicodedata.name(prev, "").startswith("LATIN"))
+
+
 def plain_question(question: str) -> str:
-    """Invisible characters dropped (category Cf and the default ignorables), but for the
-    joiners and presentation selectors after a kept non-ASCII character; a braille blank and
-    full-width ASCII made plain; then NFC (canonical composition only: NFKC would turn
+    """A braille blank and full-width ASCII made plain; invisible characters dropped
+    (category Cf and the default ignorables), but for joiners and presentation selectors
+    where they spell (`_spells`); then NFC (canonical composition only: NFKC would turn
     cm² into cm2) and every run of whitespace (non-breaking and ideographic spaces too)
     one space."""
     kept: list[str] = []
-    for c in question:
-        if not _ignorable(c) or (c in SPELLING and kept and not kept[-1].isascii()):
+    for c in question.translate(FULL_WIDTH).translate(BLANKS):
+        if not _ignorable(c) or (c in SPELLING and kept and _spells(kept[-1], c)):
             kept.append(c)
-    q = unicodedata.normalize("NFC", "".join(kept).translate(FULL_WIDTH).translate(BLANKS))
-    return " ".join(q.split())
+    return " ".join(unicodedata.normalize("NFC", "".join(kept)).split())
 
 
 def mixed_script_letter(question: str) -> str | None:
-    """The first Cyrillic letter inside a word that also has Latin letters (a look-alike:
-    'а' U+0430 in "what"), or None. Latin with Greek is left alone: TNFα, IFNγ."""
-    for word in WORD.findall(question):
-        scripts = [unicodedata.name(c, "").split(" ")[0] for c in word]
-        if "LATIN" in scripts and "CYRILLIC" in scripts:
+    """A Cyrillic letter posing as a Latin one, or None: inside a word that also has Latin
+    letters ('а' U+0430 in "what"), or making up, with other look-alikes only, a word of a
+    question written in Latin letters ("is it а circle?"; a Russian question with a Latin
+    abbreviation keeps its "с" and "а"). Latin with Greek is left alone: TNFα, IFNγ."""
+    words = [(w, [unicodedata.name(c, "").split(" ")[0] for c in w])
+             for w in WORD.findall(question)]
+    latin = any("LATIN" in scripts for _, scripts in words)
+    cyrillic = any(s == "CYRILLIC" and c not in LOOK_ALIKE
+                   for w, scripts in words for c, s in zip(w, scripts))
+    for word, scripts in words:
+        if "CYRILLIC" in scripts and ("LATIN" in scripts or (
+                latin and not cyrillic and all(c in LOOK_ALIKE for c in word))):
             return word[scripts.index("CYRILLIC")]
     return None

@@ -12,15 +12,18 @@ Policy (the service documents the same):
   MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
-- JPEG: Huffman-coded baseline, extended or progressive only; at most one scan per
-  component (sequential) or MAX_JPEG_SCANS (progressive): each scan decodes the whole
-  image again.
+- JPEG, read marker by marker before PIL sees it: Huffman-coded baseline, extended or
+  progressive only; at most one scan per component (sequential) or MAX_JPEG_SCANS
+  (progressive), since each scan decodes the whole image again; at most
+  MAX_JPEG_SEGMENTS segments and MAX_JPEG_GAP bytes passed over between them. A
+  multi-picture JPEG (MPO) is its first picture.
 - JPEG/PNG EXIF orientation is applied, so the pixels are the upright image.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -36,6 +39,7 @@ MAX_ASPECT_RATIO = 200
 MAX_JPEG_SCANS = 64
 JPEG_CODINGS = (0xC0, 0xC1, 0xC2)       # Huffman: baseline, extended sequential, progressive
 MAX_JPEG_SEGMENTS = 4096      # an encoder writes tens; libjpeg parses each (a DoS of its own)
+MAX_JPEG_GAP = 65536          # bytes passed over between segments (junk, fill, stray markers)
 FORMATS = ("PNG", "JPEG")
 DICOM_MONO = ("MONOCHROME1", "MONOCHROME2")
 DICOM_COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422")
@@ -66,37 +70,47 @@ def check_geometry(width: int, height: int, max_pixels: int, frames: int = 1) ->
                            f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
 
+# a marker: a run of 0xFF, then a code that is not a stuffed zero (in entropy-coded data,
+# restart markers do not end the scan either)
+_MARKER = re.compile(rb"\xff+([^\x00\xff])")
+_SCAN_END = re.compile(rb"\xff+[^\x00\xd0-\xd7\xff]")
+
+
 def _jpeg_segments(data: bytes) -> Iterator[tuple[int, int]]:
     """(marker, offset of its payload) of each marker segment of a JPEG stream, walked as
-    libjpeg reads them: bytes that are not a marker are skipped up to the next 0xFF (junk
-    between segments, which libjpeg passes over too), a segment by its length (an EXIF
-    thumbnail inside an APP segment goes with it) and, after each scan header, the
-    entropy-coded data up to the next marker (0xFF followed by anything but a stuffed
-    0x00 or a restart marker). Stops at EOI or where the stream ends."""
-    i, n = 2, len(data)
+    libjpeg reads them: bytes between segments that are not a marker (junk, fill bytes,
+    stuffed zeros, restart markers) are passed over, as libjpeg does, a segment by its
+    length (an EXIF thumbnail inside an APP segment goes with it) and, after each scan
+    header, the entropy-coded data up to the next marker. Stops at EOI or where the
+    stream ends. The searches run in C; more than MAX_JPEG_GAP bytes passed over between
+    segments is refused (PIL's own header parser reads them one by one in Python)."""
+    i, n, gap = 2, len(data), 0
     while i + 4 <= n:
-        if data[i] != 0xFF:                                # junk: to the next 0xFF
-            i = data.find(b"\xff", i)
-            if i == -1:
-                return
-            continue
-        marker = data[i + 1]
-        if marker == 0xFF:                                 # fill byte before a marker
-            i += 1
+        m = _MARKER.search(data, i)
+        if m is None:
+            return
+        marker = m.group(1)[0]
+        gap += m.start(1) - 1 - i
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:      # no length field: junk here
+            gap += 2
+            i = m.end()
+        if gap > MAX_JPEG_GAP:
+            raise ImageInvalid(f"JPEG with over {MAX_JPEG_GAP} bytes between its segments; "
+                               f"re-encode it (baseline JPEG or PNG)")
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
             continue
         if marker == 0xD9:                                 # EOI
             return
-        if marker in (0x00, 0x01) or 0xD0 <= marker <= 0xD7:   # junk or no length field
-            i += 2
-            continue
-        yield marker, i + 4
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        at = m.end()
+        if at + 2 > n:
+            return
+        yield marker, at + 2
+        i = at + int.from_bytes(data[at:at + 2], "big")
         if marker == 0xDA:
-            while (i := data.find(b"\xff", i)) != -1 and i + 1 < n and (
-                    data[i + 1] == 0x00 or 0xD0 <= data[i + 1] <= 0xD7):
-                i += 2
-            if i == -1:
+            end = _SCAN_END.search(data, i)
+            if end is None:
                 return
+            i = end.start()
 
 
 def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int]:
@@ -244,11 +258,13 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                if data[:3] == b"\xff\xd8\xff":
+                if data[:2] == b"\xff\xd8":
                     check_jpeg(data)     # before PIL, whose header parser is Python too
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
-                if getattr(img, "n_frames", 1) > 1:
+                # a phone's multi-picture JPEG (MPO: a depth map, an HDR gain map) is one
+                # photograph and its companions: the first frame is the photograph
+                if getattr(img, "n_frames", 1) > 1 and img.format != "MPO":
                     raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
                                        f"frame as a still PNG or JPEG; {FORMAT_HINT}")
                 img.load()

@@ -31,6 +31,7 @@ from app.text import plain_question
 from models.actor import Answers, StageTimings
 from models.images import (
     MAX_ASPECT_RATIO,
+    MAX_JPEG_GAP,
     MAX_JPEG_SCANS,
     MAX_JPEG_SEGMENTS,
     ImageInvalid,
@@ -1071,12 +1072,21 @@ def test_plain_question_by_hand():
     doctor = "\U0001f468\u200d\u2695\ufe0f"
     assert plain_question(persian) == persian and plain_question(doctor) == doctor
     assert plain_question("wh\u200dat\u200c?") == "what?"             # after ASCII: dropped
+    # nor after a space of any kind, another joiner, a folded letter or a Latin letter
+    for pasted in ("what\u00a0\u200d\u200b\u200dcolor", "wha\uff54\u200d color",
+                   "what\u2800\u200dcolor", "wh\u00e9\u200dat color"):
+        assert "\u200d" not in plain_question(pasted)
+    devanagari, flag = "\u0915\u094d\u200d\u0937", "\U0001f3f3\ufe0f\u200d\U0001f308"
+    assert plain_question(devanagari) == devanagari and plain_question(flag) == flag
 
 
 def test_a_latin_word_with_a_cyrillic_look_alike_is_422(api):
     r = api.post("/answer", json={"image": IMG, "question": "wh\u0430t is the shape?"})
     assert_error(r, 422, "mixes Latin and Cyrillic letters in one word", "U+0430")
-    for fine in ("what is the TNF\u03b1 level?", "\u0447\u0442\u043e \u044d\u0442\u043e?"):
+    r = api.post("/answer", json={"image": IMG, "question": "is it \u0430 circle?"})
+    assert_error(r, 422, "U+0430")                          # a look-alike word of its own
+    for fine in ("what is the TNF\u03b1 level?", "\u0447\u0442\u043e \u044d\u0442\u043e?",
+                 "\u0447\u0442\u043e \u0441 CD4?"):       # Russian with a Latin abbreviation
         assert api.post("/answer", json={"image": IMG, "question": fine}).status_code == 200
 
 
@@ -1170,6 +1180,42 @@ def test_jpegs_that_cost_far_more_than_their_pixels_are_refused_before_pil(monke
         with pytest.raises(ImageInvalid, match=re.escape(why)):
             open_image(data, 4096 * 4096)
     assert jpeg_layout(_frame_and_scans(0xC2, 3)) == ((0xC2, 4), 3, 5)
+
+
+def test_bytes_between_jpeg_segments_are_bounded_before_pil(monkeypatch):
+    """Fill bytes, stuffed zeros, restart markers and junk between segments: libjpeg and
+    PIL pass over them one by one (10 MiB of 0xFF took 5 s to open an 8×8 image)."""
+    b = io.BytesIO()
+    Image.new("L", (8, 8)).save(b, "JPEG")
+    base = b.getvalue()
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("PIL was asked"))
+    for filler in (b"\xff", b"\xff\x00", b"\xff\xd0", b"\x00"):
+        data = base[:2] + filler * (MAX_JPEG_GAP // len(filler) + 1) + base[2:]
+        with pytest.raises(ImageInvalid, match=f"over {MAX_JPEG_GAP} bytes between"):
+            open_image(data)
+    monkeypatch.setattr(Image, "open", real_open)
+    assert open_image(base[:2] + b"\xff" * 1000 + base[2:]).size == (8, 8)   # some: fine
+    for restarts in ({"restart_marker_blocks": 1}, {"restart_marker_rows": 1,
+                                                    "progressive": True}):
+        b = io.BytesIO()
+        random_image(1, 64, 64).save(b, "JPEG", **restarts)
+        assert open_image(b.getvalue()).size == (64, 64)
+
+
+def test_a_phones_multi_picture_jpeg_is_its_first_picture():
+    first, second = random_image(2, 64, 64), Image.new("RGB", (64, 64), "red")
+    b = io.BytesIO()
+    first.save(b, "MPO", save_all=True, append_images=[second])
+    got = open_image(b.getvalue())
+    want = open_image(_jpeg_of(first))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def _jpeg_of(image: Image.Image) -> bytes:
+    b = io.BytesIO()
+    image.save(b, "JPEG")
+    return b.getvalue()
 
 
 def test_decoder_messages_that_quote_the_file_are_not_returned(api):
