@@ -114,7 +114,7 @@ class Service:
             raise QuestionInvalid("question has no letter or digit")
         odd = mixed_script_letter(q)
         if odd is not None:
-            raise QuestionInvalid(f"question mixes Latin and Cyrillic letters in one word "
+            raise QuestionInvalid(f"question has a Cyrillic letter posing as a Latin one "
                                   f"(U+{ord(odd):04X}); retype it")
         if len(q) > max_chars:
             raise QuestionInvalid(f"question is longer than {max_chars} characters")

@@ -22,7 +22,7 @@ IGNORABLE = re.compile(
     "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
     "\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3"
     "\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
-# kept after a non-ASCII character, where they spell Persian and Indic words and emoji
+# kept where they spell (`_spells`): Persian and Indic words, emoji sequences
 SPELLING = "\u200c\u200d\ufe0e\ufe0f"      # ZWNJ, ZWJ, text and emoji presentation
 BLANKS = {0x2800: " "}                     # braille pattern blank: looks like a space
 FULL_WIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}    # full-width ASCII
@@ -44,7 +44,8 @@ def _spells(prev: str, c: str) -> bool:
     cat = unicodedata.category(prev)
     if c in "\ufe0e\ufe0f":
         return cat[0] == "S"
-    return cat == "So" or (cat[0] in "LM" and not unicodedata.name(prev, "").startswith("LATIN"))
+    # a symbol: an emoji or its skin-tone modifier (Sk) before the joiner
+    return cat[0] == "S" or (cat[0] in "LM" and not unicodedata.name(prev, "").startswith("LATIN"))
 
 
 def plain_question(question: str) -> str:

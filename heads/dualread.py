@@ -292,8 +292,8 @@ class Heads:
         return readings[0] if readings is not None else None
 
     def image_readings(self, images: Sequence) -> list[NoveltyReading] | None:
-        """`image_reading` of every image, the pixel statistics of same-size images
-        computed as one stack; None without a check."""
+        """`image_reading` of every image (each image's statistics measured alone); None
+        without a check."""
         if self.image_check is None:
             return None
         if not images:

@@ -15,7 +15,7 @@ Policy (the service documents the same):
 - JPEG, read marker by marker before PIL sees it: Huffman-coded baseline, extended or
   progressive only; at most one scan per component (sequential) or MAX_JPEG_SCANS
   (progressive), since each scan decodes the whole image again; at most
-  MAX_JPEG_SEGMENTS segments and MAX_JPEG_GAP bytes passed over between them. A
+  MAX_JPEG_SEGMENTS segments and MAX_JPEG_GAP bytes in all passed over between them. A
   multi-picture JPEG (MPO) is its first picture.
 - JPEG/PNG EXIF orientation is applied, so the pixels are the upright image.
 """
@@ -82,7 +82,7 @@ def _jpeg_segments(data: bytes) -> Iterator[tuple[int, int]]:
     stuffed zeros, restart markers) are passed over, as libjpeg does, a segment by its
     length (an EXIF thumbnail inside an APP segment goes with it) and, after each scan
     header, the entropy-coded data up to the next marker. Stops at EOI or where the
-    stream ends. The searches run in C; more than MAX_JPEG_GAP bytes passed over between
+    stream ends. The searches run in C; more than MAX_JPEG_GAP bytes in all passed over between
     segments is refused (PIL's own header parser reads them one by one in Python)."""
     i, n, gap = 2, len(data), 0
     while i + 4 <= n:
@@ -95,8 +95,8 @@ def _jpeg_segments(data: bytes) -> Iterator[tuple[int, int]]:
             gap += 2
             i = m.end()
         if gap > MAX_JPEG_GAP:
-            raise ImageInvalid(f"JPEG with over {MAX_JPEG_GAP} bytes between its segments; "
-                               f"re-encode it (baseline JPEG or PNG)")
+            raise ImageInvalid(f"JPEG with over {MAX_JPEG_GAP} bytes in all between its "
+                               f"segments; re-encode it (baseline JPEG or PNG)")
         if marker == 0x01 or 0xD0 <= marker <= 0xD7:
             continue
         if marker == 0xD9:                                 # EOI

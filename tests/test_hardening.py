@@ -1077,14 +1077,16 @@ def test_plain_question_by_hand():
                    "what\u2800\u200dcolor", "wh\u00e9\u200dat color"):
         assert "\u200d" not in plain_question(pasted)
     devanagari, flag = "\u0915\u094d\u200d\u0937", "\U0001f3f3\ufe0f\u200d\U0001f308"
+    coder = "\U0001f468\U0001f3fd\u200d\U0001f4bb"                     # skin tone, then ZWJ
     assert plain_question(devanagari) == devanagari and plain_question(flag) == flag
+    assert plain_question(coder) == coder
 
 
 def test_a_latin_word_with_a_cyrillic_look_alike_is_422(api):
     r = api.post("/answer", json={"image": IMG, "question": "wh\u0430t is the shape?"})
-    assert_error(r, 422, "mixes Latin and Cyrillic letters in one word", "U+0430")
+    assert_error(r, 422, "Cyrillic letter posing as a Latin one", "U+0430")
     r = api.post("/answer", json={"image": IMG, "question": "is it \u0430 circle?"})
-    assert_error(r, 422, "U+0430")                          # a look-alike word of its own
+    assert_error(r, 422, "Cyrillic letter posing", "U+0430")   # a look-alike word alone
     for fine in ("what is the TNF\u03b1 level?", "\u0447\u0442\u043e \u044d\u0442\u043e?",
                  "\u0447\u0442\u043e \u0441 CD4?"):       # Russian with a Latin abbreviation
         assert api.post("/answer", json={"image": IMG, "question": fine}).status_code == 200
@@ -1192,7 +1194,7 @@ def test_bytes_between_jpeg_segments_are_bounded_before_pil(monkeypatch):
     monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("PIL was asked"))
     for filler in (b"\xff", b"\xff\x00", b"\xff\xd0", b"\x00"):
         data = base[:2] + filler * (MAX_JPEG_GAP // len(filler) + 1) + base[2:]
-        with pytest.raises(ImageInvalid, match=f"over {MAX_JPEG_GAP} bytes between"):
+        with pytest.raises(ImageInvalid, match=f"over {MAX_JPEG_GAP} bytes in all between"):
             open_image(data)
     monkeypatch.setattr(Image, "open", real_open)
     assert open_image(base[:2] + b"\xff" * 1000 + base[2:]).size == (8, 8)   # some: fine
@@ -1229,7 +1231,7 @@ def test_decoder_messages_that_quote_the_file_are_not_returned(api):
 
 
 def test_malformed_json_is_located_in_the_body(api):
-    for path in ("/feedback", "/probe/score"):
+    for path in ("/answer", "/feedback", "/probe/score"):
         r = api.post(path, content=b'{"request_id": ', headers={"content-type":
                                                               "application/json"})
         assert_error(r, 422, "body: not valid JSON")
@@ -1238,7 +1240,7 @@ def test_malformed_json_is_located_in_the_body(api):
 
 @pytest.mark.parametrize("mask", [{"ratio": "0.5"}, {"ratio": True}, {"seed": "3"},
                                   {"seed": 3.0}, {"target": ["0", "3"]},
-                                  {"target": [True, True]}])
+                                  {"target": [False, True]}])
 def test_mask_fields_are_strict_like_max_new_tokens(api, mask):
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": mask,
                                        "response": "<think>a red circle</think><answer>red"
