@@ -114,8 +114,8 @@ class Service:
             raise QuestionInvalid("question has no letter or digit")
         odd = mixed_script_letter(q)
         if odd is not None:
-            raise QuestionInvalid(f"question has a Cyrillic letter posing as a Latin one "
-                                  f"(U+{ord(odd):04X}); retype it")
+            raise QuestionInvalid(f"question has a letter of another script posing as a "
+                                  f"Latin one (U+{ord(odd):04X}); retype it")
         if len(q) > max_chars:
             raise QuestionInvalid(f"question is longer than {max_chars} characters")
         self._check_tokens(q, max_tokens, QuestionInvalid, "question ")

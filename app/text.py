@@ -24,55 +24,79 @@ IGNORABLE = re.compile(
     "\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
 # kept where they spell (`_spells`): Persian and Indic words, emoji sequences
 SPELLING = "\u200c\u200d\ufe0e\ufe0f"      # ZWNJ, ZWJ, text and emoji presentation
+# scripts whose words the joiners shape (Unicode's uses of ZWJ/ZWNJ); elsewhere (Latin,
+# Cyrillic, Greek, CJK) a joiner is an invisible token and nothing else
+JOINING = ("ARABIC", "SYRIAC", "NKO", "MONGOLIAN", "DEVANAGARI", "BENGALI", "GURMUKHI",
+           "GUJARATI", "ORIYA", "TAMIL", "TELUGU", "KANNADA", "MALAYALAM", "SINHALA",
+           "MYANMAR", "KHMER", "TIBETAN")
+SKIN_TONES = range(0x1F3FB, 0x1F400)
 BLANKS = {0x2800: " "}                     # braille pattern blank: looks like a space
+# and two more that render as nothing without being default ignorables
+NOTHING = {0x16FE4: None, 0x1D159: None}   # Khitan filler, musical null notehead
 FULL_WIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}    # full-width ASCII
+MATH_ALPHANUMERIC = re.compile("[\U0001d400-\U0001d7ff]")   # bold, italic, ... letters
 WORD = re.compile(r"[^\W\d_]+")
-# Cyrillic letters drawn like Latin ones (Unicode's confusables for a–z, A–Z)
-LOOK_ALIKE = set("аеорсухіјѕԁԛԝһӏАВЕКМНОРСТХІЈЅԜҮ")
+# Letters drawn like Latin ones (Unicode's confusables for a–z, A–Z): all of Cyrillic's,
+# Greek's but for those medicine writes next to Latin letters (TNFα, IFNγ, Igκ)
+LOOK_ALIKE = {"CYRILLIC": set("аеорсухіјѕԁԛԝһӏАВЕКМНОРСТХІЈЅԜҮ"),
+              "GREEK": set("οιρυνΑΒΕΖΗΙΚΜΝΟΡΤΥΧ")}
 
 
 def _ignorable(c: str) -> bool:
     return unicodedata.category(c) == "Cf" or IGNORABLE.match(c) is not None
 
 
+def _emoji(c: str) -> bool:
+    return (unicodedata.category(c) == "So" and ord(c) >= 0x2000) or ord(c) in SKIN_TONES
+
+
 def _spells(prev: str, c: str) -> bool:
     """Whether joiner or selector `c` after `prev` is part of how something is written:
-    a joiner after a letter or mark of a script other than Latin, or inside an emoji
-    sequence; a presentation selector after a symbol."""
-    if prev.isascii() or (prev in SPELLING and not (prev == "\ufe0f" and c == "\u200d")):
-        return prev == "\ufe0f" and c == "\u200d"
-    cat = unicodedata.category(prev)
+    a joiner after a letter or mark of a script that joins (`JOINING`) or inside an emoji
+    sequence (after an emoji, a skin tone or an emoji presentation selector); a
+    presentation selector after an emoji."""
     if c in "\ufe0e\ufe0f":
-        return cat[0] == "S"
-    # a symbol: an emoji or its skin-tone modifier (Sk) before the joiner
-    return cat[0] == "S" or (cat[0] in "LM" and not unicodedata.name(prev, "").startswith("LATIN"))
+        return _emoji(prev)
+    if prev == "\ufe0f" or _emoji(prev):
+        return True
+    return unicodedata.category(prev)[0] in "LM" and \
+        unicodedata.name(prev, "").split(" ")[0] in JOINING
 
 
 def plain_question(question: str) -> str:
-    """A braille blank and full-width ASCII made plain; invisible characters dropped
-    (category Cf and the default ignorables), but for joiners and presentation selectors
-    where they spell (`_spells`); then NFC (canonical composition only: NFKC would turn
-    cm² into cm2) and every run of whitespace (non-breaking and ideographic spaces too)
-    one space."""
+    """A braille blank, full-width ASCII and mathematical letters made plain; invisible
+    characters dropped (category Cf and the default ignorables), but for joiners and
+    presentation selectors where they spell (`_spells`); then NFC (canonical composition
+    only: NFKC would turn cm² into cm2) and every run of whitespace (non-breaking and
+    ideographic spaces too) one space."""
+    q = question.translate(FULL_WIDTH).translate(BLANKS).translate(NOTHING)
+    q = MATH_ALPHANUMERIC.sub(lambda m: unicodedata.normalize("NFKC", m.group()), q)
     kept: list[str] = []
-    for c in question.translate(FULL_WIDTH).translate(BLANKS):
+    for c in q:
         if not _ignorable(c) or (c in SPELLING and kept and _spells(kept[-1], c)):
             kept.append(c)
     return " ".join(unicodedata.normalize("NFC", "".join(kept)).split())
 
 
 def mixed_script_letter(question: str) -> str | None:
-    """A Cyrillic letter posing as a Latin one, or None: inside a word that also has Latin
-    letters ('а' U+0430 in "what"), or making up, with other look-alikes only, a word of a
-    question written in Latin letters ("is it а circle?"; a Russian question with a Latin
-    abbreviation keeps its "с" and "а"). Latin with Greek is left alone: TNFα, IFNγ."""
+    """A letter posing as a Latin one, or None: a Cyrillic or Armenian one, or a Greek
+    look-alike, in a word that also has Latin letters ('а' U+0430 in "what", 'ο' U+03BF
+    in "shοpe"); or a word of Cyrillic look-alikes only in a question mostly written in
+    Latin letters ("is it а circle?"; a Russian question with a Latin abbreviation keeps
+    its "с" and "а").
+    Latin with Greek letters medicine uses is left alone: TNFα, IFNγ."""
     words = [(w, [unicodedata.name(c, "").split(" ")[0] for c in w])
              for w in WORD.findall(question)]
-    latin = any("LATIN" in scripts for _, scripts in words)
-    cyrillic = any(s == "CYRILLIC" and c not in LOOK_ALIKE
-                   for w, scripts in words for c, s in zip(w, scripts))
+    latin = sum("LATIN" in scripts for _, scripts in words)
+    russian = sum(any(s == "CYRILLIC" and c not in LOOK_ALIKE["CYRILLIC"]
+                      for c, s in zip(w, scripts)) for w, scripts in words)
     for word, scripts in words:
-        if "CYRILLIC" in scripts and ("LATIN" in scripts or (
-                latin and not cyrillic and all(c in LOOK_ALIKE for c in word))):
+        if "LATIN" in scripts:
+            for c, script in zip(word, scripts):
+                if script in ("CYRILLIC", "ARMENIAN") or (
+                        script == "GREEK" and c in LOOK_ALIKE["GREEK"]):
+                    return c
+        elif "CYRILLIC" in scripts and latin > russian and \
+                all(c in LOOK_ALIKE["CYRILLIC"] for c in word):
             return word[scripts.index("CYRILLIC")]
     return None

@@ -12,6 +12,8 @@ Policy (the service documents the same):
   MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
+- PNG: at most MAX_PNG_CHUNKS chunks, counted before PIL sees it. EXIF: at most
+  MAX_EXIF_BYTES.
 - JPEG, read marker by marker before PIL sees it: Huffman-coded baseline, extended or
   progressive only; at most one scan per component (sequential) or MAX_JPEG_SCANS
   (progressive), since each scan decodes the whole image again; at most
@@ -28,9 +30,17 @@ import warnings
 from collections.abc import Iterator
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000
+MAX_EXIF_BYTES = 65536        # one APP1 segment's worth; PIL joins several into one block
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PNG_CHUNKS = 16384        # PIL reads and checks each chunk in Python (873k empty: 2.5 s)
+# EXIF orientation → the transpose that makes the picture upright
+ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+               4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+               6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+               8: Image.Transpose.ROTATE_90}
 MAX_ASPECT_RATIO = 200
 # A progressive JPEG decodes its pixels once per scan, and nothing in the pixel count
 # bounds the scans: 3,500 repeated scans in 336 KB held a decode for 35 s at 4096². An
@@ -132,6 +142,19 @@ def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int]:
 def jpeg_scans(data: bytes) -> int:
     """How many scans (SOS segments) a JPEG stream has."""
     return jpeg_layout(data)[1]
+
+
+def check_png(data: bytes) -> None:
+    """Refuse a PNG of more than MAX_PNG_CHUNKS chunks before PIL reads them (an encoder
+    writes tens, or a few thousand image-data chunks for a large picture)."""
+    i, n, chunks = 8, len(data), 0
+    while i + 8 <= n:
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            raise ImageInvalid(f"PNG with over {MAX_PNG_CHUNKS} chunks; re-encode it")
+        if data[i + 4:i + 8] == b"IEND":
+            return
+        i += 12 + int.from_bytes(data[i:i + 4], "big")
 
 
 def check_jpeg(data: bytes) -> None:
@@ -260,6 +283,8 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 if data[:2] == b"\xff\xd8":
                     check_jpeg(data)     # before PIL, whose header parser is Python too
+                elif data[:8] == PNG_SIGNATURE:
+                    check_png(data)      # likewise its chunk loop
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
                 # a phone's multi-picture JPEG (MPO: a depth map, an HDR gain map) is one
@@ -268,9 +293,17 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                     raise ImageInvalid(f"animated image ({img.n_frames} frames): send one "
                                        f"frame as a still PNG or JPEG; {FORMAT_HINT}")
                 img.load()
+                # after loading: a PNG's eXIf chunk may follow its image data
+                if len(img.info.get("exif") or b"") > MAX_EXIF_BYTES:
+                    raise ImageInvalid(f"EXIF block over {MAX_EXIF_BYTES} bytes; strip the "
+                                       f"metadata (a camera writes one segment of at most that)")
                 # A camera's EXIF orientation: the model must see the scene upright (a
                 # rotated shape read as another one, confidently, in the attack report).
-                img = ImageOps.exif_transpose(img)
+                # Turned here rather than by `ImageOps.exif_transpose`, which rebuilds the
+                # whole EXIF block in Python when it turns (60,000 tags: 20 s).
+                turn = ORIENTATION.get(img.getexif().get(0x0112))
+                if turn is not None:
+                    img = img.transpose(turn)
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):

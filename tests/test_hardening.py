@@ -31,9 +31,11 @@ from app.text import plain_question
 from models.actor import Answers, StageTimings
 from models.images import (
     MAX_ASPECT_RATIO,
+    MAX_EXIF_BYTES,
     MAX_JPEG_GAP,
     MAX_JPEG_SCANS,
     MAX_JPEG_SEGMENTS,
+    MAX_PNG_CHUNKS,
     ImageInvalid,
     ImageTooLarge,
     jpeg_layout,
@@ -814,6 +816,37 @@ def test_exif_orientation_is_applied():
     assert np.array_equal(np.asarray(open_image(jpeg_bytes)), np.asarray(want))
 
 
+def test_every_exif_orientation_turns_as_pillow_turns_it():
+    from PIL import ImageOps
+    stored = random_image(4, 24, 40)
+    for orientation in range(1, 9):
+        png = _exif_orientation(stored, "PNG", orientation)
+        want = ImageOps.exif_transpose(Image.open(io.BytesIO(png))).convert("RGB")
+        assert np.array_equal(np.asarray(open_image(png)), np.asarray(want)), orientation
+
+
+def test_a_large_exif_block_is_refused():
+    """Pillow's own turn rebuilds the EXIF block in Python: 60,000 tags took 20 s."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    exif[0x010E] = "x" * MAX_EXIF_BYTES                         # ImageDescription
+    buf = io.BytesIO()
+    random_image(5, 16, 16).save(buf, "PNG", exif=exif.tobytes())
+    with pytest.raises(ImageInvalid, match=f"EXIF block over {MAX_EXIF_BYTES} bytes"):
+        open_image(buf.getvalue())
+
+
+def test_a_png_of_many_chunks_is_refused_before_pil(monkeypatch):
+    png = png_bytes(random_image(6, 16, 16))
+    chunk = (0).to_bytes(4, "big") + b"prVt" + zlib.crc32(b"prVt").to_bytes(4, "big")
+    ihdr_end = 8 + 25                                           # signature, IHDR chunk
+    many = png[:ihdr_end] + chunk * MAX_PNG_CHUNKS + png[ihdr_end:]
+    assert open_image(png[:ihdr_end] + chunk * 100 + png[ihdr_end:]).size == (16, 16)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("PIL was asked"))
+    with pytest.raises(ImageInvalid, match=f"over {MAX_PNG_CHUNKS} chunks"):
+        open_image(many)
+
+
 @pytest.mark.parametrize("extra, tag", [
     ([(0x00281053, "LO", "1e308")], "RescaleSlope"),                   # × 3069 overflows
     ([(0x00281052, "LO", "-1.7e308"), (0x00281053, "LO", "-1e304")], "RescaleIntercept"),
@@ -1078,15 +1111,28 @@ def test_plain_question_by_hand():
         assert "\u200d" not in plain_question(pasted)
     devanagari, flag = "\u0915\u094d\u200d\u0937", "\U0001f3f3\ufe0f\u200d\U0001f308"
     coder = "\U0001f468\U0001f3fd\u200d\U0001f4bb"                     # skin tone, then ZWJ
+    # joiners where nothing joins (Greek, µ, Cyrillic, CJK), selectors after no emoji;
+    # mathematical letters and two more blanks
+    for pasted, plain in (("TNF\u03b1\u200d high", "TNF\u03b1 high"),
+                          ("5 \u00b5\u200dg", "5 \u00b5g"), ("37\u00b0\ufe0f C", "37\u00b0 C"),
+                          ("\u0447\u200d\u0442\u200d\u043e", "\u0447\u0442\u043e"),
+                          ("\u65e5\u200c\u672c", "\u65e5\u672c"),
+                          ("\U0001d416\U0001d421\U0001d41a\U0001d42d", "What"),
+                          ("Wh\U00016fe4at\U0001d159", "What")):
+        assert plain_question(pasted) == plain, pasted
     assert plain_question(devanagari) == devanagari and plain_question(flag) == flag
     assert plain_question(coder) == coder
 
 
 def test_a_latin_word_with_a_cyrillic_look_alike_is_422(api):
     r = api.post("/answer", json={"image": IMG, "question": "wh\u0430t is the shape?"})
-    assert_error(r, 422, "Cyrillic letter posing as a Latin one", "U+0430")
+    assert_error(r, 422, "letter of another script posing as a Latin one", "U+0430")
     r = api.post("/answer", json={"image": IMG, "question": "is it \u0430 circle?"})
-    assert_error(r, 422, "Cyrillic letter posing", "U+0430")   # a look-alike word alone
+    assert_error(r, 422, "posing as a Latin one", "U+0430")   # a look-alike word alone
+    for other in ("Wh\u03bft is the shape?", "what is the sh\u0578pe?",     # Greek, Armenian
+                  "is it \u0430 circle or \u0430 square? \u0436"):         # one Russian letter
+        assert_error(api.post("/answer", json={"image": IMG, "question": other}), 422,
+                     "posing as a Latin one")
     for fine in ("what is the TNF\u03b1 level?", "\u0447\u0442\u043e \u044d\u0442\u043e?",
                  "\u0447\u0442\u043e \u0441 CD4?"):       # Russian with a Latin abbreviation
         assert api.post("/answer", json={"image": IMG, "question": fine}).status_code == 200
