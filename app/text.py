@@ -30,6 +30,8 @@ JOINING = ("ARABIC", "SYRIAC", "NKO", "MONGOLIAN", "DEVANAGARI", "BENGALI", "GUR
            "GUJARATI", "ORIYA", "TAMIL", "TELUGU", "KANNADA", "MALAYALAM", "SINHALA",
            "MYANMAR", "KHMER", "TIBETAN")
 SKIN_TONES = range(0x1F3FB, 0x1F400)
+# where emoji live: miscellaneous symbols and dingbats, and the emoji planes' blocks
+EMOJI_BLOCKS = (range(0x2600, 0x27C0), range(0x2B00, 0x2C00), range(0x1F000, 0x1FB00))
 BLANKS = {0x2800: " "}                     # braille pattern blank: looks like a space
 # and two more that render as nothing without being default ignorables
 NOTHING = {0x16FE4: None, 0x1D159: None}   # Khitan filler, musical null notehead
@@ -47,17 +49,17 @@ def _ignorable(c: str) -> bool:
 
 
 def _emoji(c: str) -> bool:
-    return (unicodedata.category(c) == "So" and ord(c) >= 0x2000) or ord(c) in SKIN_TONES
+    return unicodedata.category(c) in ("So", "Sk") and any(ord(c) in b for b in EMOJI_BLOCKS)
 
 
-def _spells(prev: str, c: str) -> bool:
-    """Whether joiner or selector `c` after `prev` is part of how something is written:
-    a joiner after a letter or mark of a script that joins (`JOINING`) or inside an emoji
-    sequence (after an emoji, a skin tone or an emoji presentation selector); a
+def _spells(prev: str, c: str, after: str) -> bool:
+    """Whether joiner or selector `c` between `prev` and `after` is part of how something
+    is written: a joiner after a letter or mark of a script that joins (`JOINING`), or
+    between two emoji (after the first one's skin tone or presentation selector); a
     presentation selector after an emoji."""
     if c in "\ufe0e\ufe0f":
         return _emoji(prev)
-    if prev == "\ufe0f" or _emoji(prev):
+    if (prev == "\ufe0f" or _emoji(prev)) and after and _emoji(after):
         return True
     return unicodedata.category(prev)[0] in "LM" and \
         unicodedata.name(prev, "").split(" ")[0] in JOINING
@@ -72,8 +74,8 @@ def plain_question(question: str) -> str:
     q = question.translate(FULL_WIDTH).translate(BLANKS).translate(NOTHING)
     q = MATH_ALPHANUMERIC.sub(lambda m: unicodedata.normalize("NFKC", m.group()), q)
     kept: list[str] = []
-    for c in q:
-        if not _ignorable(c) or (c in SPELLING and kept and _spells(kept[-1], c)):
+    for k, c in enumerate(q):
+        if not _ignorable(c) or (c in SPELLING and kept and _spells(kept[-1], c, q[k + 1:k + 2])):
             kept.append(c)
     return " ".join(unicodedata.normalize("NFC", "".join(kept)).split())
 

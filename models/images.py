@@ -123,12 +123,13 @@ def _jpeg_segments(data: bytes) -> Iterator[tuple[int, int]]:
             i = end.start()
 
 
-def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int]:
+def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int, int]:
     """The first frame header's (marker, number of components) or None (0xC0 baseline,
     0xC1 extended sequential, 0xC2 progressive, 0xC9.. arithmetic, ...), the number of
-    scans (SOS segments) and of marker segments, in one walk (`_jpeg_segments`). Stops
-    counting segments past MAX_JPEG_SEGMENTS + 1."""
-    frame, scans, segments = None, 0, 0
+    scans (SOS segments) and of marker segments, and the bytes of EXIF (APP1 segments
+    starting "Exif", which PIL joins into one block), in one walk (`_jpeg_segments`).
+    Stops counting past MAX_JPEG_SEGMENTS + 1 segments."""
+    frame, scans, segments, exif = None, 0, 0, 0
     for marker, at in _jpeg_segments(data):
         segments += 1
         if segments > MAX_JPEG_SEGMENTS:
@@ -136,7 +137,9 @@ def jpeg_layout(data: bytes) -> tuple[tuple[int, int] | None, int, int]:
         if frame is None and 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
             frame = (marker, data[at + 5] if at + 5 < len(data) else 0)   # not DHT/JPG/DAC
         scans += marker == 0xDA
-    return frame, scans, segments
+        if marker == 0xE1 and data[at:at + 6] == b"Exif\x00\x00":
+            exif += int.from_bytes(data[at - 2:at], "big") - 8
+    return frame, scans, segments, exif
 
 
 def jpeg_scans(data: bytes) -> int:
@@ -165,7 +168,11 @@ def check_jpeg(data: bytes) -> None:
     extended and progressive JPEGs are what encoders write; a sequential one has at most
     one scan per component, a progressive one MAX_JPEG_SCANS (an encoder's script has
     about ten; libjpeg-turbo's tools cap them, `-maxscans`)."""
-    frame, scans, segments = jpeg_layout(data)
+    frame, scans, segments, exif = jpeg_layout(data)
+    if exif > MAX_EXIF_BYTES:
+        # PIL joins the segments by copying the block so far for each (4,080 of them: 14 s)
+        raise ImageInvalid(f"EXIF block over {MAX_EXIF_BYTES} bytes; strip the metadata (a "
+                           f"camera writes one segment of at most that)")
     if segments > MAX_JPEG_SEGMENTS:
         raise ImageInvalid(f"JPEG with over {MAX_JPEG_SEGMENTS} marker segments; "
                            f"re-encode it (baseline JPEG or PNG)")

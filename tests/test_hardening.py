@@ -1118,7 +1118,9 @@ def test_plain_question_by_hand():
                           ("\u0447\u200d\u0442\u200d\u043e", "\u0447\u0442\u043e"),
                           ("\u65e5\u200c\u672c", "\u65e5\u672c"),
                           ("\U0001d416\U0001d421\U0001d41a\U0001d42d", "What"),
-                          ("Wh\U00016fe4at\U0001d159", "What")):
+                          ("Wh\U00016fe4at\U0001d159", "What"),
+                          ("38\u2103\u200d fever", "38\u2103 fever"),         # not an emoji
+                          ("\U0001f600\u200dthis", "\U0001f600this")):      # no emoji after
         assert plain_question(pasted) == plain, pasted
     assert plain_question(devanagari) == devanagari and plain_question(flag) == flag
     assert plain_question(coder) == coder
@@ -1227,7 +1229,13 @@ def test_jpegs_that_cost_far_more_than_their_pixels_are_refused_before_pil(monke
     for why, data in cases.items():
         with pytest.raises(ImageInvalid, match=re.escape(why)):
             open_image(data, 4096 * 4096)
-    assert jpeg_layout(_frame_and_scans(0xC2, 3)) == ((0xC2, 4), 3, 5)
+    assert jpeg_layout(_frame_and_scans(0xC2, 3)) == ((0xC2, 4), 3, 5, 0)
+    # EXIF split over many segments: PIL copies the joined block once per segment
+    app1 = b"\xff\xe1" + (2562).to_bytes(2, "big") + b"Exif\x00\x00" + bytes(2554)
+    exif_flood = b"\xff\xd8" + app1 * 26 + _frame_and_scans(0xC0, 1)[2:]
+    assert jpeg_layout(exif_flood)[3] == 26 * 2554
+    with pytest.raises(ImageInvalid, match=f"EXIF block over {MAX_EXIF_BYTES} bytes"):
+        open_image(exif_flood, 4096 * 4096)
 
 
 def test_bytes_between_jpeg_segments_are_bounded_before_pil(monkeypatch):
