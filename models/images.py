@@ -8,8 +8,11 @@ Policy (the service documents the same):
   checked before any pixel is decoded, so a decompression bomb costs nothing.
 - Geometry: an aspect ratio above 200:1 is refused (VLM processors cannot resize it).
 - DICOM: single-frame only (a multi-frame object is a series; send the frame you mean);
-  MONOCHROME1/2 are windowed with the file's own centre/width (else min–max) to 8 bits,
-  MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB; other photometric
+  at most MAX_DICOM_ITEMS sequence items, and no more pixel data than its rows × columns
+  need, both checked before pydicom parses or unpacks; MONOCHROME1/2 are windowed with the
+  file's own centre/width (else min–max; a flat image keeps its level) to 8 bits,
+  MONOCHROME1 inverted; RGB and YBR_FULL(_422) are converted to RGB, scaled by the stored
+  bit depth; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
 - PNG: at most MAX_PNG_CHUNKS chunks, counted before PIL sees it. EXIF: at most
@@ -42,6 +45,7 @@ ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180
                6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
                8: Image.Transpose.ROTATE_90}
 MAX_ASPECT_RATIO = 200
+MAX_DICOM_ITEMS = 10000       # sequence items in a DICOM file (an image has tens)
 # A progressive JPEG decodes its pixels once per scan, and nothing in the pixel count
 # bounds the scans: 3,500 repeated scans in 336 KB held a decode for 35 s at 4096². An
 # encoder's progressive script has about ten (libjpeg's default: 10 for colour), and
@@ -204,11 +208,25 @@ def _tag(ds, name: str, default, cast=float):
         raise ImageInvalid(f"malformed DICOM tag {name}") from None
 
 
+def _compressed(ds) -> bool:
+    """Whether a dataset's transfer syntax is an encapsulated (compressed) one; an
+    unknown one counts as not (decoding it fails later, with its own message)."""
+    try:
+        return bool(getattr(ds, "file_meta", {}).get("TransferSyntaxUID").is_compressed)
+    except Exception:
+        return False
+
+
 def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     try:
         import pydicom
     except ImportError as e:  # pragma: no cover - optional dependency
         raise ImageInvalid("DICOM support needs pydicom") from e
+    # pydicom parses every item in Python: 655k empty sequence items in 10 MiB took 11 s
+    # and 491 MB. The item tag's bytes (either byte order) bound how many there are.
+    items = data.count(b"\xfe\xff\x00\xe0") + data.count(b"\xff\xfe\xe0\x00")
+    if items > MAX_DICOM_ITEMS:
+        raise ImageInvalid(f"DICOM with over {MAX_DICOM_ITEMS} sequence items")
     try:
         ds = pydicom.dcmread(io.BytesIO(data))
     except Exception as e:   # pydicom raises many types on hostile input
@@ -226,6 +244,18 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     if photometric not in DICOM_MONO + DICOM_COLOUR:
         raise ImageInvalid(f"DICOM photometric interpretation {photometric!r} is not "
                            f"supported (accepted: {', '.join(DICOM_MONO + DICOM_COLOUR)})")
+    samples = _tag(ds, "SamplesPerPixel", 3 if photometric in DICOM_COLOUR else 1, int)
+    bits = _tag(ds, "BitsAllocated", 8, int)
+    stored = _tag(ds, "BitsStored", bits, int)
+    # before the pixels are unpacked (10 MiB of 1-bit data for a 64×64 image became an
+    # array of 84 M floats, 789 MB, and only then failed the shape check); a native
+    # encoding pads to an even length
+    expected = (rows * cols * samples * max(bits, 1) + 7) // 8
+    raw = ds.get("PixelData")
+    if isinstance(raw, bytes | bytearray) and len(raw) > expected + 1 and \
+            not _compressed(ds):
+        raise ImageInvalid(f"DICOM pixel data of {len(raw)} bytes, more than "
+                           f"{rows}x{cols}x{samples} pixels of {bits} bits need")
     slope = _tag(ds, "RescaleSlope", 1.0) or 1.0
     intercept = _tag(ds, "RescaleIntercept", 0.0)
     centre = _tag(ds, "WindowCenter", None)
@@ -245,10 +275,15 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
                            f"{rows}x{cols} {photometric}")
     if not np.isfinite(a).all():
         raise ImageInvalid("DICOM pixel data is not finite")
+    # the stored bit depth's full range: a white 16-bit image stays white (scaled by its
+    # own range it turned black, and a near-black one grey)
+    top = float(2 ** min(max(stored, 1), 64) - 1)
     if colour:
-        lo, hi = (0.0, 255.0) if a.max() <= 255 and a.min() >= 0 else (a.min(), a.max())
+        lo, hi = (0.0, top) if a.max() <= top and a.min() >= 0 else (a.min(), a.max())
         a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
         return Image.fromarray(a.astype(np.uint8), "RGB")
+    flat = float(a.max() - a.min()) == 0.0
+    level = float(np.clip(a.flat[0] / top, 0, 1)) if a.size else 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         # finite tags can still overflow once applied (slope 1e308 × a pixel of 64)
         a = a * slope
@@ -268,7 +303,11 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
             if not np.isfinite(hi - lo):
                 raise ImageInvalid("malformed DICOM tag RescaleSlope: the pixel range "
                                    "overflows")
-    a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
+    if flat and not (centre is not None and width is not None and width > 0):
+        # no window and one value: min–max has no range to map; keep the stored level
+        a = np.full_like(a, level * 255)
+    else:
+        a = np.clip((a - lo) / max(hi - lo, 1e-6), 0, 1) * 255
     if photometric == "MONOCHROME1":
         a = 255 - a
     return Image.fromarray(a.astype(np.uint8)).convert("RGB")
@@ -282,7 +321,9 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
     """
     if not data:
         raise ImageInvalid("empty image")
-    if len(data) > 132 and data[128:132] == b"DICM":
+    # a PNG or JPEG whose bytes 128-131 happen to read "DICM" is still that
+    if len(data) > 132 and data[128:132] == b"DICM" and data[:8] != PNG_SIGNATURE and \
+            data[:2] != b"\xff\xd8":
         img = _dicom(data, max_pixels)
     else:
         try:

@@ -31,6 +31,7 @@ from app.text import plain_question
 from models.actor import Answers, StageTimings
 from models.images import (
     MAX_ASPECT_RATIO,
+    MAX_DICOM_ITEMS,
     MAX_EXIF_BYTES,
     MAX_JPEG_GAP,
     MAX_JPEG_SCANS,
@@ -1314,3 +1315,52 @@ def test_an_empty_mask_span_is_422(api, span):
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": {"target": span},
                                        "response": "<think>x</think><answer>triangle</answer>"})
     assert_error(r, 422, "is empty")
+
+
+# ------------------------------------------------------------------ DICOM, hostile round
+def test_dicom_pixel_data_longer_than_its_pixels_is_refused_before_unpacking(monkeypatch):
+    """10 MiB of 1-bit data for a 64×64 image had become 84 M floats (789 MB)."""
+    long = np.zeros((64 * 64 * 4,), np.uint16)                 # 4× what 64² pixels need
+    raw = _dicom(64, 64, pixels=long)
+    import pydicom
+
+    monkeypatch.setattr(pydicom.dataset.Dataset, "pixel_array",
+                        property(lambda self: pytest.fail("pixels were unpacked")))
+    with pytest.raises(ImageInvalid, match="more than 64x64x1 pixels of 16 bits need"):
+        open_image(raw)
+
+
+def test_dicom_with_a_flood_of_sequence_items_is_refused_before_parsing(monkeypatch):
+    import pydicom
+
+    raw = _dicom(32, 32, pixels=MONO)
+    item = b"\xfe\xff\x00\xe0\xff\xff\xff\xff\xfe\xff\x0d\xe0\x00\x00\x00\x00"
+    flood = raw + item * (MAX_DICOM_ITEMS + 1)
+    monkeypatch.setattr(pydicom, "dcmread", lambda *a, **k: pytest.fail("parsed"))
+    with pytest.raises(ImageInvalid, match=f"over {MAX_DICOM_ITEMS} sequence items"):
+        open_image(flood)
+
+
+def test_flat_and_16_bit_colour_dicom_keep_their_level():
+    white = _dicom(8, 8, "RGB", bits=16, pixels=np.full((8, 8, 3), 65535, np.uint16))
+    dark = _dicom(8, 8, "RGB", bits=16, pixels=np.full((8, 8, 3), 200, np.uint16))
+    flat = _dicom(8, 8, bits=16, pixels=np.full((8, 8), 65535, np.uint16))
+    inverted = _dicom(8, 8, "MONOCHROME1", bits=16, pixels=np.zeros((8, 8), np.uint16))
+    assert open_image(white).getpixel((3, 3)) == (255, 255, 255)
+    assert open_image(dark).getpixel((3, 3)) == (0, 0, 0)              # 200 of 65535
+    assert open_image(flat).getpixel((3, 3)) == (255, 255, 255)
+    assert open_image(inverted).getpixel((3, 3)) == (255, 255, 255)   # 0 shown as white
+    ramp = _dicom(32, 32, pixels=MONO)                                 # min–max as before
+    got = np.asarray(open_image(ramp))[..., 0]
+    assert got.min() == 0 and got.max() == 255
+
+
+def test_a_png_whose_bytes_128_to_131_read_dicm_is_a_png():
+    png = png_bytes(random_image(7, 32, 32))
+    # a text chunk after IHDR (signature 8 + IHDR 25 bytes) whose text puts "DICM" at 128
+    text = b"Comment\x00" + b"x" * (128 - 33 - 8 - 8) + b"DICM" + b"yy"
+    chunk = len(text).to_bytes(4, "big") + b"tEXt" + text + \
+        zlib.crc32(b"tEXt" + text).to_bytes(4, "big")
+    data = png[:33] + chunk + png[33:]
+    assert data[128:132] == b"DICM"
+    assert open_image(data).size == (32, 32)          # "DICOM has no pixel data" before
