@@ -38,6 +38,7 @@ from PIL import Image, UnidentifiedImageError
 DEFAULT_MAX_PIXELS = 50_000_000
 MAX_EXIF_BYTES = 65536        # one APP1 segment's worth; PIL joins several into one block
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+JPEG_SOI = b"\xff\xd8"
 MAX_PNG_CHUNKS = 16384        # PIL reads and checks each chunk in Python (873k empty: 2.5 s)
 # EXIF orientation → the transpose that makes the picture upright
 ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
@@ -151,6 +152,11 @@ def jpeg_scans(data: bytes) -> int:
     return jpeg_layout(data)[1]
 
 
+def _exif_too_large() -> ImageInvalid:
+    return ImageInvalid(f"EXIF block over {MAX_EXIF_BYTES} bytes; strip the metadata (a "
+                        f"camera writes one segment of at most that)")
+
+
 def check_png(data: bytes) -> None:
     """Refuse a PNG of more than MAX_PNG_CHUNKS chunks before PIL reads them (an encoder
     writes tens, or a few thousand image-data chunks for a large picture)."""
@@ -175,8 +181,7 @@ def check_jpeg(data: bytes) -> None:
     frame, scans, segments, exif = jpeg_layout(data)
     if exif > MAX_EXIF_BYTES:
         # PIL joins the segments by copying the block so far for each (4,080 of them: 14 s)
-        raise ImageInvalid(f"EXIF block over {MAX_EXIF_BYTES} bytes; strip the metadata (a "
-                           f"camera writes one segment of at most that)")
+        raise _exif_too_large()
     if segments > MAX_JPEG_SEGMENTS:
         raise ImageInvalid(f"JPEG with over {MAX_JPEG_SEGMENTS} marker segments; "
                            f"re-encode it (baseline JPEG or PNG)")
@@ -322,16 +327,16 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
     if not data:
         raise ImageInvalid("empty image")
     # a PNG or JPEG whose bytes 128-131 happen to read "DICM" is still that
-    if len(data) > 132 and data[128:132] == b"DICM" and data[:8] != PNG_SIGNATURE and \
-            data[:2] != b"\xff\xd8":
+    png, jpeg = data[:8] == PNG_SIGNATURE, data[:2] == JPEG_SOI
+    if len(data) > 132 and data[128:132] == b"DICM" and not (png or jpeg):
         img = _dicom(data, max_pixels)
     else:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                if data[:2] == b"\xff\xd8":
+                if jpeg:
                     check_jpeg(data)     # before PIL, whose header parser is Python too
-                elif data[:8] == PNG_SIGNATURE:
+                elif png:
                     check_png(data)      # likewise its chunk loop
                 img = Image.open(io.BytesIO(data), formats=list(FORMATS))
                 check_geometry(*img.size, max_pixels)
@@ -343,8 +348,7 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
                 img.load()
                 # after loading: a PNG's eXIf chunk may follow its image data
                 if len(img.info.get("exif") or b"") > MAX_EXIF_BYTES:
-                    raise ImageInvalid(f"EXIF block over {MAX_EXIF_BYTES} bytes; strip the "
-                                       f"metadata (a camera writes one segment of at most that)")
+                    raise _exif_too_large()
                 # A camera's EXIF orientation: the model must see the scene upright (a
                 # rotated shape read as another one, confidently, in the attack report).
                 # Turned here rather than by `ImageOps.exif_transpose`, which rebuilds the

@@ -42,14 +42,16 @@ def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
     # A span indexes the response as scored: the text before its confidence cue (the cue
     # is appended again after it, and masking it would change what μ(C) reads).
     scored = len(Actor.score_text(response, cue=False))
-    if isinstance(target, tuple) and target[0] > target[1]:
-        raise InvalidInput(f"{where}: mask span {list(target)} ends before it starts")
-    if isinstance(target, tuple) and not 0 <= target[0] <= target[1] <= scored:
-        raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
-                           f"before its confidence cue (length {scored})")
-    if isinstance(target, tuple) and target[0] == target[1]:
-        # a span masks every token it touches: an empty one inside a token masked it
-        raise InvalidInput(f"{where}: mask span {list(target)} is empty")
+    if isinstance(target, tuple):
+        start, end = target
+        if start > end:
+            raise InvalidInput(f"{where}: mask span {list(target)} ends before it starts")
+        if not 0 <= start <= end <= scored:
+            raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
+                               f"before its confidence cue (length {scored})")
+        if start == end:
+            # a span masks every token it touches: an empty one inside a token masked it
+            raise InvalidInput(f"{where}: mask span {list(target)} is empty")
     try:
         return MaskSpec(target, m.ratio, m.seed)
     except ValueError as e:
