@@ -1,0 +1,80 @@
+"""`greedy_loop` decodes exactly as transformers' own loop: same tokens, same logits, same
+cache, for every family, with padding, rows that finish early and logits processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.data import load, sample
+from models.greedy import greedy_loop
+from models.loading import load_actor
+from models.tiny import FAMILIES
+from tests.conftest import QUESTIONS
+
+
+def _generate(actor, images, questions, loop, max_new_tokens=12, **extra):
+    batch = actor.encode(images, questions)
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=actor.pad_id,
+                  eos_token_id=sorted(actor.eos_ids), return_dict_in_generate=True,
+                  output_logits=True, top_p=None, top_k=None, temperature=None)
+    kwargs.update(extra)
+    return actor.model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                custom_generate=loop, **kwargs, **actor._vision_kwargs(batch))
+
+
+def _assert_same(ours, theirs):
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.logits) == len(theirs.logits)
+    for a, b in zip(ours.logits, theirs.logits):
+        assert torch.equal(a, b)
+    assert ours.cache.get_seq_length() == theirs.cache.get_seq_length()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_tokens_and_logits_as_the_library_loop(actors, images, family):
+    actor = actors[family]
+    ours = _generate(actor, images[:5], QUESTIONS[:5], greedy_loop)
+    theirs = _generate(actor, images[:5], QUESTIONS[:5], None)
+    _assert_same(ours, theirs)
+
+
+def test_rows_that_finish_early_are_padded_alike():
+    """The embedded actor on easy-VQA: rows end with EOS at different steps (the random
+    actors never emit theirs) and the finished ones are padded."""
+    actor = load_actor()
+    items = sample(load("easyvqa:test"), 8, seed=3)
+    images, questions = [it.image() for it in items], [it.question for it in items]
+    ours = _generate(actor, images, questions, greedy_loop, max_new_tokens=64)
+    theirs = _generate(actor, images, questions, None, max_new_tokens=64)
+    _assert_same(ours, theirs)
+    gen = ours.sequences[:, -len(ours.logits):]
+    ended = [len(actor._trim(row)) for row in gen.tolist()]
+    assert len(set(ended)) > 1 and max(ended) < 64     # uneven, and every row ended
+    assert all((gen[b, n:] == actor.pad_id).all() for b, n in enumerate(ended))
+
+
+def test_the_checkpoints_logits_processors_still_apply(qwen3, images):
+    """A repetition penalty from the generation config changes the tokens; both loops apply
+    it."""
+    plain = _generate(qwen3, images[:3], QUESTIONS[:3], None, max_new_tokens=16)
+    ours = _generate(qwen3, images[:3], QUESTIONS[:3], greedy_loop, max_new_tokens=16,
+                     repetition_penalty=5.0)
+    theirs = _generate(qwen3, images[:3], QUESTIONS[:3], None, max_new_tokens=16,
+                       repetition_penalty=5.0)
+    _assert_same(ours, theirs)
+    assert not torch.equal(ours.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("extra", [{"output_scores": True}, {"output_hidden_states": True},
+                                   {"do_sample": True}])
+def test_what_it_does_not_do_is_refused(qwen3, images, extra):
+    with pytest.raises(ValueError, match="greedy_loop"):
+        _generate(qwen3, images[:1], QUESTIONS[:1], greedy_loop, max_new_tokens=3, **extra)
+
+
+def test_without_return_dict_it_returns_the_sequences(qwen3, images):
+    ids = _generate(qwen3, images[:2], QUESTIONS[:2], greedy_loop, max_new_tokens=5,
+                    return_dict_in_generate=False)
+    assert torch.equal(ids, _generate(qwen3, images[:2], QUESTIONS[:2], None,
+                                      max_new_tokens=5).sequences)
