@@ -191,17 +191,18 @@ def _stack_features(rgb8: np.ndarray) -> np.ndarray:
         0.3 * np.hypot(rg.mean(axis=ax), yb.mean(axis=ax))
     gy, gx = _gradient(y)
     mag = np.hypot(gx, gy)
-    turn = np.mod(np.arctan2(gy, gx), np.pi)                    # gradient direction mod 180°
+    turn = np.arctan2(gy, gx)
+    turn = np.where(turn < 0, turn + np.pi, turn)       # direction mod 180° (π itself: bin 0)
     bins = (np.floor(turn / np.pi * ORIENTATION_BINS + 0.5).astype(np.int64)
             % ORIENTATION_BINS).reshape(n, -1) + (np.arange(n)[:, None] * ORIENTATION_BINS)
     energy = np.bincount(bins.ravel(), weights=mag.reshape(n, -1).ravel(),
                          minlength=n * ORIENTATION_BINS).reshape(n, ORIENTATION_BINS)
     orientation = energy / (energy.sum(axis=1, keepdims=True) + EPS)
-    q5 = (rgb8 >> 3).astype(np.int32)                           # 5 bits per channel
+    q5 = (rgb8 >> 3).astype(np.intp)                            # 5 bits per channel
     codes = ((q5[..., 0] << 10) | (q5[..., 1] << 5) | q5[..., 2]).reshape(n, -1)
-    codes = codes + (np.arange(n)[:, None] << 15)                 # one histogram per image
-    palette = np.count_nonzero(np.bincount(codes.ravel(), minlength=n << 15)
-                               .reshape(n, 1 << 15), axis=1)
+    seen = np.zeros((n, 1 << 15), bool)                           # one table per image
+    seen[np.arange(n)[:, None], codes] = True
+    palette = np.count_nonzero(seen, axis=1)
     size = y.shape[1] * y.shape[2]
     return np.stack([
         y.mean(axis=ax),
