@@ -12,6 +12,7 @@ is tested against the library's loop.
 from __future__ import annotations
 
 import torch
+from transformers import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from models.families import decode_position_ids, family_of
@@ -27,19 +28,28 @@ def greedy_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
     asked = [k for k in UNSUPPORTED if getattr(generation_config, k, False)]
     if asked or synced_gpus or streamer is not None or generation_config.num_beams != 1:
         raise ValueError(f"greedy_loop decodes greedily with one beam, without {asked or 'that'}")
+    # The length and EOS criteria are applied here as the library's do it (their own calls
+    # build several tensors a step); any other criterion (deadlines, ...) is called as given.
+    max_length = min((c.max_length for c in stopping_criteria
+                      if isinstance(c, MaxLengthCriteria)), default=None)
+    eos = [c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
+    others = [c for c in stopping_criteria
+              if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if max_length is None:
+        raise ValueError("greedy_loop needs a length limit (max_new_tokens)")
     pad = generation_config.pad_token_id
-    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    if has_eos and pad is None:
+    if eos and pad is None:
         raise ValueError("greedy_loop needs pad_token_id to pad rows that have finished")
-    family = family_of(model.config.model_type)
+    eos_ids = torch.cat([e.reshape(-1) for e in eos]).to(input_ids.device) if eos else None
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     raw: list[torch.Tensor] = []
-    # `generate` drops an all-ones mask; positions still count the prompt
+    # `generate` drops an all-ones mask (its positions still count the prompt)
     mask = model_kwargs.get("attention_mask")
-    seen = mask if mask is not None else torch.ones_like(input_ids)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    prompt = mask if mask is not None else torch.ones_like(input_ids)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     out = model(**model.prepare_inputs_for_generation(input_ids, is_first_iteration=True,
                                                       **model_kwargs), return_dict=True)
+    step = 0
     while True:
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
@@ -47,18 +57,26 @@ def greedy_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
         if keep_logits:
             raw.append(logits)
         nxt = logits_processor(input_ids, logits).argmax(-1)
-        if has_eos:
-            nxt = nxt * unfinished + pad * (1 - unfinished)
+        if eos_ids is not None:               # finished rows get padding
+            nxt = torch.where(unfinished, nxt, pad)
         input_ids = torch.cat([input_ids, nxt[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        if input_ids.shape[1] >= max_length:
+            break
+        if eos_ids is not None:
+            unfinished &= ~torch.isin(nxt, eos_ids)
+        for criterion in others:
+            unfinished &= ~criterion(input_ids, None)
         if not bool(unfinished.any()):
             break
-        seen = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=-1)
+        if step == 0:     # positions of the first fed-back token; each step adds one
+            first = decode_position_ids(model, family_of(model.config.model_type),
+                                        torch.cat([prompt, torch.ones_like(prompt[:, :1])], 1))
         if mask is not None:
-            mask = seen
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, cache=cache,
-                    position_ids=decode_position_ids(model, family, seen), use_cache=True,
-                    logits_to_keep=1, return_dict=True)
+                    position_ids=first + step, use_cache=True, logits_to_keep=1,
+                    return_dict=True)
+        step += 1
     if not generation_config.return_dict_in_generate:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, logits=tuple(raw) if keep_logits

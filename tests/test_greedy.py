@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models.data import load, sample
 from models.greedy import greedy_loop
@@ -52,6 +53,30 @@ def test_rows_that_finish_early_are_padded_alike():
     ended = [len(actor._trim(row)) for row in gen.tolist()]
     assert len(set(ended)) > 1 and max(ended) < 64     # uneven, and every row ended
     assert all((gen[b, n:] == actor.pad_id).all() for b, n in enumerate(ended))
+
+
+class StopRowAt(StoppingCriteria):
+    """Stops one row once the sequence is `length` long (a deadline does the same)."""
+
+    def __init__(self, row: int, length: int) -> None:
+        self.row, self.length = row, length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[self.row] = input_ids.shape[1] >= self.length
+        return done
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_other_stopping_criteria_are_honoured(actors, images, family):
+    actor = actors[family]
+    lp = actor.encode(images[:3], QUESTIONS[:3]).input_ids.shape[1]
+    stop = StoppingCriteriaList([StopRowAt(1, lp + 4)])
+    ours = _generate(actor, images[:3], QUESTIONS[:3], greedy_loop, stopping_criteria=stop)
+    theirs = _generate(actor, images[:3], QUESTIONS[:3], None, stopping_criteria=stop)
+    _assert_same(ours, theirs)
+    assert (ours.sequences[1, lp + 4:] == actor.pad_id).all()
+    assert not (ours.sequences[0, lp + 4:] == actor.pad_id).all()
 
 
 def test_the_checkpoints_logits_processors_still_apply(qwen3, images):
