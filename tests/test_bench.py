@@ -46,6 +46,7 @@ def test_paired_median_ratio_by_hand():
         t.seconds["capture"].append(capture)
         t.seconds["replay"].append(2 * plain)
         t.seconds["no_check"].append(capture - 0.1 * plain)
+        t.seconds["answer"].append(0.9 * plain)
         t.seconds["sc8"].append(3 * plain)
     for m in t.seconds:
         t.cpu_seconds[m] = list(t.seconds[m])
@@ -57,6 +58,9 @@ def test_paired_median_ratio_by_hand():
     assert out["no_check_ratio_paired_median"] == pytest.approx(1.0)     # of 1.0, 0.9, 1.2
     # capture over the control, unit by unit: 1.1/1.0, 2.0/1.8, 13/12
     assert out["capture_over_no_check_paired_median"] == pytest.approx(1.1)
+    # what DualRead costs over the answer alone: 1.1/0.9, 2.0/1.8, 13/9
+    assert out["capture_over_answer_paired_median"] == pytest.approx(1.1 / 0.9)
+    assert out["answer_ratio_paired_median"] == pytest.approx(0.9)
 
 
 def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():
@@ -104,7 +108,8 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
     for b, units, measured in (("b1", 8, 16), ("b8", 1, 1)):
         blk = saved["in_process"][b]
         assert blk["units"] == units and blk["measurements"] == measured
-        for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median"):
+        for key in ("capture_ratio", "replay_ratio", "sc8_ratio", "capture_ratio_paired_median",
+                    "answer_ratio", "capture_over_answer"):
             assert math.isfinite(blk[key]) and blk[key] > 0, (b, key)
         # greedy decoding from the same inputs must give the same tokens in every mode
         assert blk["greedy_tokens_identical"] is True
@@ -120,6 +125,7 @@ def test_in_process_bench_writes_the_keys(actor_dirs, actors, tmp_path):
         assert blk["decode_ratio_ci"][0] <= blk["decode_ratio"] <= blk["decode_ratio_ci"][1]
     report = (tmp_path / "out" / "bench.md").read_text()
     assert "Decoding inside capture" in report and "control" not in report
+    assert "what DualRead itself costs" in report
     assert "http" not in saved
     names = [t["target"] for t in res["targets"]]
     assert "capture / plain generate, b1" in names and "heads alone (µs per item)" in names

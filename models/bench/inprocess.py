@@ -4,6 +4,10 @@ Modes, all on the same images, questions and `max_new_tokens`:
 - `plain`: what a user writes with transformers — processor inputs, then
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
+- `answer`: the service's answer alone: `Actor.answer(readout="none")`, the same
+  processor inputs and greedy decoding loop as `capture` (`models.greedy`), the response
+  parsed, no hidden states kept, no readers, no image check. Capture over it is what
+  DualRead itself costs; it over `plain` is what the decoding loop saves.
 - `capture`: `Service.answer_batch`, what `/answer` runs behind HTTP: `Actor.answer`
   (readout="capture"), the image check in its child process while the batch decodes, one
   batched call of the readers, novelty and the defer decision, shaped into results.
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-MODES = ("plain", "capture", "replay", "no_check", "sc8")
+MODES = ("plain", "answer", "capture", "replay", "no_check", "sc8")
 SC_K = 8
 
 
@@ -141,6 +145,8 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             return plain_generate(actor, imgs, qs, max_new_tokens)
         if mode == "sc8":
             return sample_k(actor, imgs, qs, max_new_tokens, seed)
+        if mode == "answer":
+            return actor.answer(imgs, qs, max_new_tokens, readout="none")
         if mode == "no_check":
             return answer_with_dualread(unchecked, imgs, qs, max_new_tokens)
         return answer_with_dualread(service, imgs, qs, max_new_tokens, mode)
@@ -171,7 +177,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
                                                                   + stages.readout) / batch)
             out.unit_ids.append(unit_id)
-            for mode in (m for m in ("capture", "replay", "no_check") if m in got):
+            for mode in (m for m in ("answer", "capture", "replay", "no_check") if m in got):
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
                 out.same_tokens.append(ids == plain)
@@ -238,17 +244,18 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
         out[f"{m}_ratio_cpu"] = r
         out[f"{m}_ratio_cpu_ci"] = [lo, hi]
     # cross-check: the median of per-unit ratios (each unit's modes ran back to back)
-    for m in ("capture", "replay", "no_check"):
+    for m in ("answer", "capture", "replay", "no_check"):
         if m in sec:
             out[f"{m}_ratio_paired_median"] = float(np.median(
                 np.asarray(sec[m]) / np.asarray(plain)))
-    # what the image check costs: capture against the control, unit by unit
-    if "no_check" in sec:
-        r, lo, hi = ratio_ci(sec["capture"], sec["no_check"], n_boot)
-        out["capture_over_no_check"] = r
-        out["capture_over_no_check_ci"] = [lo, hi]
-        out["capture_over_no_check_paired_median"] = float(np.median(
-            np.asarray(sec["capture"]) / np.asarray(sec["no_check"])))
+    # what DualRead costs on top of the same answer, and what the image check costs:
+    # capture against the answer alone and against the control, unit by unit
+    for base in (m for m in ("answer", "no_check") if m in sec):
+        r, lo, hi = ratio_ci(sec["capture"], sec[base], n_boot)
+        out[f"capture_over_{base}"] = r
+        out[f"capture_over_{base}_ci"] = [lo, hi]
+        out[f"capture_over_{base}_paired_median"] = float(np.median(
+            np.asarray(sec["capture"]) / np.asarray(sec[base])))
     # capture's own decoding against plain generate, same units: what decoding with the
     # state capture and the image check's process beside it costs, apart from the work
     # after decoding

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-MODE_NAMES = {"plain": "plain greedy `generate`", "capture": "answer + DualRead (capture)",
+MODE_NAMES = {"plain": "plain greedy `generate`",
+              "answer": "answer alone (the service's decoding, no DualRead)",
+              "capture": "answer + DualRead (capture)",
               "replay": "answer + DualRead (replay)",
               "no_check": "control: capture, image check left out",
               "sc8": "SC@8 (8 sampled completions)"}
@@ -69,7 +71,10 @@ def markdown(r: dict) -> str:
                          f"{ratio(blk, m, '_cpu')} | {blk['tokens_per_item'][m]:.1f} |")
     b1, b8 = ip["b1"], ip["b8"]
     paired = "; ".join(
-        f"batch {blk['batch']}: capture {blk['capture_ratio_paired_median']:.3f}, replay "
+        f"batch {blk['batch']}: "
+        + (f"answer alone {blk['answer_ratio_paired_median']:.3f}, "
+           if "answer_ratio_paired_median" in blk else "")
+        + f"capture {blk['capture_ratio_paired_median']:.3f}, replay "
         f"{blk['replay_ratio_paired_median']:.3f}"
         + (f", control without the image check {blk['no_check_ratio_paired_median']:.3f}"
            if "no_check_ratio_paired_median" in blk else "") for blk in ip.values()
@@ -88,6 +93,17 @@ def markdown(r: dict) -> str:
               "cross-check on a shared machine: the image check runs in its own process "
               "while the batch decodes, so it costs CPU time, not wall time, when a second "
               "core is free.", "",
+              ("The answer-alone row is the service's own answer without DualRead: the "
+               "same processor inputs and greedy decoding loop (`models/greedy.py`, one "
+               "model call a step, where `generate`'s own loop rebuilds its inputs every "
+               "step), no states kept, no readers, no image check. Capture over it, unit by "
+               "unit, is what DualRead itself costs: "
+               + ", ".join(f"{blk['capture_over_answer']:.3f} "
+                           f"[{blk['capture_over_answer_ci'][0]:.3f}, "
+                           f"{blk['capture_over_answer_ci'][1]:.3f}] at batch {blk['batch']} "
+                           f"(per-unit median {blk['capture_over_answer_paired_median']:.3f})"
+                           for blk in ip.values()) + ". "
+               if all("capture_over_answer" in blk for blk in ip.values()) else "") +
               ("The control row is capture with the image check left out (the same heads "
                  "without it, so no check process), interleaved like the rest; capture over "
                  "the control, unit by unit, is what the image check costs on this machine: "
