@@ -14,8 +14,8 @@ from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models.canon import canon
+from models.decoding import decode_loop
 from models.families import Family, decode_position_ids, position_ids
-from models.greedy import greedy_loop
 from models.masking import MaskSpec, attention_mask_4d, masked_token_indices
 from models.parse import parse_response
 from models.readout import Readout, Response, StateTap, locate, token_spans
@@ -386,7 +386,7 @@ class Actor:
                 do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                 eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
                 output_logits=keep_logits, top_p=None,
-                top_k=None, temperature=None, custom_generate=greedy_loop,
+                top_k=None, temperature=None, custom_generate=decode_loop,
                 stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
@@ -496,7 +496,8 @@ class Actor:
         out = self.model.generate(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=True,
             temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), **kwargs)
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            custom_generate=decode_loop, **kwargs)
         gen = out[:, batch.prompt_len:]
         rows = [self._response(self._trim(r.tolist()), None, None, None, batch.prompt_len)
                 for r in gen]

@@ -5,7 +5,7 @@ Modes, all on the same images, questions and `max_new_tokens`:
   `model.generate(**inputs, max_new_tokens=N, do_sample=False)` without hidden states,
   then `batch_decode`.
 - `answer`: the service's answer alone: `Actor.answer(readout="none")`, the same
-  processor inputs and greedy decoding loop as `capture` (`models.greedy`), the response
+  processor inputs and greedy decoding loop as `capture` (`models.decoding`), the response
   parsed, no hidden states kept, no readers, no image check. Capture over it is what
   DualRead itself costs; it over `plain` is what the decoding loop saves.
 - `capture`: `Service.answer_batch`, what `/answer` runs behind HTTP: `Actor.answer`
@@ -17,8 +17,9 @@ Modes, all on the same images, questions and `max_new_tokens`:
   costs the rest (on a machine whose second core is not really free, its CPU time).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
   exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
-  of every item of a unit are one batched `generate` (K·batch rows), not K calls. The
-  greedy answer SC@K also needs is not counted.
+  of every item of a unit are one batched `generate` (K·batch rows), not K calls, with the
+  same decoding loop as the service's answers. The greedy answer SC@K also needs is not
+  counted.
 
 Modes are interleaved unit by unit (a unit is one item at batch 1, one batch of 8 at
 batch 8), their order rotated from unit to unit, so drift in machine load falls on all

@@ -94,7 +94,7 @@ def markdown(r: dict) -> str:
               "while the batch decodes, so it costs CPU time, not wall time, when a second "
               "core is free.", "",
               ("The answer-alone row is the service's own answer without DualRead: the "
-               "same processor inputs and greedy decoding loop (`models/greedy.py`, one "
+               "same processor inputs and greedy decoding loop (`models/decoding.py`, one "
                "model call a step, where `generate`'s own loop rebuilds its inputs every "
                "step), no states kept, no readers, no image check. Capture over it, unit by "
                "unit, is what DualRead itself costs: "
@@ -118,9 +118,9 @@ def markdown(r: dict) -> str:
               f"[{b1['capture_over_sc8_ci'][0]:.3f}, {b1['capture_over_sc8_ci'][1]:.3f}] and "
               f"{b8['capture_over_sc8']:.3f}× at batch 8 [{b8['capture_over_sc8_ci'][0]:.3f}, "
               f"{b8['capture_over_sc8_ci'][1]:.3f}]. SC@8 runs as the evaluation runs it: "
-              "the 8 samples of every item of a unit are one batched `generate`, so they "
-              "cost far less than 8 greedy passes; the 1/6 target assumes 8 separate passes "
-              "(the paper's K·t).", "",
+              "the 8 samples of every item of a unit are one batched `generate` (through the "
+              "same decoding loop as the answers), so they cost far less than 8 greedy "
+              "passes; the 1/6 target assumes 8 separate passes (the paper's K·t).", "",
               f"Heads alone (features + every reader + fusion + novelty + defer): "
               f"{r['heads']['median_us']:.0f} µs per item (median of {r['heads']['calls']} "
               f"calls over {r['heads']['items']} readouts; mean {r['heads']['mean_us']:.0f} µs, "

@@ -1,12 +1,14 @@
-"""Greedy decoding as `generate`'s decoding loop (its `custom_generate` hook).
+"""Greedy and sampled decoding as `generate`'s decoding loop (its `custom_generate` hook).
 
 `generate` still prepares everything as usual: inputs, cache, the checkpoint's logits
-processors, the stopping criteria (length, EOS, deadlines). Only the loop is ours: one
-model call a step, with the new token, the grown mask and its positions. transformers'
-own loop prepares each step's inputs from the whole sequence and rebuilds its kwargs
-and output objects; on the embedded actor that Python cost was ~7% of decoding at batch
-1 and 8 (`dualread bench`'s decoding row). Tokens and logits are the same: every family
-is tested against the library's loop.
+processors and warpers (temperature, top-p), the stopping criteria (length, EOS,
+deadlines). Only the loop is ours: one model call a step, with the new token, the grown
+mask and its positions. transformers' own loop prepares each step's inputs from the whole
+sequence and rebuilds its kwargs and output objects; on the embedded actor that Python
+cost was 7-10% of decoding at batch 1 and 8 (`dualread bench`, "answer alone" against
+plain `generate`). The service's answers (greedy) and SC@K's samples (the baseline gets
+the same loop) come out of it. Tokens and logits are the library's: every family is
+tested against its loop, sampling with the same seed.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from models.families import decode_position_ids, family_of
 
-UNSUPPORTED = ("output_scores", "output_attentions", "output_hidden_states", "do_sample")
+UNSUPPORTED = ("output_scores", "output_attentions", "output_hidden_states")
 
 
-def greedy_loop(model, input_ids: torch.Tensor, logits_processor, stopping_criteria,
+def decode_loop(model, input_ids: torch.Tensor, logits_processor, stopping_criteria,
                 generation_config, synced_gpus: bool = False, streamer=None,
                 **model_kwargs) -> GenerateDecoderOnlyOutput | torch.Tensor:
-    """What `GenerationMixin._sample` does for greedy search with a cache, one model call
-    a step. Pass it as `model.generate(..., custom_generate=greedy_loop)`."""
+    """What `GenerationMixin._sample` does, greedy or sampling, with a cache, one model
+    call a step. Pass it as `model.generate(..., custom_generate=decode_loop)`."""
     asked = [k for k in UNSUPPORTED if getattr(generation_config, k, False)]
     if asked or synced_gpus or streamer is not None or generation_config.num_beams != 1:
-        raise ValueError(f"greedy_loop decodes greedily with one beam, without {asked or 'that'}")
+        raise ValueError(f"decode_loop decodes with one beam, without {asked or 'that'}")
     # The length and EOS criteria are applied here as the library's do it (their own calls
     # build several tensors a step); any other criterion (deadlines, ...) is called as given.
     max_length = min((c.max_length for c in stopping_criteria
@@ -36,10 +38,10 @@ def greedy_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
     others = [c for c in stopping_criteria
               if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if max_length is None:
-        raise ValueError("greedy_loop needs a length limit (max_new_tokens)")
+        raise ValueError("decode_loop needs a length limit (max_new_tokens)")
     pad = generation_config.pad_token_id
     if eos and pad is None:
-        raise ValueError("greedy_loop needs pad_token_id to pad rows that have finished")
+        raise ValueError("decode_loop needs pad_token_id to pad rows that have finished")
     eos_ids = torch.cat([e.reshape(-1) for e in eos]).to(input_ids.device) if eos else None
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     raw: list[torch.Tensor] = []
@@ -56,7 +58,11 @@ def greedy_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
         del out      # the prefill's logits can be large: do not keep them for the loop
         if keep_logits:
             raw.append(logits)
-        nxt = logits_processor(input_ids, logits).argmax(-1)
+        scores = logits_processor(input_ids, logits)
+        if generation_config.do_sample:       # the library's draw: same seed, same tokens
+            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            nxt = scores.argmax(-1)
         if eos_ids is not None:               # finished rows get padding
             nxt = torch.where(unfinished, nxt, pad)
         input_ids = torch.cat([input_ids, nxt[:, None]], dim=-1)

@@ -1,5 +1,6 @@
-"""`greedy_loop` decodes exactly as transformers' own loop: same tokens, same logits, same
-cache, for every family, with padding, rows that finish early and logits processors."""
+"""`decode_loop` decodes exactly as transformers' own loop: same tokens, same logits, same
+cache, for every family, with padding, rows that finish early, logits processors and
+sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models.data import load, sample
-from models.greedy import greedy_loop
+from models.decoding import decode_loop
 from models.loading import load_actor
 from models.tiny import FAMILIES
 from tests.conftest import QUESTIONS
@@ -35,7 +36,7 @@ def _assert_same(ours, theirs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_tokens_and_logits_as_the_library_loop(actors, images, family):
     actor = actors[family]
-    ours = _generate(actor, images[:5], QUESTIONS[:5], greedy_loop)
+    ours = _generate(actor, images[:5], QUESTIONS[:5], decode_loop)
     theirs = _generate(actor, images[:5], QUESTIONS[:5], None)
     _assert_same(ours, theirs)
 
@@ -46,7 +47,7 @@ def test_rows_that_finish_early_are_padded_alike():
     actor = load_actor()
     items = sample(load("easyvqa:test"), 8, seed=3)
     images, questions = [it.image() for it in items], [it.question for it in items]
-    ours = _generate(actor, images, questions, greedy_loop, max_new_tokens=64)
+    ours = _generate(actor, images, questions, decode_loop, max_new_tokens=64)
     theirs = _generate(actor, images, questions, None, max_new_tokens=64)
     _assert_same(ours, theirs)
     gen = ours.sequences[:, -len(ours.logits):]
@@ -72,7 +73,7 @@ def test_other_stopping_criteria_are_honoured(actors, images, family):
     actor = actors[family]
     lp = actor.encode(images[:3], QUESTIONS[:3]).input_ids.shape[1]
     stop = StoppingCriteriaList([StopRowAt(1, lp + 4)])
-    ours = _generate(actor, images[:3], QUESTIONS[:3], greedy_loop, stopping_criteria=stop)
+    ours = _generate(actor, images[:3], QUESTIONS[:3], decode_loop, stopping_criteria=stop)
     theirs = _generate(actor, images[:3], QUESTIONS[:3], None, stopping_criteria=stop)
     _assert_same(ours, theirs)
     assert (ours.sequences[1, lp + 4:] == actor.pad_id).all()
@@ -83,7 +84,7 @@ def test_the_checkpoints_logits_processors_still_apply(qwen3, images):
     """A repetition penalty from the generation config changes the tokens; both loops apply
     it."""
     plain = _generate(qwen3, images[:3], QUESTIONS[:3], None, max_new_tokens=16)
-    ours = _generate(qwen3, images[:3], QUESTIONS[:3], greedy_loop, max_new_tokens=16,
+    ours = _generate(qwen3, images[:3], QUESTIONS[:3], decode_loop, max_new_tokens=16,
                      repetition_penalty=5.0)
     theirs = _generate(qwen3, images[:3], QUESTIONS[:3], None, max_new_tokens=16,
                        repetition_penalty=5.0)
@@ -91,15 +92,40 @@ def test_the_checkpoints_logits_processors_still_apply(qwen3, images):
     assert not torch.equal(ours.sequences, plain.sequences)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_draws_what_the_library_draws(actors, images, family):
+    """Same seed, same warpers (temperature, top-p): the same samples and logits."""
+    actor = actors[family]
+    runs = []
+    for loop in (decode_loop, None):
+        torch.manual_seed(7)
+        runs.append(_generate(actor, images[:4], QUESTIONS[:4], loop, do_sample=True,
+                              temperature=1.3, top_p=0.9))
+    _assert_same(*runs)
+    torch.manual_seed(8)
+    other = _generate(actor, images[:4], QUESTIONS[:4], decode_loop, do_sample=True,
+                      temperature=1.3, top_p=0.9)
+    assert not torch.equal(other.sequences, runs[0].sequences)     # it does sample
+
+
+def test_actor_samples_through_the_loop(qwen3, images, monkeypatch):
+    import models.actor as actor_module
+    ours = qwen3.sample(images[:2], QUESTIONS[:2], k=3, max_new_tokens=6, seed=3)
+    monkeypatch.setattr(actor_module, "decode_loop", None)       # the library's loop
+    theirs = qwen3.sample(images[:2], QUESTIONS[:2], k=3, max_new_tokens=6, seed=3)
+    assert [[r.token_ids for r in row] for row in ours] == \
+        [[r.token_ids for r in row] for row in theirs]
+
+
 @pytest.mark.parametrize("extra", [{"output_scores": True}, {"output_hidden_states": True},
-                                   {"do_sample": True}])
+                                   {"output_attentions": True}])
 def test_what_it_does_not_do_is_refused(qwen3, images, extra):
-    with pytest.raises(ValueError, match="greedy_loop"):
-        _generate(qwen3, images[:1], QUESTIONS[:1], greedy_loop, max_new_tokens=3, **extra)
+    with pytest.raises(ValueError, match="decode_loop"):
+        _generate(qwen3, images[:1], QUESTIONS[:1], decode_loop, max_new_tokens=3, **extra)
 
 
 def test_without_return_dict_it_returns_the_sequences(qwen3, images):
-    ids = _generate(qwen3, images[:2], QUESTIONS[:2], greedy_loop, max_new_tokens=5,
+    ids = _generate(qwen3, images[:2], QUESTIONS[:2], decode_loop, max_new_tokens=5,
                     return_dict_in_generate=False)
     assert torch.equal(ids, _generate(qwen3, images[:2], QUESTIONS[:2], None,
                                       max_new_tokens=5).sequences)
