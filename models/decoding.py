@@ -39,7 +39,10 @@ def decode_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
               if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if max_length is None:
         raise ValueError("decode_loop needs a length limit (max_new_tokens)")
+    # `generate` pads with the first EOS id when no pad id was given (and warns)
     pad = generation_config.pad_token_id
+    if pad is None:
+        pad = getattr(generation_config, "_pad_token_tensor", None)
     if eos and pad is None:
         raise ValueError("decode_loop needs pad_token_id to pad rows that have finished")
     eos_ids = torch.cat([e.reshape(-1) for e in eos]).to(input_ids.device) if eos else None

@@ -41,19 +41,29 @@ def test_same_tokens_and_logits_as_the_library_loop(actors, images, family):
     _assert_same(ours, theirs)
 
 
-def test_rows_that_finish_early_are_padded_alike():
+@pytest.fixture(scope="module")
+def embedded_actor():
+    return load_actor()
+
+
+@pytest.mark.parametrize("pad_given", [True, False])
+def test_rows_that_finish_early_are_padded_alike(embedded_actor, pad_given):
     """The embedded actor on easy-VQA: rows end with EOS at different steps (the random
-    actors never emit theirs) and the finished ones are padded."""
-    actor = load_actor()
+    actors never emit theirs) and the finished ones are padded, with the pad id given or,
+    as `generate` does without one, the first EOS id."""
+    actor = embedded_actor
     items = sample(load("easyvqa:test"), 8, seed=3)
     images, questions = [it.image() for it in items], [it.question for it in items]
-    ours = _generate(actor, images, questions, decode_loop, max_new_tokens=64)
-    theirs = _generate(actor, images, questions, None, max_new_tokens=64)
+    pad = actor.pad_id if pad_given else None
+    ours = _generate(actor, images, questions, decode_loop, max_new_tokens=64,
+                     pad_token_id=pad)
+    theirs = _generate(actor, images, questions, None, max_new_tokens=64, pad_token_id=pad)
     _assert_same(ours, theirs)
     gen = ours.sequences[:, -len(ours.logits):]
     ended = [len(actor._trim(row)) for row in gen.tolist()]
     assert len(set(ended)) > 1 and max(ended) < 64     # uneven, and every row ended
-    assert all((gen[b, n:] == actor.pad_id).all() for b, n in enumerate(ended))
+    filler = actor.pad_id if pad_given else min(actor.eos_ids)
+    assert all((gen[b, n:] == filler).all() for b, n in enumerate(ended))
 
 
 class StopRowAt(StoppingCriteria):
