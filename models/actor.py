@@ -386,7 +386,7 @@ class Actor:
                 do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                 eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
                 output_logits=keep_logits, top_p=None,
-                top_k=None, temperature=None, custom_generate=decode_loop,
+                top_k=None, temperature=None, custom_generate=decode_loop, use_cache=True,
                 stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
@@ -497,7 +497,7 @@ class Actor:
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, do_sample=True,
             temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
-            custom_generate=decode_loop, **kwargs)
+            custom_generate=decode_loop, use_cache=True, **kwargs)
         gen = out[:, batch.prompt_len:]
         rows = [self._response(self._trim(r.tolist()), None, None, None, batch.prompt_len)
                 for r in gen]
