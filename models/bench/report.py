@@ -22,6 +22,11 @@ def targets(r: dict) -> list[dict]:
     for b in ("b1", "b8"):
         if b in ip:
             add(f"capture / plain generate, {b}", ip[b]["capture_ratio"], 1.03)
+            # the same limit on what DualRead adds to the service's own answer (same
+            # decoding loop): the issue's "the states exist during generation"
+            if "capture_over_answer" in ip[b]:
+                add(f"capture / answer alone (DualRead itself), {b}",
+                    ip[b]["capture_over_answer"], 1.03)
             add(f"capture / SC@8, {b}", ip[b]["capture_over_sc8"], 1 / 6)
     http = r.get("http")
     if http:
@@ -136,7 +141,8 @@ def markdown(r: dict) -> str:
                  if r["heads"].get("image_check_us") else "")
               + (" Decoding inside capture (`Actor.answer`'s decoding stage: processor "
                  "inputs and `generate` with the state capture, the image check's process, "
-                 "where there is one, working beside it) × plain generate: "
+                 "where there is one, working beside it) × the same stage of the answer "
+                 "alone (same loop, no capture): "
                  + ", ".join(f"{blk['decode_ratio']:.3f} [{blk['decode_ratio_ci'][0]:.3f}, "
                              f"{blk['decode_ratio_ci'][1]:.3f}] at batch {blk['batch']}"
                              for blk in ip.values())
