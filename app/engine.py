@@ -1,9 +1,10 @@
 """The model worker: one thread owns the model; compatible jobs coalesce into micro-batches.
 
-Jobs with the same key (handler name + compatibility key, e.g. the generation limit)
-run as one call, up to the max batch, in a single worker thread, so the event loop never
-blocks on the model. Jobs with different keys never share a batch. The queue is bounded: a
-full queue is refused at once (429) rather than growing latency.
+Jobs with the same key (handler name + an optional compatibility key; answers with
+different generation limits share one: each row stops at its own) run as one call, up to
+the max batch, in a single worker thread, so the event loop never blocks on the model.
+Jobs with different keys never share a batch. The queue is bounded: a full queue is
+refused at once (429) rather than growing latency.
 
 A batch takes every compatible job already queued (those that arrived while the previous
 batch ran). It then waits up to the wait window for more only while it holds fewer jobs

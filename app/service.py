@@ -154,11 +154,11 @@ class Service:
                          ) -> tuple[Answers, list[AnswerResult | Exception]]:
         """`answer_batch`, with the actor's responses too (`readout`: how the states are
         read; the service captures them, the benchmark also times replay)."""
-        limit = items[0].max_new_tokens
         images = [i.image for i in items]
         checks = self._check_images(images)
-        res = self.actor.answer(images, [i.question for i in items], limit,
-                                readout=readout, deadlines=deadlines)
+        res = self.actor.answer(images, [i.question for i in items],
+                                [i.max_new_tokens for i in items], readout=readout,
+                                deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
         scored = self._assess_batch({k: res[k].readout for k in live}, checks)

@@ -313,8 +313,8 @@ class Serving:
         """Answers for one request's items (1, or 2 for a counterfactual), in order.
         `gone`: tells whether the client has disconnected (polled while waiting)."""
         self.require_backend()
-        key = items[0].max_new_tokens   # one generation limit per batch
-        jobs = self.batcher.submit_many("answer", items, self._deadline(), key)
+        # every limit shares a batch: each row stops at its own (`Actor.answer`)
+        jobs = self.batcher.submit_many("answer", items, self._deadline())
         served = await self._await(jobs, gone)
         if request_id is not None:
             for s in served:

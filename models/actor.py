@@ -78,6 +78,18 @@ class DeadlineCriteria(StoppingCriteria):
         return torch.tensor(late, device=input_ids.device)
 
 
+class RowLimits(StoppingCriteria):
+    """Stops each row once it has generated its own number of tokens (the batch runs to
+    the largest)."""
+
+    def __init__(self, prompt_len: int, limits: Sequence[int]) -> None:
+        self.ends = torch.tensor([prompt_len + n for n in limits])
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.ends = self.ends.to(input_ids.device)
+        return input_ids.shape[1] >= self.ends
+
+
 @dataclass
 class Batch:
     """Prompt (left padded) + response (right padded) for one forward."""
@@ -359,19 +371,27 @@ class Actor:
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
     def answer(self, images: Sequence[Image.Image], questions: Sequence[str],
-               max_new_tokens: int = 64, readout: ReadoutMode = "capture",
+               max_new_tokens: int | Sequence[int] = 64, readout: ReadoutMode = "capture",
                deadlines: Sequence[float] | None = None) -> Answers:
         """Greedy answers for a batch, each with its readout, plus the stage timings.
 
         `capture` reads states out of `generate` (plus one cached step when the last
         generated token needs a state); `replay` runs one teacher-forced pass instead.
-        `deadlines` (time.monotonic seconds, one per item) stop an item's decoding once
-        passed; its response is then truncated.
+        `max_new_tokens`: one limit, or one per item (a row stops at its own, so requests
+        with different limits can share a batch). `deadlines` (time.monotonic seconds, one
+        per item) stop an item's decoding once passed; its response is then truncated.
         """
         t0 = time.perf_counter()
+        limits = [max_new_tokens] * len(questions) if isinstance(max_new_tokens, int) \
+            else list(max_new_tokens)
+        if len(limits) != len(questions):
+            raise ValueError(f"{len(limits)} limits for {len(questions)} questions")
+        max_new_tokens = max(limits, default=1)
         batch = self.encode(images, questions)
         kwargs = self._vision_kwargs(batch)
         stop = DeadlineCriteria(deadlines) if deadlines is not None else None
+        criteria = [c for c in (stop, RowLimits(batch.prompt_len, limits)
+                                if min(limits, default=1) < max_new_tokens else None) if c]
         tap = StateTap(self.model, self.mid_layer)
         # generate computes every step's logits anyway: keeping them spares the LM head a
         # second run for the token statistics, where they and their stacked copy fit the
@@ -387,12 +407,14 @@ class Actor:
                 eos_token_id=sorted(self.eos_ids), return_dict_in_generate=True,
                 output_logits=keep_logits, top_p=None,
                 top_k=None, temperature=None, custom_generate=decode_loop, use_cache=True,
-                stopping_criteria=StoppingCriteriaList([stop]) if stop else None, **kwargs)
+                stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,
+                **kwargs)
         lp = batch.prompt_len
         gen = out.sequences[:, lp:]
-        # a row stopped at its deadline is padded afterwards: cut the padding off
-        resp_ids = [self._trim(row.tolist())[: stop.cut[b] - lp if stop and b in stop.cut
-                                             else None] for b, row in enumerate(gen)]
+        # a row stopped at its deadline or its own limit is padded afterwards: cut it there
+        resp_ids = [self._trim(row.tolist())[: min(limits[b], stop.cut[b] - lp
+                                                   if stop and b in stop.cut else limits[b])]
+                    for b, row in enumerate(gen)]
         t1 = time.perf_counter()
         if readout == "none":
             res = [self._response(r, None, None, batch.input_ids[b], lp)

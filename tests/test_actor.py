@@ -60,6 +60,26 @@ def test_capture_matches_replay(actors, images, family, batch):
             assert diff <= 1e-4, (family, name, float(diff))
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("readout", ["capture", "replay"])
+def test_rows_with_their_own_limits_equal_each_alone(actors, images, family, readout):
+    """Requests with different `max_new_tokens` share a batch: each row stops at its own
+    limit, and its response and readout are what it gets alone."""
+    actor = actors[family]
+    limits = [3, 8, 5]
+    together = actor.answer(images[:3], QUESTIONS[:3], limits, readout=readout)
+    assert [len(r.token_ids) for r in together] == limits     # random actors never stop
+    for k, (n, r) in enumerate(zip(limits, together)):
+        [alone] = actor.answer([images[k]], [QUESTIONS[k]], n, readout=readout)
+        assert r.token_ids == alone.token_ids and r.finished == alone.finished
+        assert r.readout.positions["A"] == alone.readout.positions["A"]
+        for name in ("h_close", "h_mid", "token_logprobs", "token_entropy"):
+            diff = (getattr(r.readout, name) - getattr(alone.readout, name)).abs().max()
+            assert diff <= 1e-4, (name, float(diff))
+    with pytest.raises(ValueError, match="limits"):
+        actor.answer(images[:3], QUESTIONS[:3], [3, 8])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mask_ratio_zero_equals_plain_pass(actors, family):
     """The explicit 4-D mask and position ids reproduce the model's own 2-D path."""

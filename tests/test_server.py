@@ -115,6 +115,32 @@ def test_overload_gives_429_and_loses_nothing(server):
                        - reference[seed]["confidence"]["dualread"]) < 1e-6
 
 
+def _batch_totals(url: str) -> tuple[float, float]:
+    """(items, batches) the server has run so far, from its batch-size histogram."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+           if line.startswith("dualread_batch_size_")}
+    return got["dualread_batch_size_sum"], got["dualread_batch_size_count"]
+
+
+def test_different_limits_share_a_batch(roomy):
+    """Six concurrent requests, six different `max_new_tokens`: they are batched together
+    (each row stops at its own limit) and each gets what it gets alone."""
+    limits = [3, 4, 5, 6, 7, 8]
+    alone = [httpx.post(roomy.url + "/answer", json={**body(n), "max_new_tokens": n},
+                        timeout=30).json() for n in limits]
+    items, batches = _batch_totals(roomy.url)
+    with cf.ThreadPoolExecutor(len(limits)) as pool:
+        futs = [pool.submit(httpx.post, roomy.url + "/answer",
+                            json={**body(n), "max_new_tokens": n}, timeout=60) for n in limits]
+        together = [f.result().json() for f in futs]
+    items2, batches2 = _batch_totals(roomy.url)
+    assert items2 - items == len(limits) and batches2 - batches < len(limits)
+    for a, t in zip(alone, together):
+        assert t["response"] == a["response"]
+        assert abs(t["confidence"]["dualread"] - a["confidence"]["dualread"]) < 1e-6
+
+
 FUZZ_REQUESTS = 1000
 
 
