@@ -1,8 +1,8 @@
 """The model worker: one thread owns the model; compatible jobs coalesce into micro-batches.
 
-Jobs with the same key (handler name + an optional compatibility key; answers with
-different generation limits share one: each row stops at its own) run as one call, up to
-the max batch, in a single worker thread, so the event loop never blocks on the model.
+Jobs with the same key (handler name + an optional compatibility key; for answers, the
+generation limit's power-of-two bucket: each row stops at its own limit) run as one call,
+up to the max batch, in a single worker thread, so the event loop never blocks on the model.
 Jobs with different keys never share a batch. The queue is bounded: a full queue is
 refused at once (429) rather than growing latency.
 

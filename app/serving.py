@@ -136,6 +136,14 @@ class Backend(Protocol):
                     ) -> Sequence[ScoreResult | Exception]: ...
 
 
+
+def limit_bucket(max_new_tokens: int) -> int:
+    """The batch key of an answer's generation limit: the next power of two. Limits in one
+    bucket share a batch, each row stopping at its own (`Actor.answer`): a client varying
+    its limit by a token no longer splits every batch, while a short request waits at most
+    for a row twice its length, not for one of 1024 tokens."""
+    return 1 << (max(1, max_new_tokens) - 1).bit_length()
+
 class ServingHooks:
     """Cross-cutting callbacks; the defaults do nothing."""
 
@@ -313,8 +321,8 @@ class Serving:
         """Answers for one request's items (1, or 2 for a counterfactual), in order.
         `gone`: tells whether the client has disconnected (polled while waiting)."""
         self.require_backend()
-        # every limit shares a batch: each row stops at its own (`Actor.answer`)
-        jobs = self.batcher.submit_many("answer", items, self._deadline())
+        jobs = self.batcher.submit_many("answer", items, self._deadline(),
+                                        limit_bucket(items[0].max_new_tokens))
         served = await self._await(jobs, gone)
         if request_id is not None:
             for s in served:

@@ -80,6 +80,34 @@ def test_rows_with_their_own_limits_equal_each_alone(actors, images, family, rea
         actor.answer(images[:3], QUESTIONS[:3], [3, 8])
 
 
+def test_a_batch_stops_when_every_row_is_at_its_limit_or_done():
+    """The embedded actor (it ends answers with EOS): a row limited to 2 tokens next to a
+    shorter finished answer does not keep the batch decoding to its own EOS, and each
+    row's `finished` is what it is alone."""
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    actor = load_actor()
+    items = sample(load("easyvqa:test"), 8, seed=3)
+    alone = {k: actor.answer([it.image()], [it.question], 64, readout="none")[0]
+             for k, it in enumerate(items)}
+    long_k = max(alone, key=lambda k: len(alone[k].token_ids))
+    short_k = min(alone, key=lambda k: len(alone[k].token_ids))
+    assert len(alone[short_k].token_ids) < len(alone[long_k].token_ids)
+    assert alone[short_k].finished
+    calls = []
+    hook = actor.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        together = actor.answer([items[long_k].image(), items[short_k].image()],
+                                [items[long_k].question, items[short_k].question], [2, 64])
+    finally:
+        hook.remove()
+    assert together[0].token_ids == alone[long_k].token_ids[:2] and not together[0].finished
+    assert together[1].token_ids == alone[short_k].token_ids and together[1].finished
+    # one call per generated token of the longer row still running, none after
+    assert len(calls) == len(alone[short_k].token_ids)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mask_ratio_zero_equals_plain_pass(actors, family):
     """The explicit 4-D mask and position ids reproduce the model's own 2-D path."""

@@ -61,10 +61,13 @@ def test_paired_median_ratio_by_hand():
     # what DualRead costs over the answer alone: 1.1/0.9, 2.0/1.8, 13/9
     assert out["capture_over_answer_paired_median"] == pytest.approx(1.1 / 0.9)
     assert out["answer_ratio_paired_median"] == pytest.approx(0.9)
+    # the DualRead-itself target: a ratio of medians, 2.0 / 1.8 (not the paired median)
+    assert out["capture_over_answer"] == pytest.approx(2.0 / 1.8)
     assert "decode_ratio" not in out          # no decoding stages were recorded
-    t.decode_seconds, t.answer_decode_seconds = [1.0, 2.0, 9.0], [0.5, 1.0, 1.5]
-    # capture's decoding stage over the answer alone's: median 2.0 / median 1.0
-    assert summarise(t, n_boot=10)["decode_ratio"] == pytest.approx(2.0)
+    t.decode_seconds, t.answer_decode_seconds = [1.0, 2.0, 9.0], [0.5, 1.6, 1.5]
+    # capture's decoding stage over the answer alone's, ratio of medians: 2.0 / 1.5 (the
+    # median of the per-unit ratios 2, 1.25, 6 would be 2)
+    assert summarise(t, n_boot=10)["decode_ratio"] == pytest.approx(2.0 / 1.5)
 
 
 def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():

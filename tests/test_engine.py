@@ -604,3 +604,14 @@ def test_a_timed_out_request_is_a_deadline_error_and_logs_nothing(caplog):
         gc.collect()
     assert [p for b in h.batches for p in b] == [1]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_limits_share_a_batch_within_a_power_of_two():
+    """Answers whose limits differ by a token share a batch; a short one never waits for a
+    row over twice its length."""
+    from app.serving import limit_bucket
+
+    assert [limit_bucket(n) for n in (1, 2, 3, 4, 5, 8, 57, 64, 65, 1024)] == \
+        [1, 2, 4, 4, 8, 8, 64, 64, 128, 1024]
+    for n in range(1, 1025):
+        assert n <= limit_bucket(n) < 2 * n
