@@ -6,10 +6,12 @@ up to the max batch, in a single worker thread, so the event loop never blocks o
 Jobs with different keys never share a batch. The queue is bounded: a full queue is
 refused at once (429) rather than growing latency.
 
-A batch takes every compatible job already queued (those that arrived while the previous
-batch ran). It then waits up to the wait window for more only while it holds fewer jobs
-than its group's previous batch held plus the group's jobs that arrived while that batch
-ran: that many callers were recently active and are likely about to send again. A lone
+A batch starts with the oldest job of another group than the batch before it, when one
+is queued (groups take turns), else with the oldest job; it takes every compatible job
+already queued (those that arrived while the previous batch ran). It then waits up to the
+wait window for more only while it holds fewer jobs than its group's previous batch held
+plus the group's jobs that arrived while that batch ran: that many callers were recently
+active and are likely about to send again. A lone
 caller therefore never pays the window, concurrent callers meet in one batch, and a caller
 that arrives while a batch runs is waited for next time (counting only the previous batch
 locked staggered callers into batches of one). Jobs whose caller has gone (future done)
@@ -105,6 +107,8 @@ class Batcher:
         self.expect: dict[tuple[str, Hashable], int] = {}
         # jobs submitted per group so far (arrivals during a run are a difference of two)
         self.seen: dict[tuple[str, Hashable], int] = {}
+        # the group of the batch that ran last: the next batch starts with another's job
+        self.last_group: tuple[str, Hashable] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -180,12 +184,26 @@ class Batcher:
         return None
 
     async def _first(self) -> Job | None:
+        """The next batch's first job: the oldest of another group than the batch just run
+        when there is one (so one request's 64 score jobs, four batches, do not hold every
+        answer queued behind them for all four), else the oldest."""
         while not self.closed:
-            job = self._take(None)
+            job = self._take_other(self.last_group) if self.last_group is not None else None
+            job = job or self._take(None)
             if job is not None:
                 return job
             self.arrived.clear()
             await self.arrived.wait()
+        return None
+
+    def _take_other(self, group: tuple[str, Hashable]) -> Job | None:
+        """The oldest usable job of any group but `group`."""
+        for job in list(self.queue):
+            if job.group == group:
+                continue
+            self.queue.remove(job)
+            if self._usable(job):
+                return job
         return None
 
     async def _gather(self, first: Job) -> list[Job]:
@@ -215,6 +233,7 @@ class Batcher:
             if first is None:      # closed
                 return
             batch = await self._gather(first)
+            self.last_group = first.group
             before = self.seen.get(first.group, 0)
             await self._dispatch(batch)
             during = self.seen.get(first.group, 0) - before

@@ -125,6 +125,37 @@ def test_a_batch_fills_up_with_its_own_group_past_other_kinds():
     assert calls == [("answer", [1, 2]), ("score", [10])]
 
 
+def test_kinds_take_turns_when_both_are_queued():
+    """Six score jobs (three batches of two) queued before one answer: the answer runs
+    after the first score batch, not after all three; then the scores go on."""
+    calls: list[tuple[str, list]] = []
+    gate = threading.Event()
+
+    def named(name: str):
+        def handler(payloads: list, deadlines: list[float]) -> list:
+            gate.wait(GUARD_S)             # hold the first batch until all are queued
+            calls.append((name, list(payloads)))
+            return [2 * p for p in payloads]
+        return handler
+
+    async def body():
+        b = Batcher({"answer": named("answer"), "score": named("score")},
+                    max_batch=2, wait_ms=0, queue_limit=16)
+        b.start()
+        try:
+            jobs = b.submit_many("score", [1, 2, 3, 4, 5, 6], deadline())
+            await until(lambda: b.depth <= 4)          # the first score batch has started
+            jobs.append(b.submit("answer", 10, deadline()))
+            gate.set()
+            return await within(asyncio.gather(*(j.future for j in jobs)))
+        finally:
+            await within(b.stop())
+
+    assert run(body()) == [2, 4, 6, 8, 10, 12, 20]
+    assert calls == [("score", [1, 2]), ("answer", [10]), ("score", [3, 4]),
+                     ("score", [5, 6])]
+
+
 def test_batch_is_capped_at_max_batch():
     h = Recorder()
 
