@@ -44,6 +44,19 @@ class Recorder:
         return [2 * p for p in payloads]
 
 
+def named_handlers(calls: list, *names: str, gate: threading.Event | None = None) -> dict:
+    """One handler per name; each model call is recorded in `calls` as (name, payloads),
+    in order, after `gate` (when given) is set; payloads come back doubled."""
+    def named(name: str):
+        def handler(payloads: list, deadlines: list[float]) -> list:
+            if gate is not None:
+                gate.wait(GUARD_S)
+            calls.append((name, list(payloads)))
+            return [2 * p for p in payloads]
+        return handler
+    return {name: named(name) for name in names}
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -108,14 +121,8 @@ def test_a_batch_fills_up_with_its_own_group_past_other_kinds():
     any kind would hold 1 and 10 and leave 2 to run alone.)"""
     calls: list[tuple[str, list]] = []            # every model call, in order
 
-    def named(name: str):
-        def handler(payloads: list, deadlines: list[float]) -> list:
-            calls.append((name, list(payloads)))
-            return [2 * p for p in payloads]
-        return handler
-
     async def body():
-        b = Batcher({"answer": named("answer"), "score": named("score")},
+        b = Batcher(named_handlers(calls, "answer", "score"),
                     max_batch=2, wait_ms=50, queue_limit=16)
         jobs = [b.submit("answer", 1, deadline()), b.submit("score", 10, deadline()),
                 b.submit("answer", 2, deadline())]
@@ -129,17 +136,10 @@ def test_kinds_take_turns_when_both_are_queued():
     """Six score jobs (three batches of two) queued before one answer: the answer runs
     after the first score batch, not after all three; then the scores go on."""
     calls: list[tuple[str, list]] = []
-    gate = threading.Event()
-
-    def named(name: str):
-        def handler(payloads: list, deadlines: list[float]) -> list:
-            gate.wait(GUARD_S)             # hold the first batch until all are queued
-            calls.append((name, list(payloads)))
-            return [2 * p for p in payloads]
-        return handler
+    gate = threading.Event()                 # holds the first batch until all are queued
 
     async def body():
-        b = Batcher({"answer": named("answer"), "score": named("score")},
+        b = Batcher(named_handlers(calls, "answer", "score", gate=gate),
                     max_batch=2, wait_ms=0, queue_limit=16)
         b.start()
         try:
