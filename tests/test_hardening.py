@@ -892,6 +892,21 @@ def test_tab_and_newline_in_questions_are_accepted(api):
     assert r.status_code == 200, r.text
 
 
+def test_a_byte_order_mark_is_ignored_on_every_json_route(api):
+    """RFC 8259 lets a parser ignore a UTF-8 BOM; /answer (its own parser) had refused a
+    body that /feedback (FastAPI's) accepted."""
+    import json as json_module
+
+    bom = b"\xef\xbb\xbf"
+    headers = {"content-type": "application/json"}
+    body = bom + json_module.dumps({"image": IMG, "question": Q}).encode()
+    r = api.post("/answer", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    fb = bom + json_module.dumps({"request_id": r.json()["request_id"], "correct": True}).encode()
+    assert api.post("/feedback", content=fb, headers=headers).json()["accepted"] is True
+    assert_error(api.post("/answer", content=bom + bom + b"{}", headers=headers), 422, "body")
+
+
 @pytest.mark.parametrize("value", [True, "8", 8.5])
 def test_max_new_tokens_is_a_strict_integer(api, value):
     assert_error(api.post("/answer", json={"image": IMG, "question": Q,

@@ -63,8 +63,11 @@ async def _multipart(request: Request, serving: Serving) -> AnswerItem:
 
 
 async def _json(request: Request, serving: Serving) -> AnswerItem:
+    raw = await request.body()
+    # a UTF-8 byte-order mark is ignored, as FastAPI's parser does on the other routes
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     try:
-        body = AnswerRequest.model_validate_json(await request.body())
+        body = AnswerRequest.model_validate_json(raw)
     except ValidationError as e:
         raise InvalidInput(explain(e.errors())) from None
     question = serving.question(body.question)
