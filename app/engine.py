@@ -173,10 +173,11 @@ class Batcher:
             return False
         return True
 
-    def _take(self, group: tuple[str, Hashable] | None) -> Job | None:
-        """The oldest usable job (of `group`, when given); others keep their order."""
+    def _take(self, group: tuple[str, Hashable] | None, other: bool = False) -> Job | None:
+        """The oldest usable job (of `group`, when given; of any other group with
+        `other`); others keep their order."""
         for job in list(self.queue):
-            if group is not None and job.group != group:
+            if group is not None and (job.group == group) == other:
                 continue
             self.queue.remove(job)
             if self._usable(job):
@@ -188,22 +189,12 @@ class Batcher:
         when there is one (so one request's 64 score jobs, four batches, do not hold every
         answer queued behind them for all four), else the oldest."""
         while not self.closed:
-            job = self._take_other(self.last_group) if self.last_group is not None else None
+            job = self._take(self.last_group, other=True) if self.last_group else None
             job = job or self._take(None)
             if job is not None:
                 return job
             self.arrived.clear()
             await self.arrived.wait()
-        return None
-
-    def _take_other(self, group: tuple[str, Hashable]) -> Job | None:
-        """The oldest usable job of any group but `group`."""
-        for job in list(self.queue):
-            if job.group == group:
-                continue
-            self.queue.remove(job)
-            if self._usable(job):
-                return job
         return None
 
     async def _gather(self, first: Job) -> list[Job]:

@@ -136,13 +136,13 @@ class Backend(Protocol):
                     ) -> Sequence[ScoreResult | Exception]: ...
 
 
-
 def limit_bucket(max_new_tokens: int) -> int:
     """The batch key of an answer's generation limit: the next power of two. Limits in one
     bucket share a batch, each row stopping at its own (`Actor.answer`): a client varying
     its limit by a token no longer splits every batch, while a short request waits at most
-    for a row twice its length, not for one of 1024 tokens."""
+    for a row under twice its length, not for one of 1024 tokens."""
     return 1 << (max(1, max_new_tokens) - 1).bit_length()
+
 
 class ServingHooks:
     """Cross-cutting callbacks; the defaults do nothing."""

@@ -73,6 +73,10 @@ def decode_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
                                                       **model_kwargs), return_dict=True)
     if getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None:
         raise ValueError("decode_loop needs the model to return its cache")
+    # positions of the first fed-back token (after the prefill: M-RoPE's offsets are set
+    # by it); each step adds one
+    first = decode_position_ids(model, family_of(model.config.model_type),
+                                torch.cat([prompt, torch.ones_like(prompt[:, :1])], 1))
     step = 0
     while True:
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
@@ -96,9 +100,6 @@ def decode_loop(model, input_ids: torch.Tensor, logits_processor, stopping_crite
             unfinished &= ~torch.isin(nxt, eos_ids)
         if not bool(unfinished.any()):
             break
-        if step == 0:     # positions of the first fed-back token; each step adds one
-            first = decode_position_ids(model, family_of(model.config.model_type),
-                                        torch.cat([prompt, torch.ones_like(prompt[:, :1])], 1))
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, cache=cache,
