@@ -152,13 +152,18 @@ def _merge(parts: list[Load]) -> Load:
                 sum(p.wall_s for p in parts), sum(p.errors for p in parts))
 
 
-def _post_timed(client: httpx.Client, body: bytes) -> float | None:
+def _post_timed(client: httpx.Client, body: bytes) -> tuple[float, float] | None:
+    """Seconds the request took at the client and the seconds the server reports for its
+    model stages (queue, generate, readout, heads); None when it failed."""
     t = time.perf_counter()
     try:
         r = client.post("/answer", content=body, headers={"content-type": "application/json"})
     except httpx.HTTPError:
         return None
-    return time.perf_counter() - t if r.status_code == 200 else None
+    took = time.perf_counter() - t
+    if r.status_code != 200:
+        return None
+    return took, sum(r.json()["timings_ms"].values()) / 1000
 
 
 def http_bench(bodies: Sequence[bytes], server_flags: dict[str, object],
@@ -217,6 +222,10 @@ def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n:
     """One client: request i to each server, then item i in process, order rotated."""
     clients = {k: httpx.Client(base_url=s.url, timeout=120) for k, s in servers.items()}
     lat: dict[str, list[float]] = {k: [] for k in servers}
+    # per request, the client's seconds less what the server reports for the model stages;
+    # and the client's seconds of request i (None: it failed), less item i in process
+    outside: dict[str, list[float]] = {k: [] for k in servers}
+    paired: dict[str, list[float | None]] = {k: [None] * n for k in servers}
     errors = dict.fromkeys(servers, 0)
     walls = dict.fromkeys(servers, 0.0)
     inproc: list[float] = []
@@ -235,13 +244,21 @@ def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n:
                 if got is None:
                     errors[step] += 1
                 else:
-                    lat[step].append(got)
+                    lat[step].append(got[0])
+                    outside[step].append(got[0] - got[1])
+                    paired[step][i] = got[0]
                 if advance:
                     advance()
     finally:
         for c in clients.values():
             c.close()
     out: dict = {k: Load(1, lat[k], walls[k], errors[k]).summary() for k in servers}
+    for k in servers:
+        out[k]["outside_model_ms"] = float(np.median(outside[k]) * 1000) if outside[k] \
+            else float("nan")
+        diffs = [h - p for h, p in zip(paired[k], inproc) if h is not None]
+        out[k]["paired_overhead_ms"] = float(np.median(diffs) * 1000) if diffs \
+            else float("nan")
     if inproc:
         out["in_process_b1_ms"] = float(np.median(inproc) * 1000)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import scipy.fft
 from PIL import Image
 
 # names of `pixel_features`' entries, in order (the card lists them)
@@ -143,18 +144,32 @@ def _spectrum_tables(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
     return twice, high
 
 
+def _mean_std(x: np.ndarray, axis: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """`x.mean(axis)` and `x.std(axis)` with one sum for both: numpy's own steps (sum,
+    divide, centre, square, sum, divide, root), so the same numbers bit for bit."""
+    count = np.prod([x.shape[a] for a in axis])
+    mean = x.sum(axis=axis, keepdims=True) / count
+    d = x - mean
+    np.multiply(d, d, out=d)
+    return mean.squeeze(axis), np.sqrt(d.sum(axis=axis) / count)
+
+
 def _blockiness(y: np.ndarray, block: int = 8) -> np.ndarray:
     """Mean absolute step across block borders over the mean step elsewhere (both axes),
     per image of a stack [N, H, W], each plus one grey level; 1 for an image with no block
     structure, above 1 for JPEG blocking, at most 1 / LEVEL + 1."""
     ratios = []
     for d in (np.abs(np.diff(y, axis=2)), np.abs(np.diff(y, axis=1)).transpose(0, 2, 1)):
-        border = np.zeros(d.shape[2], bool)
-        border[block - 1:: block] = True
-        if border.all() or not border.any():
+        rows, steps = d.shape[1], d.shape[2]
+        borders = len(range(block - 1, steps, block))
+        if borders in (0, steps):
             continue
-        ratios.append((d[:, :, border].mean(axis=(1, 2)) + LEVEL)
-                      / (d[:, :, ~border].mean(axis=(1, 2)) + LEVEL))
+        # sums over a strided slice and the whole, not boolean selections (which copied
+        # both parts): the same means up to rounding in the last bits
+        on = d[:, :, block - 1:: block].sum(axis=(1, 2))
+        off = d.sum(axis=(1, 2)) - on
+        ratios.append((on / (rows * borders) + LEVEL) / (off / (rows * (steps - borders))
+                                                          + LEVEL))
     # the mean of one or two arrays, written out: `np.mean` of their stack cost more than
     # the ratios themselves (same numbers: (a + b) / 2)
     return sum(ratios) / len(ratios) if ratios else np.ones(len(y))
@@ -181,16 +196,18 @@ def _stack_features(rgb8: np.ndarray) -> np.ndarray:
     # the spectrum of a real image is symmetric, so the half spectrum (`rfft2`) holds all
     # of it: each column with a mirror counts twice (the full `fft2`'s share up to rounding,
     # ~1e-15, at half the cost)
-    power = np.abs(np.fft.rfft2(ym - ym.mean(axis=ax, keepdims=True), axes=ax)) ** 2
+    power = np.abs(scipy.fft.rfft2(ym - ym.mean(axis=ax, keepdims=True), axes=ax)) ** 2
     twice, above_half = _spectrum_tables(y.shape[1], y.shape[2])
     power = power * twice
     high = power[:, above_half].sum(axis=1)
     rg = rgb[..., 0] - rgb[..., 1]
     yb = (rgb[..., 0] + rgb[..., 1]) / 2 - rgb[..., 2]
-    colourful = np.hypot(rg.std(axis=ax), yb.std(axis=ax)) + \
-        0.3 * np.hypot(rg.mean(axis=ax), yb.mean(axis=ax))
+    (rg_mean, rg_std), (yb_mean, yb_std) = _mean_std(rg, ax), _mean_std(yb, ax)
+    colourful = np.hypot(rg_std, yb_std) + 0.3 * np.hypot(rg_mean, yb_mean)
     gy, gx = _gradient(y)
-    mag = np.hypot(gx, gy)
+    # sqrt(gx² + gy²), not `np.hypot` (which guards against overflow, at four times the
+    # cost here): the same magnitudes to the last bit or so
+    mag = np.sqrt(gx * gx + gy * gy)
     turn = np.arctan2(gy, gx)
     turn = np.where(turn < 0, turn + np.pi, turn)       # direction mod 180° (π itself: bin 0)
     bins = (np.floor(turn / np.pi * ORIENTATION_BINS + 0.5).astype(np.int64)
@@ -204,16 +221,17 @@ def _stack_features(rgb8: np.ndarray) -> np.ndarray:
     seen[np.arange(n)[:, None], codes] = True
     palette = np.count_nonzero(seen, axis=1)
     size = y.shape[1] * y.shape[2]
+    y_mean, y_std = _mean_std(y, ax)
     return np.stack([
-        y.mean(axis=ax),
-        y.std(axis=ax),
+        y_mean,
+        y_std,
         np.log(lap.var(axis=ax) + LEVEL ** 2),
         np.log(sigma + LEVEL),
         np.log((high + EPS) / (power.sum(axis=ax) + EPS)),
         _blockiness(y),
         colourful,
-        np.mean((y < 0.02) | (y > 0.98), axis=ax),
-        np.mean(mag > 0.1, axis=ax),
+        np.count_nonzero((y < 0.02) | (y > 0.98), axis=ax) / size,
+        np.count_nonzero(mag > 0.1, axis=ax) / size,
         np.log(palette / size),
         *orientation.T,
     ], axis=1)

@@ -248,6 +248,36 @@ def test_http_bench_against_real_servers(actor_dirs, actors, tmp_path):
     assert calls == {"b1": 3, "b8": 2}
     assert res["c1"]["in_process_b1_ms"] == pytest.approx(10.0)
     assert res["c16"]["in_process_b8_rps"] == pytest.approx(32.0)
+    one = res["c1"]["batching"]
+    # three requests and a constant in-process time: the paired median is p50 − 10 ms;
+    # the part outside the model stages the server reports is some of each request
+    assert one["paired_overhead_ms"] == pytest.approx(one["p50_ms"] - 10.0)
+    assert 0 < one["outside_model_ms"] < one["p50_ms"]
+
+
+def test_one_client_overhead_pairs_request_i_with_item_i(monkeypatch):
+    """The paired overhead is the median of (request i − item i in process), which the
+    difference of the two medians is not when items differ in length; the part outside
+    the model stages is the client's time less the server's reported stages."""
+    from types import SimpleNamespace
+
+    import clients.bench as cb
+
+    latency = {"http://on": [0.105, 0.310, 0.200], "http://off": [0.1, 0.3, 0.2]}
+    inproc = [0.100, 0.300, 0.200]
+
+    def post(client, body):
+        t = latency[str(client.base_url).rstrip("/")][int(body)]
+        return t, t - 0.002                       # the server reports all but 2 ms
+
+    monkeypatch.setattr(cb, "_post_timed", post)
+    servers = {"batching": SimpleNamespace(url="http://on"),
+               "no_batching": SimpleNamespace(url="http://off")}
+    out = cb._paired_single(servers, [b"0", b"1", b"2"], 3, lambda i: inproc[i], None)
+    assert out["batching"]["paired_overhead_ms"] == pytest.approx(5.0)      # 5, 10, 0
+    assert out["batching"]["p50_ms"] - out["in_process_b1_ms"] == pytest.approx(0.0)
+    assert out["no_batching"]["paired_overhead_ms"] == pytest.approx(0.0)
+    assert out["batching"]["outside_model_ms"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])

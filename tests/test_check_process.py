@@ -23,6 +23,7 @@ from heads.dualread import Heads
 from heads.fit import fit_image_check
 from heads.image_check import (
     _gradient,
+    _mean_std,
     _pad_edge,
     _row_median,
     _stack_features,
@@ -97,7 +98,7 @@ def test_median3x3_is_scipys_median_filter_bit_for_bit():
 
 
 def test_the_check_s_own_numpy_helpers_give_numpys_numbers():
-    """Edge padding, row medians and the gradient, written out for speed, equal numpy's
+    """Edge padding, row medians, the gradient, mean and std, written out for speed, equal numpy's
     general functions bit for bit."""
     rng = np.random.default_rng(3)
     for h, w in [(2, 2), (3, 8), (8, 3), (64, 64), (31, 17)]:
@@ -109,6 +110,9 @@ def test_the_check_s_own_numpy_helpers_give_numpys_numbers():
         x = rng.random((3, h * w))
         x[0, : h * w // 2] = 0.25                          # ties across the middle
         assert np.array_equal(_row_median(x), np.median(x, axis=1))
+        mean, std = _mean_std(y, (1, 2))
+        assert np.array_equal(mean, y.mean(axis=(1, 2)))
+        assert np.array_equal(std, y.std(axis=(1, 2)))
 
 
 def test_half_spectrum_high_frequency_share_equals_the_full_spectrum():

@@ -209,6 +209,10 @@ def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str |
     http["in_process_b8_rps"] = raw["c16"]["in_process_b8_rps"]
     http["in_process_b1_ms"] = raw["c1"]["in_process_b1_ms"]
     http["overhead_ms"] = http["c1"]["p50_ms"] - http["in_process_b1_ms"]
+    # the same overhead from pairs (request i less item i in process, median), and the
+    # part of each request outside the model stages its server reports
+    http["overhead_ms_paired"] = raw["c1"]["batching"]["paired_overhead_ms"]
+    http["outside_model_ms"] = raw["c1"]["batching"]["outside_model_ms"]
     # The batching server waits up to --batch-wait-ms for company; the other does not.
     http["overhead_ms_no_batching"] = http["c1"]["no_batching"]["p50_ms"] - \
         http["in_process_b1_ms"]
