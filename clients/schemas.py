@@ -221,6 +221,10 @@ class FeedbackRequest(_Request):
 class FeedbackResponse(BaseModel):
     accepted: bool
     window: int
+    reason: Literal["unknown", "already_labelled"] | None = Field(
+        None, description="why a verdict was not accepted: no answer with this request_id "
+                          "is remembered (never issued, or too long ago), or that answer "
+                          "already has its verdict; null when accepted")
 
 
 class ErrorResponse(BaseModel):

@@ -15,6 +15,9 @@ class FeedbackMonitor:
 
     def __init__(self, window: int = 500, remember: int = 10000) -> None:
         self.pending: OrderedDict[str, tuple[float, bool]] = OrderedDict()
+        # ids that already have their verdict (as many as `remember`): a second verdict is
+        # refused, and the caller is told why rather than that the id is unknown
+        self.labelled: OrderedDict[str, None] = OrderedDict()
         self.window: deque[tuple[float, bool, bool]] = deque(maxlen=window)
         self.remember = remember
         self.lock = threading.Lock()
@@ -31,7 +34,15 @@ class FeedbackMonitor:
             if seen is None:
                 return False
             self.window.append((seen[0], seen[1], bool(correct)))
+            self.labelled[request_id] = None
+            while len(self.labelled) > self.remember:
+                self.labelled.popitem(last=False)
             return True
+
+    def already_labelled(self, request_id: str) -> bool:
+        """Whether `request_id`'s answer got its verdict earlier (one verdict an answer)."""
+        with self.lock:
+            return request_id in self.labelled
 
     def stats(self) -> dict[str, float]:
         with self.lock:

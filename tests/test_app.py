@@ -221,6 +221,19 @@ def test_counterfactual_decisive_and_strict(refs, decisive, strict):
     assert body["confidence_difference"]["dualread"] == pytest.approx(0.9 - 0.2)
 
 
+@pytest.mark.parametrize("field", ["reference_answer", "counterfactual_reference_answer"])
+@pytest.mark.parametrize("ref", ["", "  ", "?!", "\t. \n"])
+def test_a_reference_with_no_answer_in_it_is_refused(field, ref):
+    """An empty reference (once normalised) would grade every answer wrong: 422 naming the
+    field, before any model work."""
+    backend = FakeBackend()
+    with TestClient(create_app(Settings(), backend)) as c:
+        r = c.post("/probe/counterfactual", json={
+            "question": Q, "image": solid((255, 0, 0)), "counterfactual": "blank",
+            field: ref})
+    assert r.status_code == 422 and field in r.json()["detail"], r.text
+
+
 class TruncatingBackend(FakeBackend):
     """Every blue answer is cut at max_new_tokens: deferred for that reason."""
 
@@ -302,10 +315,13 @@ def test_feedback_updates_gauges(api):
                                       "question": Q})
         ids.append(r.json()["request_id"])
     for i, rid in enumerate(ids):
-        assert api.post("/feedback", json={"request_id": rid, "correct": i % 2 == 0}
-                        ).json()["accepted"]
-    assert not api.post("/feedback", json={"request_id": "unknown", "correct": True}
-                        ).json()["accepted"]
+        body = api.post("/feedback", json={"request_id": rid, "correct": i % 2 == 0}).json()
+        assert body["accepted"] and body["reason"] is None
+    # a forged id and a second verdict are both refused, and told apart
+    assert api.post("/feedback", json={"request_id": "unknown", "correct": True}).json() \
+        == {"accepted": False, "window": 6, "reason": "unknown"}
+    assert api.post("/feedback", json={"request_id": ids[0], "correct": False}).json() \
+        == {"accepted": False, "window": 6, "reason": "already_labelled"}
     text = api.get("/metrics").text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert "dualread_feedback_defer_rate" in fams

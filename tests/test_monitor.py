@@ -57,6 +57,15 @@ def test_unknown_and_repeated_feedback_is_refused():
     assert m.feedback("r1", False) is True
     assert m.feedback("r1", True) is False          # one verdict per answer
     assert len(m.window) == 1 and m.stats()["n"] == 1
+    assert m.already_labelled("r1") and not m.already_labelled("never-seen")
+
+
+def test_labelled_ids_are_remembered_boundedly():
+    m = FeedbackMonitor(remember=2)
+    for rid in ("a", "b", "c"):
+        m.record(rid, 0.5, False)
+        assert m.feedback(rid, True)
+    assert list(m.labelled) == ["b", "c"] and not m.already_labelled("a")
 
 
 def test_window_keeps_only_the_latest_feedback():

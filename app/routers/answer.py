@@ -117,4 +117,6 @@ async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
     feeds the calibration monitor. O(1): the window statistics wait for /metrics."""
     hooks = request.app.state.hooks
     known = hooks.feedback(body.request_id, body.correct)
-    return FeedbackResponse(accepted=known, window=len(hooks.monitor.window))
+    reason = None if known else (
+        "already_labelled" if hooks.monitor.already_labelled(body.request_id) else "unknown")
+    return FeedbackResponse(accepted=known, window=len(hooks.monitor.window), reason=reason)

@@ -21,7 +21,7 @@ from app.schemas import (
 from app.serving import AnswerItem, AnswerResult, ScoreResult, Serving
 from clients.grounding import classify_pair
 from models.actor import Actor
-from models.canon import is_correct
+from models.canon import canon, is_correct
 from models.counterfactuals import blank_image
 from models.masking import MaskSpec
 
@@ -70,6 +70,12 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
     serving.admit(request)
     question = serving.question(body.question)
     limit = serving.max_new_tokens(body.max_new_tokens)
+    ref, cf_ref = body.reference_answer, body.counterfactual_reference_answer
+    for field, value in (("reference_answer", ref), ("counterfactual_reference_answer", cf_ref)):
+        # no answer can equal an empty reference: it would grade every answer wrong
+        if value is not None and not canon(value):
+            raise InvalidInput(f"{field} is empty once normalised ({value[:40]!r}); leave it "
+                               "out to skip grading")
     real = await serving.image_b64(body.image)
     cf = blank_image() if body.counterfactual == "blank" else \
         await serving.image_b64(body.counterfactual, "counterfactual")
@@ -77,7 +83,6 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
                                  AnswerItem(cf, question, limit)],
                                 gone=request.is_disconnected)
     ra, rb = a.result, b.result
-    ref, cf_ref = body.reference_answer, body.counterfactual_reference_answer
     z_real = is_correct(ra.answer, ref) if ref is not None else None
     z_cf = is_correct(rb.answer, cf_ref) if cf_ref is not None else None
     pair = classify_pair(z_real, z_cf, ra.canonical, rb.canonical)
