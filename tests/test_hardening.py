@@ -167,6 +167,28 @@ def test_multipart_max_new_tokens_bounds(api, value):
     assert_error(r, 422, "max_new_tokens")
 
 
+def _multipart_body(question: bytes) -> bytes:
+    return (b'--xyz\r\nContent-Disposition: form-data; name="question"\r\n\r\n' + question
+            + b'\r\n--xyz\r\nContent-Disposition: form-data; name="file"; filename="x.png"\r\n'
+            b"Content-Type: image/png\r\n\r\n" + png_bytes(random_image(0))
+            + b"\r\n--xyz--\r\n")
+
+
+def test_a_multipart_question_that_is_not_utf8_is_refused(api):
+    """Starlette reads a text part that is not valid UTF-8 as Latin-1, silently: the
+    question would be answered as mojibake. 422 naming the part; the same text in UTF-8, or
+    in Latin-1 when the body says so, is read."""
+    latin1 = "what colour is the shape, café?".encode("latin-1")
+    r = api.post("/answer", content=_multipart_body(latin1),
+                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert_error(r, 422, "'question'", "not valid utf-8")
+    for body, ctype in ((latin1.decode("latin-1").encode(), "boundary=xyz"),
+                        (latin1, "boundary=xyz; charset=latin-1")):
+        r = api.post("/answer", content=_multipart_body(body),
+                     headers={"content-type": f"multipart/form-data; {ctype}"})
+        assert r.status_code == 200, r.text
+
+
 def test_multipart_max_new_tokens_ok(api):
     r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
                  data={"question": Q, "max_new_tokens": "4"})

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
 from app.errors import InvalidInput, UnsupportedMediaType, explain
@@ -35,8 +39,47 @@ BODY = {"requestBody": {"required": True, "content": {
                                           "maximum": MAX_NEW_TOKENS}}}}}}}
 
 
+class _NotText(MultiPartException):
+    pass
+
+
+class _TextParts(MultiPartParser):
+    """Starlette's multipart parser, except that a text part that is not valid in the
+    body's charset (UTF-8 unless the body names another) is refused: Starlette reads it as
+    Latin-1 instead, silently, and the question would be answered as mojibake."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset)
+            except (UnicodeDecodeError, LookupError):
+                raise _NotText(f"multipart part {part.field_name!r} is not valid "
+                               f"{self._charset} text") from None
+        super().on_part_end()
+
+
+async def _form(request: Request) -> FormData:
+    """`request.form(max_files=1, max_fields=2)`, with text parts checked (`_TextParts`):
+    422 for one that is not text, 400 for a body the parser cannot read, as Starlette."""
+    try:
+        async with aclosing(request.stream()) as stream:
+            return await _TextParts(request.headers, stream, max_files=1, max_fields=2).parse()
+    except _NotText as e:
+        raise InvalidInput(e.message) from None
+    except MultiPartException as e:
+        raise HTTPException(status_code=400, detail=e.message) from None
+
+
 async def _multipart(request: Request, serving: Serving) -> AnswerItem:
-    form = await request.form(max_files=1, max_fields=2)
+    form = await _form(request)
+    try:
+        return await _read_form(form, serving)
+    finally:
+        await form.close()
+
+
+async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     extra = set(form.keys()) - MULTIPART_FIELDS
     if extra:
         raise InvalidInput("multipart body has unexpected parts; send file, question and "

@@ -194,8 +194,10 @@ def markdown(r: dict) -> str:
                      f"that long and short answers are not compared): "
                      f"{http['overhead_ms_paired']:.1f} ms. What a request spends outside "
                      f"the model stages its server reports (queue, generate, readout, heads): "
-                     f"{http['outside_model_ms']:.1f} ms at the median — request parsing, "
-                     f"image decoding, the image check's hand-off, the response."
+                     f"{http['outside_model_ms']:.1f} ms at the median: request parsing, image "
+                     f"decoding and the response, and also work the in-process call does "
+                     f"too (handing the image to the check's process, the batch's results), "
+                     f"so more than HTTP itself adds."
                      if "overhead_ms_paired" in http else ""),
                   ""]
     lines += ["### Targets", "", "| target | measured | limit | met |", "|---|---|---|---|"]
