@@ -259,6 +259,7 @@ def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n:
         diffs = [h - p for h, p in zip(paired[k], inproc) if h is not None]
         out[k]["paired_overhead_ms"] = float(np.median(diffs) * 1000) if diffs \
             else float("nan")
+        out[k]["paired_requests"] = len(diffs)
     if inproc:
         out["in_process_b1_ms"] = float(np.median(inproc) * 1000)
     return out

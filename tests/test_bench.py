@@ -278,6 +278,18 @@ def test_one_client_overhead_pairs_request_i_with_item_i(monkeypatch):
     assert out["batching"]["p50_ms"] - out["in_process_b1_ms"] == pytest.approx(0.0)
     assert out["no_batching"]["paired_overhead_ms"] == pytest.approx(0.0)
     assert out["batching"]["outside_model_ms"] == pytest.approx(2.0)
+    # a failed request leaves its item out of the pairs, the others stay paired
+    latency["http://on"][1] = None
+    post_ok = post
+
+    def post(client, body):
+        return None if latency[str(client.base_url).rstrip("/")][int(body)] is None \
+            else post_ok(client, body)
+
+    monkeypatch.setattr(cb, "_post_timed", post)
+    out = cb._paired_single(servers, [b"0", b"1", b"2"], 3, lambda i: inproc[i], None)
+    assert out["batching"]["errors"] == 1
+    assert out["batching"]["paired_overhead_ms"] == pytest.approx(2.5)      # 5, 0
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])

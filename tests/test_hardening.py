@@ -175,18 +175,34 @@ def _multipart_body(question: bytes) -> bytes:
 
 
 def test_a_multipart_question_that_is_not_utf8_is_refused(api):
-    """Starlette reads a text part that is not valid UTF-8 as Latin-1, silently: the
-    question would be answered as mojibake. 422 naming the part; the same text in UTF-8, or
-    in Latin-1 when the body says so, is read."""
+    """Starlette reads a text part that is not valid UTF-8 as Latin-1, silently (and any
+    text under a charset it does not know): the question would be answered as mojibake.
+    422; the same text in UTF-8, or in Latin-1 when the body says so, is read."""
     latin1 = "what colour is the shape, café?".encode("latin-1")
-    r = api.post("/answer", content=_multipart_body(latin1),
-                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    multipart = "multipart/form-data; boundary=xyz"
+    r = api.post("/answer", content=_multipart_body(latin1), headers={"content-type": multipart})
     assert_error(r, 422, "'question'", "not valid utf-8")
-    for body, ctype in ((latin1.decode("latin-1").encode(), "boundary=xyz"),
-                        (latin1, "boundary=xyz; charset=latin-1")):
+    r = api.post("/answer", content=_multipart_body(latin1),
+                 headers={"content-type": multipart + "; charset=bogus"})
+    assert_error(r, 422, "charset this server does not know")
+    for body, extra in ((latin1.decode("latin-1").encode(), ""), (latin1, "; charset=latin-1")):
         r = api.post("/answer", content=_multipart_body(body),
-                     headers={"content-type": f"multipart/form-data; {ctype}"})
+                     headers={"content-type": multipart + extra})
         assert r.status_code == 200, r.text
+
+
+def test_other_multipart_text_parts_keep_their_own_errors(api):
+    """Only the question is read as text: a part under a name of the client's that is not
+    UTF-8 is an unexpected part (its name not repeated back), a file sent without a file
+    name is a missing file."""
+    odd = _multipart_body(b"what?").replace(b'name="question"', b'name="\xff<b>"')
+    r = api.post("/answer", content=odd,
+                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert "<b>" not in assert_error(r, 422, "unexpected parts")["detail"]
+    plain_file = _multipart_body(Q.encode()).replace(b'; filename="x.png"', b"")
+    r = api.post("/answer", content=plain_file,
+                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert_error(r, 422, "needs a 'file' part")
 
 
 def test_multipart_max_new_tokens_ok(api):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
-from starlette.datastructures import FormData
+from python_multipart.multipart import parse_options_header
+from starlette.datastructures import FormData, Headers
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -44,23 +47,35 @@ class _NotText(MultiPartException):
 
 
 class _TextParts(MultiPartParser):
-    """Starlette's multipart parser, except that a text part that is not valid in the
-    body's charset (UTF-8 unless the body names another) is refused: Starlette reads it as
-    Latin-1 instead, silently, and the question would be answered as mojibake."""
+    """Starlette's multipart parser, except that a `question` part that is not valid in
+    the charset the body names (UTF-8 when it names none) is refused: Starlette reads it
+    as Latin-1 instead, silently (also under a charset it does not know), and the question
+    would be answered as mojibake. Other text parts have checks of their own."""
+
+    def __init__(self, headers: Headers, stream: AsyncGenerator[bytes, None],
+                 **limits: Any) -> None:
+        super().__init__(headers, stream, **limits)
+        _, params = parse_options_header(headers.get("content-type", ""))
+        named = params.get(b"charset", b"utf-8")
+        self.named = named.decode("latin-1") if isinstance(named, bytes) else named
 
     def on_part_end(self) -> None:
         part = self._current_part
-        if part.file is None:
+        if part.file is None and part.field_name == "question":
             try:
-                bytes(part.data).decode(self._charset)
-            except (UnicodeDecodeError, LookupError):
-                raise _NotText(f"multipart part {part.field_name!r} is not valid "
-                               f"{self._charset} text") from None
+                bytes(part.data).decode(self.named)
+            except LookupError:
+                raise _NotText("multipart body names a charset this server does not know; "
+                               "send the question in UTF-8") from None
+            except UnicodeDecodeError:
+                raise _NotText(f"multipart part 'question' is not valid {self.named} text "
+                               "(UTF-8 unless the body's content type names a charset)"
+                               ) from None
         super().on_part_end()
 
 
 async def _form(request: Request) -> FormData:
-    """`request.form(max_files=1, max_fields=2)`, with text parts checked (`_TextParts`):
+    """`request.form(max_files=1, max_fields=2)`, with the question checked (`_TextParts`):
     422 for one that is not text, 400 for a body the parser cannot read, as Starlette."""
     try:
         async with aclosing(request.stream()) as stream:

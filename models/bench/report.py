@@ -183,6 +183,7 @@ def markdown(r: dict) -> str:
                          f"{h['rps_no_batching']:.2f} | {h['p50_ms']:.1f} | {h['p95_ms']:.1f} | "
                          f"{h['p99_ms']:.1f} | {off['p50_ms']:.1f} | {off['p99_ms']:.1f} | "
                          f"{on['errors'] + off['errors']} |")
+        pairs = http.get("paired_requests", http["c1"]["batching"]["requests"])
         lines += ["", f"In-process batch-8 throughput (capture + heads, same items): "
                   f"{http['in_process_b8_rps']:.2f} items/s, measured between the 16-client "
                   f"rounds. HTTP overhead at one client: p50 {http['c1']['p50_ms']:.1f} ms − "
@@ -190,8 +191,8 @@ def markdown(r: dict) -> str:
                   f"(alternated request by request) = {http['overhead_ms']:.1f} ms; against "
                   f"the server without batching {http['overhead_ms_no_batching']:.1f} ms."
                   + (f" Paired by item (the median of request i's time less item i's in "
-                     f"process, over the {http['c1']['batching']['requests']} requests, so "
-                     f"that long and short answers are not compared): "
+                     f"process, over the {pairs} requests answered, so that long and short "
+                     f"answers are not compared): "
                      f"{http['overhead_ms_paired']:.1f} ms. What a request spends outside "
                      f"the model stages its server reports (queue, generate, readout, heads): "
                      f"{http['outside_model_ms']:.1f} ms at the median: request parsing, image "

@@ -213,6 +213,7 @@ def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str |
     # part of each request outside the model stages its server reports
     http["overhead_ms_paired"] = raw["c1"]["batching"]["paired_overhead_ms"]
     http["outside_model_ms"] = raw["c1"]["batching"]["outside_model_ms"]
+    http["paired_requests"] = raw["c1"]["batching"]["paired_requests"]
     # The batching server waits up to --batch-wait-ms for company; the other does not.
     http["overhead_ms_no_batching"] = http["c1"]["no_batching"]["p50_ms"] - \
         http["in_process_b1_ms"]
