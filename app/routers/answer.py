@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import re
-from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from python_multipart.multipart import parse_options_header
-from starlette.datastructures import FormData, Headers
+from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -42,48 +41,72 @@ BODY = {"requestBody": {"required": True, "content": {
                                           "maximum": MAX_NEW_TOKENS}}}}}}}
 
 
-class _NotText(MultiPartException):
-    pass
+# What a multipart body may name as its charset (codecs' names): others are refused
+# before any part is read. Starlette reads a charset it does not know as Latin-1, and some
+# codecs Python knows are slow (punycode: quadratic) or raise what it does not catch.
+CHARSETS = {"utf-8", "iso8859-1", "ascii"}
 
 
 class _TextParts(MultiPartParser):
     """Starlette's multipart parser, except that a `question` part that is not valid in
-    the charset the body names (UTF-8 when it names none) is refused: Starlette reads it
-    as Latin-1 instead, silently (also under a charset it does not know), and the question
-    would be answered as mojibake. Other text parts have checks of their own."""
+    the body's charset is refused (Starlette reads it as Latin-1 instead, silently, and the
+    question would be answered as mojibake), and so is a body that ends before its closing
+    boundary (Starlette keeps the parts read so far). Other text parts have checks of
+    their own."""
 
-    def __init__(self, headers: Headers, stream: AsyncGenerator[bytes, None],
-                 **limits: Any) -> None:
-        super().__init__(headers, stream, **limits)
-        _, params = parse_options_header(headers.get("content-type", ""))
-        named = params.get(b"charset", b"utf-8")
-        self.named = named.decode("latin-1") if isinstance(named, bytes) else named
+    ended = False
 
     def on_part_end(self) -> None:
         part = self._current_part
         if part.file is None and part.field_name == "question":
             try:
-                bytes(part.data).decode(self.named)
-            except LookupError:
-                raise _NotText("multipart body names a charset this server does not know; "
-                               "send the question in UTF-8") from None
+                bytes(part.data).decode(self._charset)
             except UnicodeDecodeError:
-                raise _NotText(f"multipart part 'question' is not valid {self.named} text "
+                raise _NotText(f"multipart part 'question' is not valid {self._charset} text "
                                "(UTF-8 unless the body's content type names a charset)"
                                ) from None
         super().on_part_end()
 
+    def on_end(self) -> None:
+        self.ended = True
+
+
+class _NotText(MultiPartException):
+    pass
+
+
+def _charset(request: Request) -> str:
+    """The charset the body's content type names (utf-8 when none), if it is allowed."""
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    named = params.get(b"charset", b"utf-8")
+    try:
+        name = codecs.lookup(named.decode("latin-1") if isinstance(named, bytes) else named)
+    except LookupError:
+        name = None
+    if name is None or name.name not in CHARSETS:
+        raise InvalidInput("multipart body names a charset other than UTF-8, ISO-8859-1 or "
+                           "US-ASCII; send the question in UTF-8")
+    return name.name
+
 
 async def _form(request: Request) -> FormData:
-    """`request.form(max_files=1, max_fields=2)`, with the question checked (`_TextParts`):
-    422 for one that is not text, 400 for a body the parser cannot read, as Starlette."""
+    """`request.form(max_files=1, max_fields=2)`, checked (`_TextParts`, `CHARSETS`): 422
+    for a question that is not text, 400 for a body the parser cannot read or that stops
+    before its end, as Starlette."""
+    _charset(request)
     try:
         async with aclosing(request.stream()) as stream:
-            return await _TextParts(request.headers, stream, max_files=1, max_fields=2).parse()
+            parser = _TextParts(request.headers, stream, max_files=1, max_fields=2)
+            form = await parser.parse()
     except _NotText as e:
         raise InvalidInput(e.message) from None
     except MultiPartException as e:
         raise HTTPException(status_code=400, detail=e.message) from None
+    if not parser.ended:
+        await form.close()
+        raise HTTPException(status_code=400, detail="Invalid multipart data: the body ends "
+                                                    "before its closing boundary.")
+    return form
 
 
 async def _multipart(request: Request, serving: Serving) -> AnswerItem:
@@ -109,7 +132,9 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     raw_mnt = form.get("max_new_tokens")
     mnt = None
     if raw_mnt is not None:
-        if not isinstance(raw_mnt, str) or not _INT.match(raw_mnt.strip()) or \
+        # ASCII blanks only: str.strip and int() also take U+3000 and the like
+        raw_mnt = raw_mnt.strip(" \t") if isinstance(raw_mnt, str) else raw_mnt
+        if not isinstance(raw_mnt, str) or not _INT.match(raw_mnt) or \
                 not 1 <= int(raw_mnt) <= MAX_NEW_TOKENS:
             raise InvalidInput(f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
         mnt = int(raw_mnt)

@@ -74,8 +74,8 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
     for field, value in (("reference_answer", ref), ("counterfactual_reference_answer", cf_ref)):
         # no answer can equal an empty reference: it would grade every answer wrong
         if value is not None and not canon(value):
-            raise InvalidInput(f"{field} is empty once normalised ({value[:40]!r}); leave it "
-                               "out to skip grading")
+            raise InvalidInput(f"{field} is empty once normalised (no letter or digit); "
+                               "leave it out to skip grading")
     real = await serving.image_b64(body.image)
     cf = blank_image() if body.counterfactual == "blank" else \
         await serving.image_b64(body.counterfactual, "counterfactual")
