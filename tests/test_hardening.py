@@ -203,7 +203,45 @@ def test_a_multipart_body_cut_before_its_closing_boundary_is_400(api):
     assert_error(r, 400, "ends before its closing boundary")
 
 
-@pytest.mark.parametrize("value", [" 8\u3000", "\u20028"])
+def test_a_multipart_body_cut_inside_its_file_closes_that_file(api, monkeypatch):
+    """The file part being written when the body stopped is not among the parts read, so
+    closing the form does not close it."""
+    import starlette.formparsers as fp
+
+    made = []
+
+    class Tracked(fp.SpooledTemporaryFile):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(fp, "SpooledTemporaryFile", Tracked)
+    whole = _multipart_body(Q.encode())
+    cut = whole[: whole.index(b"IEND")]                  # inside the PNG
+    r = api.post("/answer", content=cut,
+                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert_error(r, 400, "ends before its closing boundary")
+    assert len(made) == 1 and made[0].closed
+
+
+def test_a_long_or_odd_multipart_charset_is_refused_unread(api):
+    """A Content-Type over 1,024 characters is not parsed (the parser walks it on the
+    event loop, ~1 µs a byte); a charset name that cannot be one is refused before
+    `codecs.lookup`, which would keep it in its cache for good."""
+    import encodings
+
+    multipart = "multipart/form-data; boundary=xyz"
+    r = api.post("/answer", content=_multipart_body(Q.encode()),
+                 headers={"content-type": multipart + '; x="' + ";" * 2000 + '"'})
+    assert_error(r, 400, "Content-Type header over 1024 characters")
+    for name in ("q" * 41, "utf-8\u00e9", "a b"):
+        r = api.post("/answer", content=_multipart_body(Q.encode()),
+                     headers={"content-type": f'{multipart}; charset="{name}"'.encode()})
+        assert_error(r, 422, "charset other than UTF-8")
+    assert "q" * 41 not in encodings._cache
+
+
+@pytest.mark.parametrize("value", [" 8\u3000", "\u20028", "8\n"])
 def test_multipart_max_new_tokens_takes_ascii_blanks_only(api, value):
     r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
                  data={"question": Q, "max_new_tokens": value})

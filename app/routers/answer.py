@@ -30,7 +30,7 @@ from clients.schemas import ImageCheck, Novelty
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
 MULTIPART_FIELDS = {"file", "question", "max_new_tokens"}
-_INT = re.compile(r"^[0-9]{1,4}$")   # ASCII: int() would take "٨" as 8
+_INT = re.compile(r"[0-9]{1,4}")    # fullmatch, ASCII: int() would take "٨" as 8
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
     "multipart/form-data": {"schema": {
@@ -75,18 +75,32 @@ class _NotText(MultiPartException):
     pass
 
 
+# Longest multipart Content-Type read: the parser walks it on the event loop (twice),
+# about 1 µs a byte, and nothing else bounds a header's length
+MAX_CONTENT_TYPE = 1024
+_CHARSET_NAME = re.compile(r"[A-Za-z0-9._:-]{1,40}")
+
+
 def _charset(request: Request) -> str:
-    """The charset the body's content type names (utf-8 when none), if it is allowed."""
-    _, params = parse_options_header(request.headers.get("content-type", ""))
+    """The charset the body's content type names (utf-8 when none), if it is allowed. The
+    name is checked before `codecs.lookup`, which keeps every unknown name it is asked for."""
+    content_type = request.headers.get("content-type", "")
+    if len(content_type) > MAX_CONTENT_TYPE:
+        raise HTTPException(status_code=400, detail=f"Content-Type header over "
+                                                    f"{MAX_CONTENT_TYPE} characters")
+    _, params = parse_options_header(content_type)
     named = params.get(b"charset", b"utf-8")
-    try:
-        name = codecs.lookup(named.decode("latin-1") if isinstance(named, bytes) else named)
-    except LookupError:
-        name = None
-    if name is None or name.name not in CHARSETS:
+    named = named.decode("latin-1") if isinstance(named, bytes) else named
+    name = None
+    if _CHARSET_NAME.fullmatch(named):
+        try:
+            name = codecs.lookup(named).name
+        except LookupError:
+            pass
+    if name not in CHARSETS:
         raise InvalidInput("multipart body names a charset other than UTF-8, ISO-8859-1 or "
                            "US-ASCII; send the question in UTF-8")
-    return name.name
+    return name
 
 
 async def _form(request: Request) -> FormData:
@@ -103,7 +117,10 @@ async def _form(request: Request) -> FormData:
     except MultiPartException as e:
         raise HTTPException(status_code=400, detail=e.message) from None
     if not parser.ended:
+        # the parts read so far, and a file cut off mid-part (not among them)
         await form.close()
+        for f in parser._files_to_close_on_error:
+            f.close()
         raise HTTPException(status_code=400, detail="Invalid multipart data: the body ends "
                                                     "before its closing boundary.")
     return form
@@ -134,7 +151,7 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     if raw_mnt is not None:
         # ASCII blanks only: str.strip and int() also take U+3000 and the like
         raw_mnt = raw_mnt.strip(" \t") if isinstance(raw_mnt, str) else raw_mnt
-        if not isinstance(raw_mnt, str) or not _INT.match(raw_mnt) or \
+        if not isinstance(raw_mnt, str) or not _INT.fullmatch(raw_mnt) or \
                 not 1 <= int(raw_mnt) <= MAX_NEW_TOKENS:
             raise InvalidInput(f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
         mnt = int(raw_mnt)
