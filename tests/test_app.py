@@ -232,6 +232,7 @@ def test_a_reference_with_no_answer_in_it_is_refused(field, ref):
             "question": Q, "image": solid((255, 0, 0)), "counterfactual": "blank",
             field: ref})
     assert r.status_code == 422 and field in r.json()["detail"], r.text
+    assert backend.seen == []                        # refused before any model work
 
 
 class TruncatingBackend(FakeBackend):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,6 +291,40 @@ def test_one_client_overhead_pairs_request_i_with_item_i(monkeypatch):
     out = cb._paired_single(servers, [b"0", b"1", b"2"], 3, lambda i: inproc[i], None)
     assert out["batching"]["errors"] == 1
     assert out["batching"]["paired_overhead_ms"] == pytest.approx(2.5)      # 5, 0
+    assert out["batching"]["paired_requests"] == 2
+
+
+def test_the_http_block_reads_the_batching_server_and_reports_its_pairs():
+    """bench.json's `http` block and the target rows take the paired overhead and the
+    time outside the model stages from the batching server, not the other one."""
+    from models.bench.report import markdown, targets
+    from models.bench.run import http_block
+
+    def load(p50, paired, outside, errors=0):
+        return {"requests": 32, "errors": errors, "rps": 10.0, "p50_ms": p50, "p95_ms": p50,
+                "p99_ms": p50, "mean_ms": p50, "paired_overhead_ms": paired,
+                "paired_requests": 32 - errors, "outside_model_ms": outside}
+
+    raw = {"c1": {"batching": load(91.0, 0.6, 4.7, errors=1),
+                  "no_batching": load(90.0, -9.0, -9.0), "in_process_b1_ms": 90.5},
+           "c4": {"batching": load(100.0, 0, 0), "no_batching": load(300.0, 0, 0)},
+           "c16": {"batching": load(300.0, 0, 0), "no_batching": load(900.0, 0, 0),
+                   "in_process_b8_rps": 20.0}}
+    http = http_block(raw, {"device": "cpu"}, 16)
+    assert (http["overhead_ms"], http["overhead_ms_paired"], http["outside_model_ms"],
+            http["paired_requests"]) == (pytest.approx(0.5), 0.6, 4.7, 31)
+    rows = {t["target"]: t for t in targets({"http": http})}
+    assert rows["HTTP overhead at 1 client, paired by item (ms)"]["value"] == 0.6
+    assert rows["HTTP overhead at 1 client (ms)"]["value"] == pytest.approx(0.5)
+    # the shipped run's in-process part, this HTTP block
+    r = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json")
+                   .read_text())
+    r["http"] = http
+    r["targets"] = targets(r)
+    text = markdown(r)
+    assert "over the 31 requests answered" in text and "4.7 ms at the median" in text
+    del http["paired_requests"]                  # a bench.json from before the key
+    assert "over the 31 requests answered" in markdown(r)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"])

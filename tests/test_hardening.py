@@ -206,6 +206,17 @@ def test_a_multipart_body_cut_before_its_closing_boundary_is_400(api):
 def test_a_multipart_body_cut_inside_its_file_closes_that_file(api, monkeypatch):
     """The file part being written when the body stopped is not among the parts read, so
     closing the form does not close it."""
+    made = _tracked_files(monkeypatch)
+    whole = _multipart_body(Q.encode())
+    cut = whole[: whole.index(b"IEND")]                  # inside the PNG
+    r = api.post("/answer", content=cut,
+                 headers={"content-type": "multipart/form-data; boundary=xyz"})
+    assert_error(r, 400, "ends before its closing boundary")
+    assert len(made) == 1 and made[0].closed
+
+
+def _tracked_files(monkeypatch) -> list:
+    """Every upload file the form parser makes from now on."""
     import starlette.formparsers as fp
 
     made = []
@@ -216,12 +227,29 @@ def test_a_multipart_body_cut_inside_its_file_closes_that_file(api, monkeypatch)
             made.append(self)
 
     monkeypatch.setattr(fp, "SpooledTemporaryFile", Tracked)
-    whole = _multipart_body(Q.encode())
-    cut = whole[: whole.index(b"IEND")]                  # inside the PNG
-    r = api.post("/answer", content=cut,
-                 headers={"content-type": "multipart/form-data; boundary=xyz"})
-    assert_error(r, 400, "ends before its closing boundary")
-    assert len(made) == 1 and made[0].closed
+    return made
+
+
+def test_the_upload_is_closed_after_an_answer_and_after_a_refusal(api, monkeypatch):
+    made = _tracked_files(monkeypatch)
+    png = {"file": ("x.png", png_bytes(random_image(0)))}
+    assert api.post("/answer", files=png, data={"question": Q}).status_code == 200
+    assert_error(api.post("/answer", files=png, data={"question": Q, "max_new_tokens": "x"}),
+                 422, "max_new_tokens")
+    assert len(made) == 2 and all(f.closed for f in made)
+
+
+@pytest.mark.parametrize("files, data, detail", [
+    ({"file": ("x.png", b"a"), "file2": ("y.png", b"b")}, {"question": Q}, "Too many files"),
+    ({"file": ("x.png", b"a")}, {"question": Q, "max_new_tokens": "4", "x": "1"},
+     "Too many fields"),
+    ({"file": ("x.png", b"a")}, {"question": "a" * (1024 * 1024 + 1)},
+     "Part exceeded maximum size of 1024KB"),
+])
+def test_the_form_parser_s_limits_hold(api, files, data, detail):
+    """One file, two fields, 1 MiB a text part: what `request.form(max_files=1,
+    max_fields=2)` enforced, now that /answer builds its own parser."""
+    assert detail in assert_error(api.post("/answer", files=files, data=data), 400)["detail"]
 
 
 def test_a_long_or_odd_multipart_charset_is_refused_unread(api):
@@ -241,11 +269,14 @@ def test_a_long_or_odd_multipart_charset_is_refused_unread(api):
     assert "q" * 41 not in encodings._cache
 
 
-@pytest.mark.parametrize("value", [" 8\u3000", "\u20028", "8\n"])
+@pytest.mark.parametrize("value", [" 8\u3000", "\u20028", "8\n", "8\r\n"])
 def test_multipart_max_new_tokens_takes_ascii_blanks_only(api, value):
     r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
                  data={"question": Q, "max_new_tokens": value})
     assert_error(r, 422, "max_new_tokens")
+    r = api.post("/answer", files={"file": ("x.png", png_bytes(random_image(0)))},
+                 data={"question": Q, "max_new_tokens": " 4\t"})
+    assert r.status_code == 200, r.text
 
 
 def test_other_multipart_text_parts_keep_their_own_errors(api):

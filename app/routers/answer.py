@@ -69,6 +69,7 @@ class _TextParts(MultiPartParser):
 
     def on_end(self) -> None:
         self.ended = True
+        super().on_end()
 
 
 class _NotText(MultiPartException):

@@ -200,6 +200,11 @@ def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str |
     raw = http_bench(request_bodies(items, plan.max_new_tokens), flags, plan.http_requests,
                      plan.threads, batch_size=batch_size, in_process_b1=b1,
                      in_process_b8=b8, progress=progress)
+    return http_block(raw, flags, batch_size)
+
+
+def http_block(raw: dict, flags: dict, batch_size: int) -> dict:
+    """The `http` block of bench.json from `clients.bench.http_bench`'s result."""
     http: dict = {}
     for c in ("c1", "c4", "c16"):
         on, off = raw[c]["batching"], raw[c]["no_batching"]
@@ -211,9 +216,10 @@ def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str |
     http["overhead_ms"] = http["c1"]["p50_ms"] - http["in_process_b1_ms"]
     # the same overhead from pairs (request i less item i in process, median), and the
     # part of each request outside the model stages its server reports
-    http["overhead_ms_paired"] = raw["c1"]["batching"]["paired_overhead_ms"]
-    http["outside_model_ms"] = raw["c1"]["batching"]["outside_model_ms"]
-    http["paired_requests"] = raw["c1"]["batching"]["paired_requests"]
+    one = raw["c1"]["batching"]
+    http["overhead_ms_paired"] = one["paired_overhead_ms"]
+    http["paired_requests"] = one["paired_requests"]
+    http["outside_model_ms"] = one["outside_model_ms"]
     # The batching server waits up to --batch-wait-ms for company; the other does not.
     http["overhead_ms_no_batching"] = http["c1"]["no_batching"]["p50_ms"] - \
         http["in_process_b1_ms"]
