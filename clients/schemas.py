@@ -223,8 +223,9 @@ class FeedbackResponse(BaseModel):
     window: int
     reason: Literal["unknown", "already_labelled"] | None = Field(
         None, description="why a verdict was not accepted: no answer with this request_id "
-                          "is remembered (never issued, or too long ago), or that answer "
-                          "already has its verdict; null when accepted")
+                          "is remembered (never issued, issued by another replica, or too "
+                          "long ago), or that answer already has its verdict; null when "
+                          "accepted")
 
 
 class ErrorResponse(BaseModel):
