@@ -221,11 +221,10 @@ def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n:
                    advance: Callable[[], None] | None) -> dict:
     """One client: request i to each server, then item i in process, order rotated."""
     clients = {k: httpx.Client(base_url=s.url, timeout=120) for k, s in servers.items()}
-    lat: dict[str, list[float]] = {k: [] for k in servers}
-    # per request, the client's seconds less what the server reports for the model stages;
-    # and the client's seconds of request i (None: it failed), less item i in process
+    # the client's seconds of request i (None: it failed), and per answered request those
+    # less what the server reports for the model stages
+    lat: dict[str, list[float | None]] = {k: [None] * n for k in servers}
     outside: dict[str, list[float]] = {k: [] for k in servers}
-    paired: dict[str, list[float | None]] = {k: [None] * n for k in servers}
     errors = dict.fromkeys(servers, 0)
     walls = dict.fromkeys(servers, 0.0)
     inproc: list[float] = []
@@ -244,19 +243,19 @@ def _paired_single(servers: dict[str, ServeProcess], bodies: Sequence[bytes], n:
                 if got is None:
                     errors[step] += 1
                 else:
-                    lat[step].append(got[0])
+                    lat[step][i] = got[0]
                     outside[step].append(got[0] - got[1])
-                    paired[step][i] = got[0]
                 if advance:
                     advance()
     finally:
         for c in clients.values():
             c.close()
-    out: dict = {k: Load(1, lat[k], walls[k], errors[k]).summary() for k in servers}
+    out: dict = {k: Load(1, [x for x in lat[k] if x is not None], walls[k],
+                         errors[k]).summary() for k in servers}
     for k in servers:
         out[k]["outside_model_ms"] = float(np.median(outside[k]) * 1000) if outside[k] \
             else float("nan")
-        diffs = [h - p for h, p in zip(paired[k], inproc) if h is not None]
+        diffs = [h - p for h, p in zip(lat[k], inproc) if h is not None]
         out[k]["paired_overhead_ms"] = float(np.median(diffs) * 1000) if diffs \
             else float("nan")
         out[k]["paired_requests"] = len(diffs)

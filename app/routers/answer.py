@@ -40,14 +40,13 @@ BODY = {"requestBody": {"required": True, "content": {
                                           "maximum": MAX_NEW_TOKENS}}}}}}}
 
 
-# What a multipart body may name as its charset: these spellings (any case), as codecs
-# names them. Others are refused before any part is read: Starlette reads a charset it
-# does not know as Latin-1; some codecs Python knows are slow (punycode: quadratic) or
-# raise what it does not catch; and `codecs.lookup`, which Starlette calls with the name
-# as sent, keeps every name it is asked for, so only these few may reach it.
-CHARSETS = {"utf-8": "utf-8", "utf8": "utf-8", "iso-8859-1": "iso8859-1",
-            "iso8859-1": "iso8859-1", "latin-1": "iso8859-1", "latin1": "iso8859-1",
-            "us-ascii": "ascii", "ascii": "ascii"}
+# What a multipart body may name as its charset: these spellings, in any case. Others
+# are refused before any part is read: Starlette reads a charset it does not know as
+# Latin-1; some codecs Python knows are slow (punycode: quadratic) or raise what it does
+# not catch; and `codecs.lookup`, which Starlette calls with the name as sent, keeps every
+# name it is asked for, so only these few may reach it.
+CHARSETS = frozenset({"utf-8", "utf8", "iso-8859-1", "iso8859-1", "latin-1", "latin1",
+                      "us-ascii", "ascii"})
 
 
 class _TextParts(MultiPartParser):
@@ -84,8 +83,9 @@ class _NotText(MultiPartException):
 MAX_CONTENT_TYPE = 1024
 
 
-def _charset(request: Request) -> str:
-    """The charset the body's content type names (utf-8 when none), if it is allowed."""
+def _check_charset(request: Request) -> None:
+    """Refuse a content type too long to parse, or naming a charset not in `CHARSETS`
+    (none means UTF-8)."""
     content_type = request.headers.get("content-type", "")
     if len(content_type) > MAX_CONTENT_TYPE:
         raise HTTPException(status_code=400, detail=f"Content-Type header over "
@@ -96,14 +96,13 @@ def _charset(request: Request) -> str:
     if named.lower() not in CHARSETS:
         raise InvalidInput("multipart body names a charset other than UTF-8, ISO-8859-1 or "
                            "US-ASCII; send the question in UTF-8")
-    return CHARSETS[named.lower()]
 
 
 async def _form(request: Request) -> FormData:
     """`request.form(max_files=1, max_fields=2)`, checked (`_TextParts`, `CHARSETS`): 422
     for a question that is not text, 400 for a body the parser cannot read or that stops
     before its end, as Starlette."""
-    _charset(request)
+    _check_charset(request)
     try:
         async with aclosing(request.stream()) as stream:
             parser = _TextParts(request.headers, stream, max_files=1, max_fields=2)
