@@ -498,7 +498,8 @@ def bench(
         "--gpu", help="CUDA, bf16, a random Qwen3-VL-2B-sized actor, 448x448 images")] = False,
     actor: ActorOpt = None,
     heads: HeadsOpt = None,
-    items: Annotated[int | None, typer.Option("--items", help="items (default 64)")] = None,
+    items: Annotated[int | None, typer.Option(
+        "--items", help="items (default 128; 16 with --quick, 64 with --gpu)")] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
     threads: Annotated[int | None, typer.Option(
         "--threads", help="torch threads, in process and in the server (default 1 on CPU)")

@@ -186,7 +186,8 @@ def markdown(r: dict) -> str:
         one = http["c1"]["batching"]
         # runs from before the key: every request answered is a pair
         pairs = http.get("paired_requests", one["requests"] - one["errors"])
-        lines += ["", f"In-process batch-8 throughput (capture + heads, same items): "
+        lines += ["", f"In-process batch-8 throughput (capture + heads, two batches of 8: the "
+                  f"first 16 of the same items): "
                   f"{http['in_process_b8_rps']:.2f} items/s, measured between the 16-client "
                   f"rounds. HTTP overhead at one client: p50 {http['c1']['p50_ms']:.1f} ms − "
                   f"in-process batch-1 capture median {http['in_process_b1_ms']:.1f} ms "
