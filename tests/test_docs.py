@@ -11,7 +11,6 @@ import shlex
 from functools import cache
 from pathlib import Path
 
-import click
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,19 +121,25 @@ def _concrete(args: list[str]) -> list[str]:
 
 
 @cache
-def dualread_command() -> click.Group:
+def dualread_command():
     typer_main = pytest.importorskip("typer.main")
     from app import cli
 
     return typer_main.get_command(cli.app)
 
 
+def _is(error: BaseException, *names: str) -> bool:
+    # typer carries its own copy of click, so its exceptions are matched by class name
+    return any(cls.__name__ in names for cls in type(error).__mro__)
+
+
 def dualread_error(args: list[str]) -> str | None:
-    """Why `dualread ARGS` would be refused by its parser, or None. Resilient parsing:
-    missing required options and values that need files do not count, an unknown
-    command, an unknown option or a stray argument do."""
+    """Why `dualread ARGS` would be refused by its parser, or None. A missing required
+    option and a value the parser rejects (a file that is not here, a placeholder for a
+    shell variable) do not count; an unknown command or option, an option without its
+    value and a stray argument do."""
     group = dualread_command()
-    root = click.Context(group, info_name="dualread", resilient_parsing=True)
+    root = group.context_class(group, info_name="dualread")
     leading = []
     while args and args[0].startswith("-"):
         leading.append(args.pop(0))
@@ -144,17 +149,17 @@ def dualread_error(args: list[str]) -> str | None:
             return f"no such option {opt}"
     if not args:
         return None if leading else "no command"
-    name, sub, rest = group.resolve_command(root, args)
+    sub = group.get_command(root, args[0])
     if sub is None:
         return f"no such command {args[0]!r}"
     try:
-        ctx = sub.make_context(name, list(rest), parent=root, resilient_parsing=True)
-    except click.exceptions.Exit:              # an eager option such as --help
-        return None
-    except click.UsageError as e:
-        return e.format_message()
-    if ctx.args:
-        return f"unexpected arguments {ctx.args}"
+        sub.make_context(args[0], list(args[1:]), parent=root)
+    except Exception as e:
+        if _is(e, "Exit", "BadParameter"):     # --help; MissingParameter is a BadParameter
+            return None
+        if _is(e, "UsageError"):
+            return e.format_message()
+        raise
     return None
 
 
