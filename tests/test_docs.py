@@ -1,7 +1,8 @@
 """The README and docs/ stay true to the repository: every relative link points at a file
-(and heading) that exists, and every `dualread ...`, `make ...` and `python -m ...` line in
-a fenced code block names a real command, options and module. Nothing is executed: the
-command lines are parsed by the CLI's own click tree."""
+(and heading) that exists; every `dualread ...`, `make ...` and `python -m ...` line in a
+fenced code block, and every `dualread ...` in inline code (tables), names a real command,
+options, target and module. Nothing is executed: `dualread` lines are parsed by the CLI's
+own click tree."""
 
 from __future__ import annotations
 
@@ -108,11 +109,12 @@ def command_lines(text: str) -> list[list[str]]:
 
 
 def _concrete(args: list[str]) -> list[str]:
-    """Shell expansions have no value here: one standing for an option's value becomes a
-    placeholder, one standing alone (e.g. `$S` holding several options) is dropped."""
+    """Shell expansions and `...` have no value here: one standing for an option's value
+    becomes a placeholder, one standing alone (e.g. `$S` holding several options) is
+    dropped."""
     out: list[str] = []
     for tok in args:
-        if "$" in tok:
+        if "$" in tok or tok in {"...", "…"}:
             if out and out[-1].startswith("-") and "=" not in out[-1]:
                 out.append("X")
             continue
@@ -152,6 +154,8 @@ def dualread_error(args: list[str]) -> str | None:
     sub = group.get_command(root, args[0])
     if sub is None:
         return f"no such command {args[0]!r}"
+    if "--help" in args:                       # parsing it would print the help
+        return None
     try:
         sub.make_context(args[0], list(args[1:]), parent=root)
     except Exception as e:
@@ -161,6 +165,21 @@ def dualread_error(args: list[str]) -> str | None:
             return e.format_message()
         raise
     return None
+
+
+def inline_commands(text: str) -> list[list[str]]:
+    """`dualread ...` in inline code outside fenced blocks (tables, prose), written with
+    usage notation: `[--opt X]` optional, `a\\|b` alternatives (the first is checked)."""
+    commands = []
+    for span in re.findall(r"`(dualread\s[^`]+)`", FENCE.sub("", text)):
+        span = re.sub(r"(\S+?)(?:\\\|[^\s\]]+)+", r"\1", span)
+        try:
+            tokens = shlex.split(span.replace("[", " ").replace("]", " "))
+        except ValueError:
+            continue
+        if len(_concrete(tokens[1:])) > 0:      # `dualread ...` alone names no command
+            commands.append(tokens)
+    return commands
 
 
 def make_targets() -> set[str]:
@@ -188,6 +207,15 @@ def command_errors(path: Path) -> list[str]:
     return bad
 
 
+def inline_command_errors(path: Path) -> list[str]:
+    bad = []
+    for cmd in inline_commands(path.read_text(encoding="utf-8")):
+        err = dualread_error(_concrete(cmd[1:]))
+        if err:
+            bad.append(f"{' '.join(cmd)}: {err}")
+    return bad
+
+
 # ------------------------------------------------------------------ the tests
 
 @pytest.mark.parametrize("path", DOCS, ids=_rel)
@@ -198,6 +226,11 @@ def test_relative_links_resolve(path: Path) -> None:
 @pytest.mark.parametrize("path", DOCS, ids=_rel)
 def test_command_lines_parse(path: Path) -> None:
     assert command_errors(path) == []
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_rel)
+def test_inline_command_lines_parse(path: Path) -> None:
+    assert inline_command_errors(path) == []
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
@@ -248,3 +281,13 @@ def test_checkers_catch_what_they_should(tmp_path: Path) -> None:
     errors = command_errors(bad_page)
     assert len(errors) == 3 and "--no-such-flag" in errors[0]
     assert "no-such-target" in errors[1] and "no_such_module_x" in errors[2]
+
+    table = ("| `dualread probe ccg\\|tgs --url URL [--limit N] --data ...` | ok |\n"
+             "| `dualread fit-heads --out DIR [--no-such-flag]` | bad |\n"
+             "every `dualread ...` line\n")
+    assert inline_commands(table)[0] == ["dualread", "probe", "ccg", "--url", "URL",
+                                         "--limit", "N", "--data", "..."]
+    table_page = tmp_path / "table.md"
+    table_page.write_text(table)
+    assert [e.split(": ", 1)[1] for e in inline_command_errors(table_page)] == [
+        "No such option: --no-such-flag"]
