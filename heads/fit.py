@@ -81,7 +81,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               image_items: list[Item] | None = None) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
     then (with `novelty`) the novelty detector and (with `image_check`) the image check
-    of the defer rule (SPEC §8).
+    of the defer rule (docs/method.md §8).
 
     `image_items`: whose images the image check is fitted and calibrated on (default
     `items`). Pixels cost no actor pass, and the check's conformal reference needs many

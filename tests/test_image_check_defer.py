@@ -1,4 +1,4 @@
-"""The image check as part of the defer rule (SPEC §8): decision, artefact, fitting stage,
+"""The image check as part of the defer rule (docs/method.md §8): decision, artefact, fitting stage,
 `/answer`'s `image_check` field and `evaluate`'s defer shares."""
 
 import copy

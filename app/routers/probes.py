@@ -1,4 +1,5 @@
-"""Probe endpoints: counterfactual pairs (SPEC §2, §5) and teacher-forced scoring (SPEC §3)."""
+"""Probe endpoints: counterfactual pairs (docs/method.md §2, §5) and teacher-forced scoring
+(docs/method.md §3)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def trajectory_score(r: ScoreResult) -> TrajectoryScore:
 @router.post("/probe/counterfactual", response_model=CounterfactualResponse, responses=ERRORS)
 async def counterfactual(request: Request, body: CounterfactualRequest,
                          serving: Serving = Depends(get_serving)) -> CounterfactualResponse:
-    """Run the same question on the real image and a counterfactual one (SPEC §2, §5)."""
+    """Run the same question on the real image and a counterfactual one (docs/method.md §2, §5)."""
     serving.admit(request)
     question = serving.question(body.question)
     limit = serving.max_new_tokens(body.max_new_tokens)
@@ -97,7 +98,7 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
 @router.post("/probe/score", response_model=ScoreResponse, responses=ERRORS)
 async def score(request: Request, body: ScoreRequest, serving: Serving = Depends(get_serving)
                 ) -> ScoreResponse:
-    """Teacher-forced confidence of a supplied trajectory, optionally masked (SPEC §3)."""
+    """Teacher-forced confidence of a supplied trajectory, optionally masked (docs/method.md §3)."""
     serving.admit(request)
     question = serving.question(body.question)
     mask = mask_spec(body.mask, body.response)
