@@ -19,8 +19,9 @@ async def answer_once(service: Service, settings: Settings, image: bytes, questi
     serving = Serving(settings)
     serving.attach(service)
     try:
-        item = AnswerItem(await serving.image(image), serving.question(question),
-                          serving.max_new_tokens(max_new_tokens))
+        # checked in the route's order: question, token limit, then the image
+        q, limit = serving.question(question), serving.max_new_tokens(max_new_tokens)
+        item = AnswerItem(await serving.image(image), q, limit)
         rid = uuid.uuid4().hex
         [served] = await serving.answer([item], request_id=rid)
         return response(serving, rid, served.result, served.queued_s)

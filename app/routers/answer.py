@@ -161,8 +161,8 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
         raise InvalidInput(TWO_IMAGES)
     upload = form.get(given[0]) if given else None
     if upload is None or isinstance(upload, str):
-        raise InvalidInput("multipart body needs an 'image' (or 'file') part holding a file, "
-                           "e.g. curl -F image=@x.png")
+        raise InvalidInput("multipart body needs a 'file' part or an 'image' part, holding "
+                           "a file (curl -F image=@x.png)")
     raw_mnt = form.get("max_new_tokens")
     mnt = None
     if raw_mnt is not None:
