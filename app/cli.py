@@ -47,7 +47,8 @@ def answer(
                                           help="accepted; the output is JSON anyway")] = False,
 ) -> None:
     """Answer one visual question: prints the JSON that POST /answer returns (answer,
-    confidence, defer, defer_reasons, ...). Other settings come from DUALREAD_* variables."""
+    confidence, defer, defer_reasons, ...). Each setting flag also reads DUALREAD_<NAME>
+    from the environment, and so do the settings without a flag here."""
     import asyncio
     import uuid
 
@@ -366,7 +367,8 @@ def serve(
         "--ray-address", help="with --ray: join this cluster (e.g. auto, or ray://host:10001)"
     )] = None,
 ) -> None:
-    """Run the HTTP service. Every setting is a flag here and a DUALREAD_<NAME> variable
+    """Run the HTTP service. Every setting is a flag here and reads DUALREAD_<NAME> from
+    the environment too, e.g. --max-question-chars and DUALREAD_MAX_QUESTION_CHARS
     (docs/configuration.md; `dualread settings --markdown`)."""
     import uvicorn
 

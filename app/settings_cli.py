@@ -60,10 +60,15 @@ def option(name: str, field: FieldInfo) -> inspect.Parameter:
     import typer
 
     base = _base(field.annotation)
+    # the variable is DUALREAD_<NAME> for every flag (the command's help says so), and
+    # choices are listed in the help: either one in its own column would squeeze the
+    # flags' column of a narrow terminal
+    default, extra = f"default: {_default(field)}", {}
     if get_origin(base) is Literal:      # choices as an Enum, which every typer reads
-        base = Enum(name, {str(v): str(v) for v in get_args(base)}, type=str)
-    info = typer.Option(flag(name), help=f"{field.description} (default: {_default(field)}; "
-                                         f"env {env_var(name)})")
+        choices = [str(v) for v in get_args(base)]
+        base = Enum(name, {c: c for c in choices}, type=str)
+        default, extra = f"{' or '.join(choices)}; {default}", {"metavar": "<choice>"}
+    info = typer.Option(flag(name), help=f"{field.description} ({default})", **extra)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
                              annotation=Annotated[base | None, info])
 
