@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import errors
+from app.logs import JsonLines
 from app.metrics import Metrics, MetricsHooks
 from app.middleware import RequestContext
 from app.routers import answer, ops, probes
@@ -34,7 +35,7 @@ def _json_logging() -> None:
         lg = logging.getLogger(name)
         if not lg.handlers:
             h = logging.StreamHandler(sys.stderr)
-            h.setFormatter(logging.Formatter("%(message)s"))
+            h.setFormatter(JsonLines())
             lg.addHandler(h)
             lg.setLevel(logging.INFO)
             lg.propagate = False
@@ -64,7 +65,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             async def load() -> None:
                 try:
                     svc = await loop.run_in_executor(None, lambda: Service(
-                        settings.actor, settings.heads, settings.device, settings.dtype))
+                        settings.actor, settings.heads, settings.device, settings.dtype,
+                        settings.heads_mismatch))
                     attach(svc)
                 except Exception as e:  # readiness stays 503 and says why
                     serving.load_error = f"{type(e).__name__}: {e}"

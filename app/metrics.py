@@ -100,12 +100,14 @@ class MetricsHooks(ServingHooks, BatcherHooks):
 
     def answered(self, request_id: str, result: AnswerResult, queued_s: float) -> None:
         m = self.metrics
-        m.confidence.observe(result.confidence.dualread)
         m.stage_duration.labels("generate").observe(result.timings.generate)
         m.stage_duration.labels("readout").observe(result.timings.readout)
         m.stage_duration.labels("heads").observe(result.timings.heads)
         if result.defer:
             m.defer.inc()
+        if result.confidence is None:   # answer-only: no confidence to watch or calibrate
+            return
+        m.confidence.observe(result.confidence.dualread)
         self.monitor.record(request_id, result.confidence.dualread, result.defer)
 
     def feedback(self, request_id: str, correct: bool) -> bool:

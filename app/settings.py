@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -11,6 +13,9 @@ class Settings(BaseSettings):
 
     actor: str | None = Field(None, description="actor folder; default: the embedded actor")
     heads: str | None = Field(None, description="heads folder; default: the embedded heads")
+    heads_mismatch: Literal["refuse", "answer-only"] = Field(
+        "refuse", description="heads fitted for another actor: refuse to start, or serve "
+        "answers without confidence (confidence null, defer true, reason no_heads)")
     device: str = Field("cpu", description="cpu or cuda")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     threads: int | None = Field(

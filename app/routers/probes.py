@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from app.deps import get_serving, request_id, require_json, require_key
+from app.deps import get_serving, request_id, require_heads, require_json, require_key
 from app.errors import InvalidInput
 from app.routers.common import ERRORS, confidence
 from app.schemas import (
@@ -26,13 +26,14 @@ from models.canon import canon, is_correct
 from models.counterfactuals import blank_image
 from models.masking import MaskSpec
 
-router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json)])
+router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json),
+                                                  Depends(require_heads)])
 
 
 def run(r: AnswerResult, correct: bool | None) -> Run:
     return Run(answer=r.answer, canonical=r.canonical, response=r.response,
                confidence=confidence(r.confidence), correct=correct, defer=r.defer,
-               defer_reason=r.defer_reason)
+               defer_reason=r.defer_reason, defer_reasons=list(r.defer_codes))
 
 
 def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
