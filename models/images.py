@@ -527,7 +527,8 @@ def log_warning(message, category, filename, lineno, file=None, line=None,
 
 
 def log_warnings(logger: logging.Logger) -> None:
-    """Route warnings into `logger` (process-wide; `log_warning`). The decoders' warnings
+    """Route warnings into `logger` (process-wide; `log_warning`), and keep pydicom's log
+    records (the same text) from propagating. The decoders' warnings
     are always shown to the hook, never recorded in their module's registry: the default
     action keeps every distinct message text there, so a file's text would stay in memory."""
     for package in (*DECODER_PACKAGES, __name__):
@@ -537,3 +538,6 @@ def log_warnings(logger: logging.Logger) -> None:
         log_warning(message, category, filename, lineno, logger=logger)
 
     warnings.showwarning = show
+    # pydicom also logs each warning, text and all, to its own logger: kept out of any
+    # handler an embedding process puts on the root logger
+    logging.getLogger("pydicom").propagate = False
