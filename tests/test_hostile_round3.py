@@ -380,3 +380,22 @@ def test_prior_rate_is_the_reader_splits_not_the_defer_splits():
     by_hand = -(0.5 * np.log(0.9) + 0.5 * np.log(0.1))       # rate 0.9 on a 0.5 split
     assert pc["prior_bce"] == pytest.approx(by_hand, abs=1e-5)
     assert pc["worse"] == []               # log 2 < by_hand: predicting 0.5 beats it
+
+
+# ------------------------------------------------------------------ header limit
+def test_serve_bounds_headers_with_h11_and_the_setting(monkeypatch):
+    """`dualread serve` runs uvicorn's h11 parser with `max_header_bytes` as its bound
+    (the live behaviour: tests/test_server.py)."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from app.cli import app as cli
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    monkeypatch.setenv("DUALREAD_MAX_HEADER_BYTES", "4096")
+    res = CliRunner().invoke(cli, ["serve", "--port", "1"])
+    assert res.exit_code == 0, res.output
+    assert seen["http"] == "h11" and seen["h11_max_incomplete_event_size"] == 4096
