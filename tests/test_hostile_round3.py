@@ -96,6 +96,9 @@ def deflated(size: int) -> bytes:
     """A deflated DICOM file whose dataset inflates to `size` bytes (one long OB element of
     zeros): about 1000:1."""
     head = _write(_file(DeflatedExplicitVRLittleEndian))
+    # the file meta only (preamble, prefix, group length element, the group): pydicom
+    # wrote an empty deflated dataset after it
+    head = head[:144 + int.from_bytes(head[140:144], "little")]
     z = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
     out = [z.compress(b"\xe0\x7f\x10\x00OB\x00\x00" + size.to_bytes(4, "little"))]
     zeros = bytes(1 << 20)
@@ -137,6 +140,8 @@ def assert_error(r, status: int, *needles: str) -> dict:
 
 # ------------------------------------------------------------------ 1. deflated DICOM
 def test_deflated_dicom_is_refused_before_anything_is_inflated(monkeypatch):
+    # a real bomb: pydicom inflates it while parsing
+    assert len(pydicom.dcmread(io.BytesIO(deflated(1_000_000))).PixelData) == 1_000_000
     raw = deflated(100_000_000)           # 100 MB once inflated
     assert len(raw) < 200_000
     inflated = []
