@@ -418,7 +418,9 @@ def serve(
         f"dualread: serving on http://{settings.host}:{settings.port} (OpenAPI at /docs); "
         "/health/ready turns 200 once the model is loaded")
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+                            # h11: the one parser that bounds the headers (httptools: no limit)
+                            http="h11", h11_max_incomplete_event_size=settings.max_header_bytes)
     Server(config).run()
 
 

@@ -23,6 +23,7 @@ from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
 from heads.monitor import FeedbackMonitor
+from models.images import log_warnings
 
 log = logging.getLogger("dualread.access")
 DESCRIPTION = ("Visual question answering with a frozen VLM and DualRead confidence: answer, "
@@ -46,6 +47,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     liveness answers at once and readiness turns 200 when the model is in memory."""
     settings = settings or Settings()
     _json_logging()
+    # decoder warnings quote the file: into the JSON log, without their text
+    log_warnings(logging.getLogger("dualread.service"))
     monitor = FeedbackMonitor(settings.feedback_window)
     metrics = Metrics(monitor)
     hooks = MetricsHooks(metrics, monitor)
