@@ -103,6 +103,7 @@ def command_lines(text: str) -> list[list[str]]:
     for cmd in commands:
         while cmd and (cmd[0] in {"time", "nohup", "sudo"} or re.match(r"^\w+=", cmd[0])):
             cmd = cmd[1:]                      # `time`, `VAR=value` before the program
+        cmd = _before_redirect(cmd)
         if cmd:
             out.append(cmd)
     return out
@@ -167,6 +168,14 @@ def dualread_error(args: list[str]) -> str | None:
     return None
 
 
+def _before_redirect(tokens: list[str]) -> list[str]:
+    """The command's own words: a shell redirection (`> file`, `2>&1`) ends them."""
+    for i, tok in enumerate(tokens):
+        if re.match(r"^\d*(>>?|<)", tok):
+            return tokens[:i]
+    return tokens
+
+
 def inline_commands(text: str) -> list[list[str]]:
     """`dualread ...` in inline code outside fenced blocks (tables, prose), written with
     usage notation: `[--opt X]` optional, `a\\|b` alternatives (the first is checked)."""
@@ -174,7 +183,7 @@ def inline_commands(text: str) -> list[list[str]]:
     for span in re.findall(r"`(dualread\s[^`]+)`", FENCE.sub("", text)):
         span = re.sub(r"(\S+?)(?:\\\|[^\s\]]+)+", r"\1", span)
         try:
-            tokens = shlex.split(span.replace("[", " ").replace("]", " "))
+            tokens = _before_redirect(shlex.split(span.replace("[", " ").replace("]", " ")))
         except ValueError:
             continue
         if len(_concrete(tokens[1:])) > 0:      # `dualread ...` alone names no command
