@@ -1441,13 +1441,26 @@ def test_malformed_json_is_located_in_the_body(api):
 
 
 @pytest.mark.parametrize("mask", [{"ratio": "0.5"}, {"ratio": True}, {"seed": "3"},
-                                  {"seed": 3.0}, {"target": ["0", "3"]},
+                                  {"seed": 3.5}, {"target": ["0", "3"]},
                                   {"target": [False, True]}])
 def test_mask_fields_are_strict_like_max_new_tokens(api, mask):
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": mask,
                                        "response": "<think>a red circle</think><answer>red"
                                                    "</answer>"})
     assert_error(r, 422, "mask")
+
+
+def test_a_whole_number_written_with_a_fraction_is_an_integer(api):
+    """3.0 is an integer to JSON Schema, so to the OpenAPI document: accepted as 3."""
+    body = {"image": IMG, "question": Q, "response": "<think>a red circle</think><answer>red"
+                                                     "</answer>"}
+    with_int = api.post("/probe/score", json={**body, "mask": {"seed": 3, "target": [0, 9]}})
+    with_float = api.post("/probe/score", json={**body, "mask": {"seed": 3.0,
+                                                                 "target": [0.0, 9.0]}})
+    assert with_int.status_code == with_float.status_code == 200, with_float.text
+    assert with_float.json()["confidence"] == with_int.json()["confidence"]
+    assert api.post("/answer", json={"image": IMG, "question": Q,
+                                     "max_new_tokens": 4.0}).status_code == 200
 
 
 def test_mask_accepts_an_integer_ratio(api):

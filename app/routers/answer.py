@@ -30,7 +30,6 @@ router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
 MULTIPART_FIELDS = {"file", "question", "max_new_tokens"}
 _INT = re.compile(r"[0-9]{1,4}")    # fullmatch, ASCII: int() would take "٨" as 8
-# The image part's media types (the server reads the bytes, not the part's header)
 IMAGE_TYPES = "image/png, image/jpeg, application/dicom"
 
 
@@ -42,8 +41,9 @@ def _multipart_schema() -> dict:
     return {
         "type": "object", "required": ["file", "question"], "additionalProperties": False,
         "properties": {
-            "file": {"type": "string", "format": "binary",
-                     "description": "a PNG, JPEG or DICOM file (at most one part)"},
+            "file": {"type": "string", "format": "binary", "minLength": 1,
+                     "description": f"a PNG, JPEG or DICOM file ({IMAGE_TYPES}; the server "
+                                    "reads the bytes, not the part's content type)"},
             "question": fields["question"],
             "max_new_tokens": {**mnt, "description": "an integer in ASCII digits"}}}
 
@@ -51,7 +51,6 @@ def _multipart_schema() -> dict:
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
     "multipart/form-data": {"schema": _multipart_schema(), "encoding": {
-        "file": {"contentType": IMAGE_TYPES},
         # its digits are a JSON integer; declared so, a list cannot pass as no part at all
         "max_new_tokens": {"contentType": "application/json"}}}}}}
 
