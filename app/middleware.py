@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, iter_route_contexts
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
@@ -124,9 +124,12 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 def body_paths(app: Any) -> frozenset[str]:
-    """Paths of the app's routes that take a body (POST, PUT or PATCH)."""
-    return frozenset(r.path for r in app.routes
-                     if isinstance(r, APIRoute) and r.methods & set(BODY_METHODS))
+    """Paths of the app's routes that take a body (POST, PUT or PATCH). `app.routes` holds
+    the included routers, not their routes: FastAPI's own walk reaches those (and their
+    full paths)."""
+    return frozenset(ctx.path for ctx in iter_route_contexts(app.routes)
+                     if isinstance(ctx.original_route, APIRoute)
+                     and ctx.original_route.methods & set(BODY_METHODS))
 
 
 class RequestContext:

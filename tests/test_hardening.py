@@ -995,10 +995,14 @@ def test_dicom_tags_that_overflow_once_applied_are_422(api, extra, tag):
 def test_mask_span_is_checked_against_the_response(api):
     response = "<think>x</think><answer>triangle</answer>"
     assert len(response) == 41
-    for span in ([41, 53], [53, 54], [-1, 3]):
+    for span in ([41, 53], [53, 54]):
         r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                            "mask": {"target": span}})
         assert_error(r, 422, "outside the response", "length 41")
+    # a negative end is refused by the request schema (`minimum: 0` in the document)
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+                                       "mask": {"target": [-1, 3]}})
+    assert_error(r, 422, "mask.target", "greater than or equal to 0")
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                        "mask": {"target": [5, 3]}})
     assert_error(r, 422, "mask span [5, 3] ends before it starts")

@@ -71,3 +71,83 @@ def test_every_check_passes_with_a_key(servers):
     # with the key, as a client would send it; `ignored_auth` and `missing_required_header`
     # try the keyed operations without it and with a wrong one
     _passed(schemathesis(servers[1], "-H", f"Authorization: Bearer {KEY}"))
+
+
+# ------------------------------------------------------------------ the document itself
+KEYED = {("post", "/answer"), ("post", "/feedback"), ("post", "/probe/counterfactual"),
+         ("post", "/probe/score"), ("post", "/probe/score_batch"), ("get", "/v1/models")}
+
+
+def _operations(doc: dict) -> dict[tuple[str, str], dict]:
+    return {(m, p): op for p, item in doc["paths"].items() for m, op in item.items()}
+
+
+def test_without_a_key_nothing_asks_for_one():
+    from app.main import create_app
+    from app.settings import Settings
+
+    doc = create_app(Settings()).openapi()
+    assert "securitySchemes" not in doc.get("components", {})
+    for op in _operations(doc).values():
+        assert "security" not in op and "401" not in op["responses"]
+
+
+def test_with_a_key_exactly_the_checked_operations_declare_it():
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(api_key=KEY))
+    ops = _operations(app.openapi())
+    assert {k for k, op in ops.items() if op.get("security")} == KEYED
+    assert {k for k, op in ops.items() if "401" in op["responses"]} == KEYED
+    c = TestClient(app)                   # no lifespan: the model is not needed for these
+    assert c.post("/answer", json={}).status_code == 401
+    assert c.get("/v1/models").status_code == 401
+    assert c.get("/health/live").status_code == 200
+    # a method a path lacks is the router's 405 (with Allow), not the key check's 401
+    r = c.post("/health/live", content=b"{}", headers={"content-type": "application/json"})
+    assert r.status_code == 405 and r.headers["allow"] and set(r.json()) == {
+        "detail", "request_id"}
+
+
+def test_limits_that_are_settings_are_the_configured_ones():
+    from app.main import create_app
+    from app.settings import Settings
+
+    doc = create_app(Settings(max_question_chars=100, max_image_bytes=3000)).openapi()
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/answer"]["post"]["requestBody"]["content"]
+    for fields in (schemas["ScoreRequest"]["properties"],
+                   body["application/json"]["schema"]["properties"],
+                   body["multipart/form-data"]["schema"]["properties"]):
+        assert fields["question"]["maxLength"] == 400          # as sent: 4× the limit
+    assert schemas["ScoreRequest"]["properties"]["image"]["maxLength"] == 4000
+    # the document carries no marker of its own making
+    assert '"x-limit"' not in str(doc).replace("'", '"')
+
+
+def test_the_document_refuses_what_the_server_refuses():
+    """The issue's examples: an empty image, or an empty counterfactual, is invalid per the
+    document (minLength, pattern), as it is to the server. Validated as schemathesis does
+    (ECMA-262 regular expressions: `$` is the end of the text, never before a newline)."""
+    import jsonschema_rs
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    doc = create_app(Settings()).openapi()
+
+    def valid(name: str, body: dict) -> bool:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        return jsonschema_rs.validator_for(schema).is_valid(body)
+
+    assert not valid("ScoreRequest", {"image": "", "question": "0", "response": "x"})
+    assert not valid("ScoreRequest", {"image": "AAAA\n", "question": "0", "response": "x"})
+    assert not valid("ScoreRequest", {"image": "AAAA====", "question": "0", "response": "x"})
+    assert valid("ScoreRequest", {"image": "AAAA", "question": "0", "response": "x"})
+    assert not valid("CounterfactualRequest", {"image": "AAAA", "question": "q",
+                                               "counterfactual": ""})
+    assert valid("CounterfactualRequest", {"image": "AAAA", "question": "q",
+                                           "counterfactual": "blank"})
