@@ -2,7 +2,8 @@
 
 FastAPI builds the document from the routes and the pydantic models (`clients.schemas`,
 the one definition of every field's constraints); this adds what depends on the settings:
-- the limits that are settings (`x-limit` fields get the configured `maxLength`);
+- the limits that are settings (`x-limit` fields get the configured `maxLength` or
+  `maxItems`);
 - security only when an API key is configured, on the operations that check it, with
   their 401; without a key no operation declares it (the server asks for none).
 """
@@ -27,14 +28,17 @@ def limits(settings: Settings) -> dict[str, int]:
     # a question is read up to 4× its limit (the backend refuses it when, once invisible
     # characters are dropped, it is still over the limit: `Service.check_question`)
     return {"question": 4 * settings.max_question_chars,
-            "image": b64_limit(settings.max_image_bytes)}
+            "image": b64_limit(settings.max_image_bytes),
+            # a batch of trajectories is that many jobs, admitted together (413 above)
+            "jobs": settings.queue_limit}
 
 
 def _set_limits(node: Any, values: dict[str, int]) -> None:
     if isinstance(node, dict):
         kind = node.pop(LIMIT, None)
         if kind is not None:
-            node["maxLength"] = min(node.get("maxLength", values[kind]), values[kind])
+            key = "maxItems" if node.get("type") == "array" else "maxLength"
+            node[key] = min(node.get(key, values[kind]), values[kind])
         for v in node.values():
             _set_limits(v, values)
     elif isinstance(node, list):

@@ -20,9 +20,9 @@ MAX_REFERENCE_CHARS = 500
 # alphabet, padded to a multiple of 4, one line. Stated here once: pydantic enforces it and
 # the OpenAPI document shows it.
 B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
-# A string field whose length limit is a service setting carries `x-limit` (the setting's
-# meaning); the service writes the configured value into its document as `maxLength`
-# (`app.openapi`), so the document shows the limit the server enforces.
+# A field whose limit is a service setting carries `x-limit` (the setting's meaning); the
+# service writes the configured value into its document as `maxLength` (`maxItems` for a
+# list), so the document shows the limit the server enforces (`app.openapi`).
 LIMIT = "x-limit"
 
 # An image in a JSON body. The decoded bytes must be a PNG, JPEG or DICOM file within the
@@ -248,7 +248,8 @@ class ScoreBatchRequest(_Request):
              "mask": {"target": "think", "ratio": 1.0, "seed": 0}}]}]})
     image: Image64
     question: Question
-    trajectories: list[Trajectory] = Field(..., min_length=1, max_length=MAX_TRAJECTORIES)
+    trajectories: list[Trajectory] = Field(..., min_length=1, max_length=MAX_TRAJECTORIES,
+                                           json_schema_extra={LIMIT: "jobs"})
 
 
 class ScoreBatchResponse(BaseModel):

@@ -14,7 +14,9 @@ descriptions state them:
 
 A case generated as *positive* (valid per the document), in any phase, gets for each such
 field whose value may break those rules a value that keeps them; the rest of the case is
-left as generated. Negative cases, the checks and the expected statuses are untouched.
+left as generated. A negative multipart case whose violation would not survive being sent
+as text gets one that does (`wire_negative`). The checks and expected statuses are
+untouched.
 
 Used by tests/test_openapi_conformance.py, and by hand:
     SCHEMATHESIS_HOOKS=tests.schemathesis_hooks schemathesis run URL/openapi.json --checks all
@@ -159,10 +161,31 @@ def repair(body: dict) -> dict:
     return body
 
 
+def wire_negative(body: dict) -> dict:
+    """A negative multipart body whose text fields stay negative once sent.
+
+    Every part is text on the wire: a `question` drawn as an object, a number or a
+    one-item list arrives as a valid string (`{"": 3}` is a question with a digit in it),
+    and an empty list or object sends no part at all, which for the optional
+    `max_new_tokens` is a valid request. Schemathesis still counts such a case as negative
+    (it cannot judge a body with a file in it as sent), so each becomes a value that is
+    invalid as sent: an empty question, a `max_new_tokens` that is not an integer."""
+    body = dict(body)
+    if "question" in body and not isinstance(body["question"], str):
+        body["question"] = ""
+    if body.get("max_new_tokens") in ([], {}):
+        body["max_new_tokens"] = "x"
+    return body
+
+
 @schemathesis.hook
 def map_case(context, case):
     meta = case.meta
-    if meta is None or not meta.generation.mode.is_positive or not isinstance(case.body, dict):
+    if meta is None or not isinstance(case.body, dict):
+        return case
+    if meta.generation.mode.is_negative:
+        if "file" in case.body:
+            case.body = wire_negative(case.body)
         return case
     case.body = repair(case.body)
     if "file" in case.body:

@@ -44,8 +44,8 @@ def schemathesis(url: str, *extra: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def servers():
     """Two `dualread serve` processes of the embedded model: without and with a key."""
-    flags = {"max_new_tokens": 8, "queue_limit": 32, "max_batch_size": 8,
-             "batch_wait_ms": 5, "threads": 1}
+    # the default queue (64 jobs): a full batch of 64 trajectories is admitted
+    flags = {"max_new_tokens": 8, "max_batch_size": 8, "batch_wait_ms": 5, "threads": 1}
     plain = LiveServer(None, None, **flags).start()
     keyed = LiveServer(None, None, api_key=KEY, **flags).start()
     try:
@@ -116,7 +116,8 @@ def test_limits_that_are_settings_are_the_configured_ones():
     from app.main import create_app
     from app.settings import Settings
 
-    doc = create_app(Settings(max_question_chars=100, max_image_bytes=3000)).openapi()
+    doc = create_app(Settings(max_question_chars=100, max_image_bytes=3000,
+                              queue_limit=10)).openapi()
     schemas = doc["components"]["schemas"]
     body = doc["paths"]["/answer"]["post"]["requestBody"]["content"]
     for fields in (schemas["ScoreRequest"]["properties"],
@@ -124,6 +125,9 @@ def test_limits_that_are_settings_are_the_configured_ones():
                    body["multipart/form-data"]["schema"]["properties"]):
         assert fields["question"]["maxLength"] == 400          # as sent: 4× the limit
     assert schemas["ScoreRequest"]["properties"]["image"]["maxLength"] == 4000
+    assert schemas["ScoreBatchRequest"]["properties"]["trajectories"]["maxItems"] == 10
+    assert create_app(Settings()).openapi()["components"]["schemas"]["ScoreBatchRequest"][
+        "properties"]["trajectories"]["maxItems"] == 64
     # the document carries no marker of its own making
     assert '"x-limit"' not in str(doc).replace("'", '"')
 
