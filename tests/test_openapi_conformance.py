@@ -29,7 +29,8 @@ EXAMPLES = 15
 SEED = 20261201
 
 
-def schemathesis(url: str, *extra: str) -> subprocess.CompletedProcess:
+def schemathesis(url: str, workdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The CLI run, from `workdir` (it keeps its crash files under ./.schemathesis)."""
     cli = Path(sys.executable).parent / "schemathesis"
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
@@ -37,7 +38,7 @@ def schemathesis(url: str, *extra: str) -> subprocess.CompletedProcess:
     args = [str(cli), "run", f"{url}/openapi.json", "--checks", "all", "--mode", "all",
             "-n", str(EXAMPLES), "--seed", str(SEED), "--request-timeout", "60",
             "--no-color", *extra]
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=900)
 
 
@@ -63,14 +64,14 @@ def _passed(run: subprocess.CompletedProcess) -> None:
     assert "Tested: 8" in out, out[-3000:]           # every operation of the document
 
 
-def test_every_check_passes_without_a_key(servers):
-    _passed(schemathesis(servers[0]))
+def test_every_check_passes_without_a_key(servers, tmp_path):
+    _passed(schemathesis(servers[0], tmp_path))
 
 
-def test_every_check_passes_with_a_key(servers):
+def test_every_check_passes_with_a_key(servers, tmp_path):
     # with the key, as a client would send it; `ignored_auth` and `missing_required_header`
     # try the keyed operations without it and with a wrong one
-    _passed(schemathesis(servers[1], "-H", f"Authorization: Bearer {KEY}"))
+    _passed(schemathesis(servers[1], tmp_path, "-H", f"Authorization: Bearer {KEY}"))
 
 
 # ------------------------------------------------------------------ the document itself
