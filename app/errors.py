@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clients.schemas import B64_PATTERN
 from heads.dualread import FingerprintMismatch
 from models.images import ImageInvalid, ImageTooLarge
 
@@ -160,6 +161,8 @@ def respond(request: Request, exc: BaseException) -> JSONResponse:
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
+B64_HELP = ("not valid base64 (standard alphabet, padded to a multiple of 4, one line; use "
+            "`base64 < file | tr -d '\\n'`)")
 
 
 def explain(errors: list[dict]) -> str:
@@ -174,6 +177,11 @@ def explain(errors: list[dict]) -> str:
             continue
         where = ".".join(x if _IDENT.match(x) or x.isdigit() else "(field)" for x in loc)
         msg = err.get("msg", "invalid")
+        if err.get("type") == "string_pattern_mismatch" and \
+                err.get("ctx", {}).get("pattern") == B64_PATTERN:
+            msg = B64_HELP           # the pattern itself tells a client little
+        elif err.get("type") == "string_too_short" and err.get("input") == "":
+            msg = "empty"
         if err.get("type") == "json_invalid":
             where, msg = "body", "not valid JSON"      # loc holds a byte offset
         parts.append(f"{where or 'body'}: {msg}")

@@ -14,10 +14,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import errors
+from app import errors, openapi
 from app.logs import JsonLines
 from app.metrics import Metrics, MetricsHooks
-from app.middleware import RequestContext
+from app.middleware import RequestContext, body_paths
 from app.routers import answer, ops, probes
 from app.service import Service
 from app.serving import Serving
@@ -92,7 +92,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     errors.install(app)
     for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets):
         app.include_router(router)
+    openapi.install(app, settings)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
-                       body_timeout_s=settings.body_timeout_s, api_key=settings.api_key)
+                       body_timeout_s=settings.body_timeout_s, api_key=settings.api_key,
+                       body_paths=body_paths(app))
     return app

@@ -12,8 +12,10 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import HTTPException
+from fastapi.routing import APIRoute, iter_route_contexts
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
@@ -137,16 +139,32 @@ def bearer_matches(authorization: str, key: str) -> bool:
     return key_matches(token if scheme.lower() == "bearer" else "", key)
 
 
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+def body_paths(app: Any) -> frozenset[str]:
+    """Paths of the app's routes that take a body (POST, PUT or PATCH). `app.routes` holds
+    the included routers, not their routes: FastAPI's own walk reaches those (and their
+    full paths)."""
+    return frozenset(ctx.path for ctx in iter_route_contexts(app.routes)
+                     if isinstance(ctx.original_route, APIRoute)
+                     and ctx.original_route.methods & set(BODY_METHODS))
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int,
                  draining: Callable[[], bool], body_timeout_s: float = 30.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, body_paths: frozenset[str] | None = None
+                 ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body_bytes
         self.draining = draining
         self.body_timeout = body_timeout_s
         self.api_key = api_key
+        # where a body without the key is refused before it is read; None: every path.
+        # Elsewhere the router answers (405 for a method a route lacks, 404).
+        self.body_paths = body_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -240,7 +258,8 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            if scope.get("method") in ("POST", "PUT", "PATCH") and self.api_key and \
+            if scope.get("method") in BODY_METHODS and self.api_key and \
+                    (self.body_paths is None or scope.get("path") in self.body_paths) and \
                     not bearer_matches(headers.get("authorization", ""), self.api_key):
                 # every route that takes a body needs the key: refused before a byte of the
                 # body is read or its size is judged (the routes check the key again)
@@ -253,7 +272,8 @@ class RequestContext:
                 precheck = True
                 await error_response(413, f"body over the limit of {self.max_body} bytes",
                                      rid)(scope, receive, send_with_ids)
-            elif scope.get("method") in ("POST", "PUT", "PATCH") and _is_json(headers):
+            elif scope.get("method") in BODY_METHODS and _is_json(headers) and \
+                    (self.body_paths is None or scope.get("path") in self.body_paths):
                 replay = await checked_json()
                 if replay is not None:
                     await self.app(scope, replay, send_with_ids)

@@ -152,6 +152,11 @@ class ServingHooks:
         pass
 
 
+def b64_limit(max_bytes: int) -> int:
+    """Longest base64 text (padded) of at most `max_bytes` bytes."""
+    return 4 * -(-max_bytes // 3)
+
+
 # ---------------------------------------------------------------------------- serving
 # The request being served in this task: its deadline (time.monotonic) and how to tell
 # whether its client has gone. Set by `Serving.admit`; (None, None) outside a request.
@@ -244,7 +249,7 @@ class Serving:
 
     async def image_b64(self, b64: str, what: str = "image") -> Image.Image:
         # The encoded size bounds the decoded one: refuse before decoding a huge string.
-        if len(b64) > 4 * (self.settings.max_image_bytes // 3 + 1) + 4:
+        if len(b64) > b64_limit(self.settings.max_image_bytes):
             raise ImageTooLarge(f"{what}: over the limit of {self.settings.max_image_bytes} "
                                 "bytes")
         try:

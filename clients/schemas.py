@@ -7,9 +7,9 @@ Request bodies forbid unknown fields: a misspelt field is an error, not a silent
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
                "pLvAAAAAElFTkSuQmCC")
@@ -17,6 +17,39 @@ MAX_RESPONSE_CHARS = 20000
 MAX_TRAJECTORIES = 64
 MAX_NEW_TOKENS = 1024
 MAX_REFERENCE_CHARS = 500
+# Base64 as the server decodes it (`base64.b64decode(..., validate=True)`): the standard
+# alphabet, padded to a multiple of 4, one line. Stated here once: pydantic enforces it and
+# the OpenAPI document shows it.
+B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+# A field whose limit is a service setting carries `x-limit` (the setting's meaning); the
+# service writes the configured value into its document as `maxLength` (`maxItems` for a
+# list), so the document shows the limit the server enforces (`app.openapi`).
+LIMIT = "x-limit"
+
+# An image in a JSON body. The decoded bytes must be a PNG, JPEG or DICOM file within the
+# service's size limits (413) that decodes (422): JSON Schema cannot say that, so `format`
+# names it and the description says it.
+Image64 = Annotated[str, Field(
+    min_length=4, pattern=B64_PATTERN,
+    description="a PNG, JPEG or DICOM file, base64 (standard alphabet, padded, one line)",
+    json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"})]
+# A question: the service also refuses control characters, one with no letter or digit,
+# letters of another script posing as Latin ones, and one over its token limit (422).
+Question = Annotated[str, Field(
+    min_length=1, description="the question, plain text (at least one letter or digit)",
+    json_schema_extra={"format": "question", LIMIT: "question"})]
+
+
+def _whole(value: object) -> object:
+    """A JSON number with no fraction (`8.0`) as the integer it is: JSON Schema's
+    `integer` (and so the OpenAPI document) admits it. Strings and booleans stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(lo: int, hi: int) -> Any:
+    """An integer field from `lo` to `hi`: a JSON integer, or a number with no fraction;
+    never "8" or true (a client bug, not a request for 8 or 1)."""
+    return Annotated[int, Field(ge=lo, le=hi, strict=True), BeforeValidator(_whole)]
 
 
 class _Request(BaseModel):
@@ -26,10 +59,9 @@ class _Request(BaseModel):
 class AnswerRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"image": B64_EXAMPLE, "question": "what color is the shape?"}]})
-    image: str = Field(..., description="PNG, JPEG or DICOM bytes, base64 (one line)")
-    question: str = Field(..., min_length=1)
-    # strict: `true` or "8" is a client bug, not a request for 1 or 8 tokens
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
+    image: Image64
+    question: Question
+    max_new_tokens: integer(1, MAX_NEW_TOKENS) | None = None
 
 
 # The confidence fields of `/answer` (and of the probe routes), in response order, with
@@ -166,14 +198,14 @@ class CounterfactualRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "question": "what color is the shape?", "image": B64_EXAMPLE,
         "counterfactual": "blank", "reference_answer": "red"}]})
-    question: str = Field(..., min_length=1)
-    image: str = Field(..., description="the real image, base64")
-    counterfactual: str = Field(..., description='another image (base64) or "blank"')
+    question: Question
+    image: Image64
+    counterfactual: Literal["blank"] | Image64 = Field(
+        ..., description='another image (base64) or "blank"')
     # Bounded: grading runs on the event loop, and a reference is a short answer.
     reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
     counterfactual_reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
-    # strict: `true` or "8" is a client bug, not a request for 1 or 8 tokens
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
+    max_new_tokens: integer(1, MAX_NEW_TOKENS) | None = None
 
 
 class Run(BaseModel):
@@ -199,12 +231,24 @@ class CounterfactualResponse(BaseModel):
     request_id: str
 
 
+# A trajectory to score: the service also refuses control characters, reserved template
+# tokens and more tokens than its limit (422).
+ResponseText = Annotated[str, Field(
+    min_length=1, max_length=MAX_RESPONSE_CHARS,
+    description="the response to score, as the actor would write it",
+    json_schema_extra={"format": "trajectory"})]
+
+
+SpanEnd = integer(0, MAX_RESPONSE_CHARS)
+
+
 class MaskRequest(_Request):
     # strict, as max_new_tokens: `true` read as ratio 1.0 or "3" as a span end is a bug
-    target: Literal["think", "answer", "response"] | tuple[StrictInt, StrictInt] = Field(
-        "think", description='a tag\'s content or a [start, end) character span')
+    target: Literal["think", "answer", "response"] | tuple[SpanEnd, SpanEnd] = Field(
+        "think", description="a tag's content, or a [start, end) character span of the "
+                             "response before its confidence cue (start < end)")
     ratio: float = Field(1.0, ge=0, le=1, strict=True)
-    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
+    seed: integer(0, 2**31 - 1) = 0
 
 
 class ScoreRequest(_Request):
@@ -213,9 +257,9 @@ class ScoreRequest(_Request):
         "response": "<think>I see a red circle. The question asks for the colour, so the "
                     "answer is red.</think><answer>red</answer>",
         "mask": {"target": "think", "ratio": 1.0, "seed": 0}}]})
-    image: str
-    question: str = Field(..., min_length=1)
-    response: str = Field(..., min_length=1, max_length=MAX_RESPONSE_CHARS)
+    image: Image64
+    question: Question
+    response: ResponseText
     mask: MaskRequest | None = None
 
 
@@ -231,7 +275,7 @@ class ScoreResponse(TrajectoryScore):
 
 
 class Trajectory(_Request):
-    response: str = Field(..., min_length=1, max_length=MAX_RESPONSE_CHARS)
+    response: ResponseText
     mask: MaskRequest | None = None
 
 
@@ -243,9 +287,10 @@ class ScoreBatchRequest(_Request):
              "mask": None},
             {"response": "<think>I see a red circle.</think><answer>red</answer>",
              "mask": {"target": "think", "ratio": 1.0, "seed": 0}}]}]})
-    image: str
-    question: str = Field(..., min_length=1)
-    trajectories: list[Trajectory] = Field(..., min_length=1, max_length=MAX_TRAJECTORIES)
+    image: Image64
+    question: Question
+    trajectories: list[Trajectory] = Field(..., min_length=1, max_length=MAX_TRAJECTORIES,
+                                           json_schema_extra={LIMIT: "jobs"})
 
 
 class ScoreBatchResponse(BaseModel):

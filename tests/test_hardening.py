@@ -995,10 +995,14 @@ def test_dicom_tags_that_overflow_once_applied_are_422(api, extra, tag):
 def test_mask_span_is_checked_against_the_response(api):
     response = "<think>x</think><answer>triangle</answer>"
     assert len(response) == 41
-    for span in ([41, 53], [53, 54], [-1, 3]):
+    for span in ([41, 53], [53, 54]):
         r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                            "mask": {"target": span}})
         assert_error(r, 422, "outside the response", "length 41")
+    # a negative end is refused by the request schema (`minimum: 0` in the document)
+    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+                                       "mask": {"target": [-1, 3]}})
+    assert_error(r, 422, "mask.target", "greater than or equal to 0")
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                        "mask": {"target": [5, 3]}})
     assert_error(r, 422, "mask span [5, 3] ends before it starts")
@@ -1441,13 +1445,26 @@ def test_malformed_json_is_located_in_the_body(api):
 
 
 @pytest.mark.parametrize("mask", [{"ratio": "0.5"}, {"ratio": True}, {"seed": "3"},
-                                  {"seed": 3.0}, {"target": ["0", "3"]},
+                                  {"seed": 3.5}, {"target": ["0", "3"]},
                                   {"target": [False, True]}])
 def test_mask_fields_are_strict_like_max_new_tokens(api, mask):
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": mask,
                                        "response": "<think>a red circle</think><answer>red"
                                                    "</answer>"})
     assert_error(r, 422, "mask")
+
+
+def test_a_whole_number_written_with_a_fraction_is_an_integer(api):
+    """3.0 is an integer to JSON Schema, so to the OpenAPI document: accepted as 3."""
+    body = {"image": IMG, "question": Q, "response": "<think>a red circle</think><answer>red"
+                                                     "</answer>"}
+    with_int = api.post("/probe/score", json={**body, "mask": {"seed": 3, "target": [0, 9]}})
+    with_float = api.post("/probe/score", json={**body, "mask": {"seed": 3.0,
+                                                                 "target": [0.0, 9.0]}})
+    assert with_int.status_code == with_float.status_code == 200, with_float.text
+    assert with_float.json()["confidence"] == with_int.json()["confidence"]
+    assert api.post("/answer", json={"image": IMG, "question": Q,
+                                     "max_new_tokens": 4.0}).status_code == 200
 
 
 def test_mask_accepts_an_integer_ratio(api):

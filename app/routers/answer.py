@@ -14,7 +14,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
 from app.errors import InvalidInput, UnsupportedMediaType, explain
-from app.routers.common import ERRORS, confidence
+from app.routers.common import BODY_ERRORS, MODEL_ERRORS, confidence, error_responses
 from app.schemas import (
     MAX_NEW_TOKENS,
     AnswerRequest,
@@ -33,18 +33,32 @@ IMAGE_PARTS = ("image", "file")
 MULTIPART_FIELDS = {*IMAGE_PARTS, "question", "max_new_tokens"}
 TWO_IMAGES = "multipart body has two image parts; send one, named 'image' or 'file'"
 _INT = re.compile(r"[0-9]{1,4}")    # fullmatch, ASCII: int() would take "٨" as 8
+IMAGE_TYPES = "image/png, image/jpeg, application/dicom"
+
+
+def _multipart_schema() -> dict:
+    """The multipart form of `AnswerRequest`: the image as a file part, the other fields
+    as in the JSON body (their constraints come from the one model)."""
+    fields = AnswerRequest.model_json_schema()["properties"]
+    mnt = next(b for b in fields["max_new_tokens"]["anyOf"] if b.get("type") == "integer")
+    image = {"type": "string", "format": "binary", "minLength": 1,
+             "description": f"a PNG, JPEG or DICOM file ({IMAGE_TYPES}; the server reads the "
+                            "bytes, not the part's content type); name the part 'image' or "
+                            "'file', not both"}
+    return {
+        "type": "object", "required": ["question"], "additionalProperties": False,
+        "oneOf": [{"required": [part]} for part in IMAGE_PARTS],
+        "properties": {
+            **{part: image for part in IMAGE_PARTS},
+            "question": fields["question"],
+            "max_new_tokens": {**mnt, "description": "an integer in ASCII digits"}}}
+
+
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
-    "multipart/form-data": {"schema": {
-        "type": "object", "required": ["question"], "additionalProperties": False,
-        "oneOf": [{"required": ["image"]}, {"required": ["file"]}],
-        "properties": {"image": {"type": "string", "format": "binary",
-                                 "description": "the image file; or name the part 'file'"},
-                       "file": {"type": "string", "format": "binary",
-                                "description": "the image file, under its other name"},
-                       "question": {"type": "string", "minLength": 1},
-                       "max_new_tokens": {"type": "integer", "minimum": 1,
-                                          "maximum": MAX_NEW_TOKENS}}}}}}}
+    "multipart/form-data": {"schema": _multipart_schema(), "encoding": {
+        # its digits are a JSON integer; declared so, a list cannot pass as no part at all
+        "max_new_tokens": {"contentType": "application/json"}}}}}}
 
 
 # What a multipart body may name as its charset: these spellings, in any case. Others
@@ -212,7 +226,8 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
                            readout=round(t.readout * 1000, 3), heads=round(t.heads * 1000, 3)))
 
 
-@router.post("/answer", response_model=AnswerResponse, responses=ERRORS, openapi_extra=BODY)
+@router.post("/answer", response_model=AnswerResponse, openapi_extra=BODY,
+             responses=error_responses(*BODY_ERRORS, *MODEL_ERRORS))
 async def answer(request: Request, serving: Serving = Depends(get_serving)) -> AnswerResponse:
     """Answer a visual question; confidence, defer flag and timings come with it."""
     serving.admit(request)
@@ -229,7 +244,7 @@ async def answer(request: Request, serving: Serving = Depends(get_serving)) -> A
     return response(serving, rid, served.result, served.queued_s)
 
 
-@router.post("/feedback", response_model=FeedbackResponse, responses=ERRORS,
+@router.post("/feedback", response_model=FeedbackResponse, responses=error_responses(*BODY_ERRORS),
              dependencies=[Depends(require_json)])
 async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
     """A clinician's verdict on an earlier answer (by its server-generated request_id);

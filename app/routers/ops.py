@@ -18,8 +18,7 @@ from app.deps import (
     require_key_for_metrics,
 )
 from app.errors import NotReady, error_response
-from app.routers.common import ERRORS
-from app.schemas import ErrorResponse
+from app.routers.common import error_responses
 from app.serving import Serving
 
 router = APIRouter(tags=["ops"])
@@ -38,7 +37,7 @@ async def live() -> dict:
 
 
 @router.head("/health/ready", include_in_schema=False)
-@router.get("/health/ready", responses={503: {"model": ErrorResponse}})
+@router.get("/health/ready", responses=error_responses(503))
 async def ready(request: Request, serving: Serving = Depends(get_serving)) -> JSONResponse:
     if serving.ready:
         return JSONResponse({"status": "ready"})
@@ -46,7 +45,8 @@ async def ready(request: Request, serving: Serving = Depends(get_serving)) -> JS
     return error_response(503, why, request_id(request))
 
 
-@router.get("/v1/models", dependencies=[Depends(require_key)], responses=ERRORS)
+@router.get("/v1/models", dependencies=[Depends(require_key)],
+            responses=error_responses(500, 503))
 async def models(serving: Serving = Depends(get_serving)) -> dict:
     if serving.backend is None:
         raise NotReady(serving.load_error or "loading model")

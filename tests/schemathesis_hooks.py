@@ -1,0 +1,234 @@
+"""Schemathesis hooks: positive requests get the values JSON Schema cannot describe.
+
+The OpenAPI document states every constraint JSON Schema can express (types, lengths, the
+base64 alphabet, enums, ranges, item counts, no unknown fields). A few fields also have
+rules that depend on content a schema cannot read; their `format` names them and their
+descriptions state them:
+- an image (`image-base64`, the multipart `image` or `file` part): bytes of a PNG, JPEG or
+  DICOM file that decodes;
+- a question (`question`): no control character, a letter or digit, no letter of another
+  script posing as a Latin one, at most the service's token limit;
+- a trajectory (`trajectory`): no reserved template token, at most the token limit;
+- a mask span: non-empty and inside the response before its confidence cue;
+- a reference answer: a letter or digit left once normalised.
+
+A case generated as *positive* (valid per the document), in any phase, gets for each such
+field whose value may break those rules a value that keeps them; the rest of the case is
+left as generated. A negative multipart case whose violation would not survive being sent
+as text gets one that does (`wire_negative`). The checks and expected statuses are
+untouched.
+
+Used by tests/test_openapi_conformance.py, and by hand:
+    SCHEMATHESIS_HOOKS=tests.schemathesis_hooks schemathesis run URL/openapi.json --checks all
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import zlib
+
+import schemathesis
+from PIL import Image
+from schemathesis.transport.serialization import Binary
+
+from models.actor import Actor
+from models.canon import canon
+from models.images import ImageError, open_image
+
+# Plain ASCII text: no control character, no '|' (every reserved marker is `<|...|>`), one
+# token per character at most, so a few hundred stay under every token limit.
+_QUESTION = re.compile(r"[A-Za-z0-9 ,.?!'()-]{1,300}")
+_RESPONSE = re.compile(r"[A-Za-z0-9 ,.?!'()<>/-]{1,800}")
+_TAGS = {"<think>", "</think>", "<answer>", "</answer>", "<confidence>", "</confidence>"}
+_TAG = re.compile(r"<[^<>]*>?")
+
+
+def _images() -> list[bytes]:
+    """A few small real files: PNG and JPEG, colour and grey, square and not."""
+    out = []
+    for mode, size, colour, fmt in (("RGB", (8, 8), (200, 30, 30), "PNG"),
+                                    ("L", (1, 1), 128, "PNG"),
+                                    ("RGB", (32, 20), (20, 40, 220), "JPEG"),
+                                    ("RGB", (5, 40), (0, 160, 0), "PNG")):
+        buf = io.BytesIO()
+        Image.new(mode, size, colour).save(buf, format=fmt)
+        out.append(buf.getvalue())
+    return out
+
+
+IMAGES = _images()
+
+
+def _pick(seed: object, options: list):
+    """One of `options`, the same for the same generated value (a run stays reproducible)."""
+    return options[zlib.crc32(repr(seed).encode()) % len(options)]
+
+
+def _raw(value: object) -> bytes | None:
+    data = getattr(value, "data", value)            # schemathesis wraps binary parts
+    return data if isinstance(data, bytes) else None
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        open_image(data)
+    except ImageError:
+        return False
+    return True
+
+
+def image_b64(value: object) -> str:
+    if isinstance(value, str):
+        try:
+            if _decodes(base64.b64decode(value, validate=True)):
+                return value
+        except (binascii.Error, ValueError):
+            pass
+    return base64.b64encode(_pick(value, IMAGES)).decode()
+
+
+def image_file(value: object) -> object:
+    data = _raw(value)
+    # wrapped as schemathesis wraps a file: raw bytes fail the schema's `type: string`,
+    # and the case would be counted as negative
+    return value if data is not None and _decodes(data) else Binary(_pick(value, IMAGES))
+
+
+def question(value: object) -> object:
+    if isinstance(value, str) and _QUESTION.fullmatch(value) and \
+            any(c.isalnum() for c in value):
+        return value
+    kept = "".join(c for c in str(value) if _QUESTION.fullmatch(c))[:200]
+    return f"what color is the shape? {kept}".strip()
+
+
+def response(value: object) -> object:
+    if isinstance(value, str) and _RESPONSE.fullmatch(value) and \
+            all(t in _TAGS for t in _TAG.findall(value)) and any(c.isalnum() for c in value):
+        return value
+    kept = "".join(c for c in str(value) if c.isalnum() or c == " ")[:100]
+    return f"<think>a red shape {kept}</think><answer>red</answer>"
+
+
+def mask(value: object, text: str) -> object:
+    """A span target clamped into the scored text and made non-empty."""
+    if not isinstance(value, dict) or not isinstance(value.get("target"), list):
+        return value
+    n = len(Actor.score_text(text, cue=False))
+    if n == 0:
+        return {**value, "target": "response"}
+    start, end = value["target"]
+    start = min(max(start, 0), n - 1)
+    end = min(max(end, start + 1), n)
+    return {**value, "target": [start, end]}
+
+
+def reference(value: object) -> object:
+    return value if not isinstance(value, str) or canon(value) else "red"
+
+
+def repair(body: dict, multipart: bool = False) -> dict:
+    """`body` with each field named above given a value that keeps its rules."""
+    body = dict(body)
+    if multipart:                       # the image part may be named `image` or `file`
+        if "image" in body and "file" in body:
+            del body["file"]            # not both (oneOf), which schemathesis cannot judge
+        for part in ("image", "file"):
+            if part in body:
+                body[part] = image_file(body[part])
+    elif "image" in body:
+        body["image"] = image_b64(body["image"])
+    if "counterfactual" in body and body["counterfactual"] != "blank":
+        body["counterfactual"] = image_b64(body["counterfactual"])
+    if "question" in body:
+        body["question"] = question(body["question"])
+    for field in ("reference_answer", "counterfactual_reference_answer"):
+        if field in body:
+            body[field] = reference(body[field])
+    if "response" in body:
+        body["response"] = response(body["response"])
+        if "mask" in body:
+            body["mask"] = mask(body["mask"], body["response"])
+    if isinstance(body.get("trajectories"), list):
+        items = []
+        for t in body["trajectories"]:
+            if isinstance(t, dict) and "response" in t:
+                t = {**t, "response": response(t["response"])}
+                if "mask" in t:
+                    t["mask"] = mask(t["mask"], t["response"])
+            items.append(t)
+        body["trajectories"] = items
+    return body
+
+
+def wire_negative(body: dict) -> dict:
+    """A negative multipart body whose text fields stay negative once sent.
+
+    Every part is text on the wire: a `question` drawn as an object, a number or a
+    one-item list arrives as a valid string (`{"": 3}` is a question with a digit in it),
+    and an empty list or object sends no part at all, which for the optional
+    `max_new_tokens` is a valid request. Schemathesis still counts such a case as negative
+    (it cannot judge a body with a file in it as sent), so each becomes a value that is
+    invalid as sent: an empty question, a `max_new_tokens` that is not an integer."""
+    body = dict(body)
+    if "question" in body and not isinstance(body["question"], str):
+        body["question"] = ""
+    if body.get("max_new_tokens") in ([], {}):
+        body["max_new_tokens"] = "x"
+    return body
+
+
+@schemathesis.hook
+def map_case(context, case):
+    meta = case.meta
+    if meta is None or not isinstance(case.body, dict):
+        return case
+    multipart = (case.media_type or "").startswith("multipart/")
+    if meta.generation.mode.is_negative:
+        if multipart:
+            case.body = wire_negative(case.body)
+        return case
+    case.body = repair(case.body, multipart)
+    if multipart:
+        # Schemathesis re-checks a body a hook changed against the schema, and a body with a
+        # file in it cannot be checked (it then counts the case as negative). `repair` only
+        # writes values the schema admits, so the changed body is taken as generated.
+        case._record_starting_state()
+    return case
+
+
+@schemathesis.check
+def one_error_shape(ctx, response, case):
+    """Every error is `{"detail": str, "request_id": str}`, its id also in `x-request-id`
+    (405s included: they come from the router, before any route)."""
+    if response.status_code < 400:
+        return None
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"detail", "request_id"}, body
+    assert isinstance(body["detail"], str) and body["detail"], body
+    rid = response.headers.get("x-request-id")
+    rid = rid[0] if isinstance(rid, list) else rid      # schemathesis: a list per header
+    assert rid == body["request_id"], (rid, body)
+    return None
+
+
+@schemathesis.check
+class EveryOperationAnswers:
+    """Fail when an operation never answered 2xx: its valid requests were all refused, so
+    the run did not exercise what it serves."""
+
+    def __init__(self) -> None:
+        self.answered: set[str] = set()
+        self.tested: set[str] = set()
+
+    def after_response(self, ctx, response, case):
+        self.tested.add(case.operation.label)
+        if 200 <= response.status_code < 300:
+            self.answered.add(case.operation.label)
+
+    def after_run(self, ctx):
+        missing = sorted(self.tested - self.answered)
+        assert not missing, f"no 2xx answer from {missing}"
