@@ -15,9 +15,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import errors
-from app.metrics import Metrics, MetricsHooks
+from app.metrics import Metrics
 from app.middleware import RequestContext
-from app.routers import answer, ops, probes
+from app.recertify import DriftCollector, RecertHooks, Recertification
+from app.routers import answer, calibration, ops, probes
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
@@ -47,10 +48,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     _json_logging()
     monitor = FeedbackMonitor(settings.feedback_window)
     metrics = Metrics(monitor)
-    hooks = MetricsHooks(metrics, monitor)
+    recert = Recertification(settings)
+    hooks = RecertHooks(metrics, monitor, recert.drift)
+    metrics.registry.register(DriftCollector(recert))
     serving = Serving(settings, hooks, hooks)
 
     def attach(svc) -> None:
+        recert.attach(svc)         # a persisted rule is restored before the first answer
         serving.attach(svc)
         metrics.model_info.info(svc.info())
 
@@ -84,9 +88,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app.state.serving = app.state.core = serving
     app.state.metrics = metrics
     app.state.hooks = hooks
+    app.state.recert = recert
     errors.install(app)
-    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets):
+    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets,
+                   calibration.router):
         app.include_router(router)
+    if settings.operator_key:      # without one, pin and rollback are not served at all
+        app.include_router(calibration.operator)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key)

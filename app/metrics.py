@@ -106,7 +106,8 @@ class MetricsHooks(ServingHooks, BatcherHooks):
         m.stage_duration.labels("heads").observe(result.timings.heads)
         if result.defer:
             m.defer.inc()
-        self.monitor.record(request_id, result.confidence.dualread, result.defer)
+        self.monitor.record(request_id, result.confidence.dualread, result.defer,
+                            getattr(result, "served", None))
 
     def feedback(self, request_id: str, correct: bool) -> bool:
         known = self.monitor.feedback(request_id, correct)

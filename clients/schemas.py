@@ -110,6 +110,10 @@ class AnswerResponse(BaseModel):
                           "the fitting data (novelty p < alpha, image-check p < alpha); null "
                           "when only confidence decides")
     defer_threshold: float
+    defer_rule_version: str | None = Field(
+        None, description="the defer rule that decided `defer`: \"shipped\" (the heads' "
+                          "own) or a version re-certified on operator feedback (GET "
+                          "/calibration); null when the heads cannot say")
     novelty: Novelty | None = Field(
         None, description="the novelty detector's reading; null when the heads have none")
     image_check: ImageCheck | None = Field(

@@ -140,6 +140,22 @@ class Novelty:
         other.n_fit, other.t = self.n_fit, dict(self.t)
         return other.calibrate(x_cal)
 
+    def extend_reference(self, scores: np.ndarray) -> Novelty:
+        """A copy whose conformal reference also holds `scores` (scores of inputs from a
+        stream that labelled feedback re-certified, `heads.recert`); this one unchanged.
+        Clean inputs only gain p-value from the added scores: their flag rate stays ≤ α."""
+        if "calibration" not in self.t:
+            raise RuntimeError("calibrate on a clean split before extending the reference")
+        other = Novelty(self.kind, self.feature, self.k, self.max_bank)
+        other.n_fit, other.t = self.n_fit, dict(self.t)
+        added = torch.as_tensor(np.asarray(scores, float), dtype=self.t["calibration"].dtype)
+        other.t["calibration"] = torch.cat([self.t["calibration"], added]).sort().values
+        return other
+
+    def p_values_of(self, scores: np.ndarray) -> np.ndarray:
+        """Conformal p-values of scores already computed (by another process, say)."""
+        return p_values(self.t["calibration"].numpy(), scores, presorted=True)
+
     # ------------------------------------------------------------------ scoring
     def _std(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.t["mean"]) / self.t["scale"]
