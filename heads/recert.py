@@ -51,7 +51,7 @@ SHIPPED = "shipped"
 BRANCHES = ("psr", "per")
 # The detectors a rule can carry a reference for: `Heads` attributes, each with `<name>_alpha`
 DETECTORS = ("novelty", "image_check")
-MIN_TEMPERATURE_ROWS = 20      # fewer rows cannot fit a temperature worth certifying
+MIN_TEMPERATURE_ROWS = 20      # fewer rows: the temperatures are kept, not refitted
 KEEP_RULES = 20                # rules kept for rollback (the active chain first)
 KEEP_EVENTS = 200              # audit events kept in the state file (all go to the log)
 
@@ -232,15 +232,19 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
     temp = np.array([in_temperature_part(v.request_id, temperature_share) for v in verdicts])
     cal = ~temp
     cert.update(n_temperature=int(temp.sum()), n_tau=int(cal.sum()))
-    if temp.sum() < MIN_TEMPERATURE_ROWS or len(set(z[temp])) < 2:
-        cert["reason"] = (f"temperature part: {int(temp.sum())} verdicts "
-                          f"({int(z[temp].sum())} correct); needs {MIN_TEMPERATURE_ROWS} with "
-                          "both labels")
-        return None, cert
     x = np.array([v.served.logits for v in verdicts], float)
-    zt = torch.as_tensor(z[temp], dtype=torch.float64)
-    temps = {"psr": fit_temperature(torch.as_tensor(x[temp, 0]), zt),
-             "per": fit_temperature(torch.as_tensor(x[temp, 1]), zt)}
+    if temp.sum() < MIN_TEMPERATURE_ROWS or len(set(z[temp])) < 2:
+        # too little to fit a temperature on: the base's stay. The certificate below does
+        # not depend on how the temperatures were chosen, only that the τ part did not
+        # choose them.
+        temps = {b: base.temperature(b) for b in BRANCHES}
+        cert["temperatures_kept"] = (f"temperature part has {int(temp.sum())} verdicts, "
+                                     f"{int(z[temp].sum())} correct: needs "
+                                     f"{MIN_TEMPERATURE_ROWS} with both labels to refit")
+    else:
+        zt = torch.as_tensor(z[temp], dtype=torch.float64)
+        temps = {"psr": fit_temperature(torch.as_tensor(x[temp, 0]), zt),
+                 "per": fit_temperature(torch.as_tensor(x[temp, 1]), zt)}
     p = dualread_at(x, temps["psr"], temps["per"])
 
     # the rule's other terms on the τ part: parse problems and each detector's flag
