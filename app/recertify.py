@@ -156,22 +156,20 @@ class DriftCollector:
             i = InfoMetricFamily("dualread_defer_rule", "The defer rule being served.")
             i.add_metric([], {"version": svc.rule_version})
             yield i
-        if not stats:
-            return
+        # declared always (an alert on a renamed gauge would fail its test), sampled only
+        # once the window holds enough answers: absent, not 0, before then
         d = GaugeMetricFamily("dualread_drift", "KS statistic of served scores (rolling "
                               "window) against the active rule's fitting distribution.",
                               labels=["score"])
         p = GaugeMetricFamily("dualread_drift_p_value", "p-value of that KS test.",
                               labels=["score"])
-        for name, (stat, pv) in sorted(stats["ks"].items()):
-            d.add_metric([name], stat)
-            p.add_metric([name], pv)
-        yield d
-        yield p
         f = GaugeMetricFamily("dualread_drift_flagged_share",
                               "Share of the drift window flagged by the novelty detectors.")
-        f.add_metric([], stats["flagged_share"])
-        yield f
         n = GaugeMetricFamily("dualread_drift_window", "Answers in the drift window.")
-        n.add_metric([], stats["n"])
-        yield n
+        if stats:
+            for name, (stat, pv) in sorted(stats["ks"].items()):
+                d.add_metric([name], stat)
+                p.add_metric([name], pv)
+            f.add_metric([], stats["flagged_share"])
+            n.add_metric([], stats["n"])
+        yield from (d, p, f, n)
