@@ -55,7 +55,9 @@ class Recertification:
     def attach(self, service: Any) -> None:
         """Bind to the loaded service: restore a persisted rule, set the drift reference."""
         self.service = service
-        base = service.base_heads
+        base = getattr(service, "base_heads", None)
+        if base is None:          # a backend without heads of its own: nothing to certify
+            return
         if self.enabled:
             s = self.settings
             path = Path(s.recert_state) if s.recert_state else \
@@ -152,7 +154,7 @@ class DriftCollector:
             self.cached = (drift.version, drift.stats())
         stats = self.cached[1]
         svc = self.recert.service
-        if svc is not None:
+        if svc is not None and hasattr(svc, "rule_version"):
             i = InfoMetricFamily("dualread_defer_rule", "The defer rule being served.")
             i.add_metric([], {"version": svc.rule_version})
             yield i
