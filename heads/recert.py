@@ -7,10 +7,11 @@ only, with the offline protocol: the window is split by a hash of the request id
 temperature part and a τ part (disjoint, as the offline temperature and defer splits), the
 temperatures are refitted with `heads.calibration.fit_temperature`, and τ is chosen with
 `heads.defer.choose_threshold` (Clopper–Pearson bound of the risk among released ≤ r with
-probability ≥ 1 − δ over the window's draw). The window's detector scores join each
-detector's conformal reference when the detector can extend it (`extend_reference`); the
-τ-part items are judged with leave-one-out p-values against that reference, so the
-certificate is on exactly the rule that would be served. The guarantee is for items
+probability ≥ 1 − δ over the window's draw). The window's detector scores become a
+second conformal reference of each detector that can take one (`extend_reference`: an
+input then passes when it looks like the fitting data or like the window); the τ-part
+items are judged with leave-one-out p-values against the window, so the certificate is on
+the rule that would be served. The guarantee is for items
 exchangeable with the window's; each window is its own claim.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
@@ -201,14 +202,12 @@ def in_temperature_part(request_id: str, share: float) -> bool:
     return h / 2 ** 64 < share
 
 
-def _loo_p_values(reference: np.ndarray, window: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """p-value of window[i] (i in idx) against reference ∪ window without itself."""
-    ref = np.sort(np.asarray(reference, float))
+def _loo_p_values(window: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """p-value of window[i] (i in idx) against the window without itself."""
     win = np.sort(window)
     s = window[idx]
-    at_least = (len(ref) - np.searchsorted(ref, s, side="left")) \
-        + (len(win) - np.searchsorted(win, s, side="left")) - 1
-    return (1 + at_least) / (len(ref) + len(win) - 1 + 1)
+    at_least = len(win) - np.searchsorted(win, s, side="left") - 1
+    return (1 + at_least) / len(win)
 
 
 def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_risk: float,
@@ -256,10 +255,11 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
         have = np.isfinite(scores)
         if have.any():
             drift_ref[name] = scores[have].tolist()
-        if hasattr(det, "extend_reference") and have.all() and "calibration" in \
-                getattr(det, "t", {}):
+        if hasattr(det, "extend_reference") and hasattr(det, "p_values_of") and have.all():
             references[name] = scores.tolist()
-            pv = _loo_p_values(det.t["calibration"].numpy(), scores, idx)
+            # as the extended detector will read a fresh item of the stream: the larger
+            # of its p-values against the shipped reference and against the window
+            pv = np.maximum(det.p_values_of(scores[idx]), _loo_p_values(scores, idx))
             flagged[idx] |= pv < alpha
             refs_note[name] = f"extended by {n} window scores"
         else:
