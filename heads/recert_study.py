@@ -9,7 +9,7 @@ does) and applies it to the next items: released share and risk among released, 
 the shipped rule's on clean items. Poisoned windows mark a share of the wrong answers
 correct before certifying; the next items are judged on their true labels.
 
-    python -m heads.recert_study --out /tmp/recert --items 800
+    python -m heads.recert_study --out /tmp/recert --next 200
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import numpy as np
 from heads.defer import clopper_pearson_upper
 from heads.recert import Served, Verdict, certify, dualread_at
 
-STREAMS = {"clean": "easyvqa:test", "benign": "easyvqa:test~noise:3",
-           "harmful": "easyvqa:test~contrast:5", "blur5": "easyvqa:test~blur:5"}
+# stream: (data spec, items); noise:3 is answered as well as clean items (docs/eval-shift:
+# accuracy 0.895 vs 0.89) and every item of it is flagged by the image check
+STREAMS = {"clean": ("easyvqa:test", 300), "benign": ("easyvqa:test~noise:3", 500),
+           "harmful": ("easyvqa:test~contrast:5", 400)}
 
 
 def collect(spec: str, n: int, seed: int, batch: int = 16) -> list[dict]:
@@ -126,7 +128,8 @@ def study(rows: dict[str, list[dict]], window: int, nxt: int, splits: int, poiso
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--items", type=int, default=800)
+    ap.add_argument("--items", type=int, default=None, help="items of every stream "
+                    "(default: STREAMS' own counts)")
     ap.add_argument("--window", type=int, default=300)
     ap.add_argument("--next", type=int, default=500)
     ap.add_argument("--splits", type=int, default=20)
@@ -135,10 +138,10 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for name, spec in STREAMS.items():
+    for name, (spec, n) in STREAMS.items():
         cache = a.out / f"{name}.json"
         if not cache.exists():
-            cache.write_text(json.dumps(collect(spec, a.items, a.seed)))
+            cache.write_text(json.dumps(collect(spec, a.items or n, a.seed)))
         rows[name] = json.loads(cache.read_text())
         print(name, len(rows[name]), flush=True)
     report = study(rows, a.window, a.next, a.splits, a.poison)
