@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             loop.create_task(load())
         yield
         await serving.stop()
+        recert.close()
         if service is None and serving.backend is not None:     # the one it loaded itself
             getattr(serving.backend, "close", lambda: None)()
 

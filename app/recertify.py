@@ -10,6 +10,7 @@ never written.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ class Recertification:
         self.drift = DriftWindow(getattr(settings, "drift_window", 500))
         self.store: RuleStore | None = None
         self.service: Any = None
+        self.blocked: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +64,8 @@ class Recertification:
             s = self.settings
             path = Path(s.recert_state) if s.recert_state else \
                 Path(s.heads or _embedded()) / STATE_FILE
+            if not self._lock(path):
+                return
             self.store = RuleStore(path, base, service.heads_id, RecertSettings(
                 window=s.recert_window, min_per_class=s.recert_min_per_class),
                 on_switch=self._switched)
@@ -72,6 +76,28 @@ class Recertification:
             self.drift.set_reference(drift_reference(self.store.active, base))
         else:
             self.drift.set_reference(drift_reference(DeferRule(SHIPPED, {}, None), base))
+
+    def _lock(self, path: Path) -> bool:
+        """Hold `<state>.lock` for the life of the process: a second process (another
+        replica, another worker) on the same state file would overwrite this one's
+        windows, so it counts nothing and says why."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self.blocked = f"the state file {path.name} is held by another process; give " \
+                           "each replica its own DUALREAD_RECERT_STATE"
+            log.warning(json.dumps({"event": "recert_disabled", "why": self.blocked}))
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release the state file (at shutdown)."""
+        f = getattr(self, "_lock_file", None)
+        if f is not None and not f.closed:
+            f.close()          # closing the descriptor drops its lock
 
     def _switched(self, rule: DeferRule) -> None:
         self.service.use_rule(rule)
@@ -107,7 +133,8 @@ class Recertification:
             svc = self.service
             base = getattr(svc, "base_heads", None)
             out["reason"] = ("no operator key configured: verdicts do not count toward a "
-                             "certificate" if not self.enabled else "loading model")
+                             "certificate" if not self.enabled else
+                             self.blocked or "loading model")
             if base is not None:
                 from heads.recert import shipped_rule
 

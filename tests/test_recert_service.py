@@ -252,3 +252,18 @@ def test_without_an_operator_key_nothing_counts(actor_dirs, heads_dir, tmp_path,
         for path in ("/calibration/pin", "/calibration/rollback", "/calibration/unpin"):
             assert c.post(path, json={}, headers=OP).status_code == 404
     assert not (tmp_path / "rules.json").exists()
+
+
+def test_a_second_process_on_one_state_file_counts_nothing(actor_dirs, heads_dir, tmp_path,
+                                                           monkeypatch):
+    """Two replicas on one state file would overwrite each other's windows: the second
+    one to start counts nothing and says why."""
+    state = tmp_path / "rules.json"
+    first = TestClient(create_app(_settings(heads_dir, state),
+                                  _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)))
+    second = TestClient(create_app(_settings(heads_dir, state),
+                                   _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)))
+    with first as a, second as b:
+        assert a.get("/calibration").json()["counting"] is True
+        cal = b.get("/calibration").json()
+        assert cal["counting"] is False and "held by another process" in cal["reason"]
