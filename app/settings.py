@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     operator_key: str | None = Field(
         None, description="key (header X-Operator-Key) whose verdicts count toward "
                           "re-certifying the defer rule; none: verdicts never count")
-    recert_window: int = Field(300, ge=20, le=100_000,
+    recert_window: int = Field(1000, ge=20, le=100_000,
                                description="operator verdicts in a re-certification window")
     recert_min_per_class: int = Field(
         10, ge=1, description="correct and wrong verdicts each needed in a window")

@@ -320,7 +320,7 @@ def atomic_write(path: Path, text: str) -> None:
 
 @dataclass
 class Settings:
-    window: int = 300                  # verdicts that close a window
+    window: int = 1000                 # verdicts that close a window
     min_per_class: int = 10            # each label at least this often in a window
     temperature_share: float = 0.3
     target_risk: float | None = None   # None: the shipped policy's r

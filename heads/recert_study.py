@@ -9,7 +9,7 @@ does) and applies it to the next items: released share and risk among released, 
 the shipped rule's on clean items. Poisoned windows mark a share of the wrong answers
 correct before certifying; the next items are judged on their true labels.
 
-    python -m heads.recert_study --out /tmp/recert --next 200
+    python -m heads.recert_study --out /tmp/recert --window 1000 --next 500
 """
 
 from __future__ import annotations
@@ -26,25 +26,30 @@ from heads.recert import Served, Verdict, certify, dualread_at
 
 # stream: (data spec, items); noise:3 is answered as well as clean items (docs/eval-shift:
 # accuracy 0.895 vs 0.89) and every item of it is flagged by the image check
-STREAMS = {"clean": ("easyvqa:test", 300), "benign": ("easyvqa:test~noise:3", 500),
+STREAMS = {"clean": ("easyvqa:test", 300), "benign": ("easyvqa:test~noise:3", 1500),
            "harmful": ("easyvqa:test~contrast:5", 400)}
 
 
-def collect(spec: str, n: int, seed: int, batch: int = 16) -> list[dict]:
+def collect(spec: str, n: int, seed: int, batch: int = 16, done: list[dict] | None = None
+            ) -> list[dict]:
+    """The first `n` items of a seeded permutation of `spec`, served and graded; the rows
+    in `done` (an earlier, shorter run with the same seed) are kept, not served again."""
     from app.service import Service
     from app.serving import AnswerItem
     from models.canon import is_correct
     from models.data import load
 
     items = load(spec)
-    pick = np.random.default_rng(seed).permutation(len(items))[:n]
+    done = list(done or [])[:n]
+    pick = np.random.default_rng(seed).permutation(len(items))[len(done):n]
     svc = Service(None, None)
-    rows = []
+    rows = done
     try:
         for s in range(0, len(pick), batch):
             its = [items[i] for i in pick[s: s + batch]]
             res = svc.answer_batch([AnswerItem(it.image(), it.question, 64) for it in its],
                                    [time.monotonic() + 600] * len(its))
+            print(f"{spec}: {s + len(its)}/{len(pick)}", flush=True)
             for it, r in zip(its, res):
                 if isinstance(r, Exception) or r.served is None:
                     continue
@@ -73,6 +78,23 @@ def rule_on(heads, rule, rows: list[dict]) -> tuple[float, float, int]:
     return float(keep.mean()), float(1 - z[keep].mean()) if keep.any() else 0.0, int(keep.sum())
 
 
+def drift_of(heads, shipped, rows: list[dict]) -> dict:
+    """What the drift gauges would read after `rows` under the shipped rule."""
+    from app.recertify import drift_reference
+    from heads.drift import DriftWindow
+
+    d = DriftWindow(len(rows))
+    d.set_reference(drift_reference(shipped, heads))
+    for r in rows:
+        alphas = {"novelty": heads.novelty_alpha, "image_check": heads.image_check_alpha}
+        d.record(r["served"]["scores"], any(p < alphas[k] for k, p in
+                                            r["served"]["p_values"].items()))
+    s = d.stats()
+    return {"n": s["n"], "flagged_share": round(s["flagged_share"], 4),
+            "ks": {k: round(v[0], 4) for k, v in s["ks"].items()},
+            "ks_p_value": {k: float(f"{v[1]:.2g}") for k, v in s["ks"].items()}}
+
+
 def study(rows: dict[str, list[dict]], window: int, nxt: int, splits: int, poison: float
           ) -> dict:
     from heads.dualread import Heads
@@ -94,7 +116,14 @@ def study(rows: dict[str, list[dict]], window: int, nxt: int, splits: int, poiso
         z = np.array([x["correct"] for x in stream])
         s_cov, s_risk, _ = rule_on(heads, shipped, stream)
         entry = {"n": len(stream), "accuracy": round(float(z.mean()), 4),
-                 "shipped_released": round(s_cov, 4), "shipped_risk": round(s_risk, 4)}
+                 "shipped_released": round(s_cov, 4), "shipped_risk": round(s_risk, 4),
+                 "drift": drift_of(heads, shipped, stream[:500])}
+        if len(stream) <= window:
+            entry["recertified"] = f"not measured: {len(stream)} items, no more than " \
+                                   f"the window ({window})"
+            out[name] = entry
+            continue
+        entry["next_items"] = min(nxt, len(stream) - window)
         for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
             held, covs, risks, reasons = 0, [], [], {}
             for k in range(splits):
@@ -128,8 +157,9 @@ def study(rows: dict[str, list[dict]], window: int, nxt: int, splits: int, poiso
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--items", type=int, default=None, help="items of every stream "
-                    "(default: STREAMS' own counts)")
+    ap.add_argument("--sizes", default="", help="items per stream, e.g. "
+                    "clean=300,benign=500 (default: STREAMS' counts); the first items of "
+                    "the same seeded order, so a smaller size reuses a larger run's cache")
     ap.add_argument("--window", type=int, default=300)
     ap.add_argument("--next", type=int, default=500)
     ap.add_argument("--splits", type=int, default=20)
@@ -138,11 +168,14 @@ def main() -> None:
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rows = {}
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in a.sizes.split(",") if kv)}
     for name, (spec, n) in STREAMS.items():
+        n = sizes.get(name, n)
         cache = a.out / f"{name}.json"
-        if not cache.exists():
-            cache.write_text(json.dumps(collect(spec, a.items or n, a.seed)))
-        rows[name] = json.loads(cache.read_text())
+        have = json.loads(cache.read_text()) if cache.exists() else []
+        if len(have) < n:
+            cache.write_text(json.dumps(collect(spec, n, a.seed, done=have)))
+        rows[name] = json.loads(cache.read_text())[:n]
         print(name, len(rows[name]), flush=True)
     report = study(rows, a.window, a.next, a.splits, a.poison)
     (a.out / "report.json").write_text(json.dumps(report, indent=2))
