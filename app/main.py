@@ -16,9 +16,10 @@ from fastapi import FastAPI
 
 from app import errors, openapi
 from app.logs import JsonLines
-from app.metrics import Metrics, MetricsHooks
+from app.metrics import Metrics
 from app.middleware import RequestContext, body_paths
-from app.routers import answer, ops, probes
+from app.recertify import DriftCollector, RecertHooks, Recertification
+from app.routers import answer, calibration, ops, probes
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
@@ -51,10 +52,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     log_warnings(logging.getLogger("dualread.service"))
     monitor = FeedbackMonitor(settings.feedback_window)
     metrics = Metrics(monitor)
-    hooks = MetricsHooks(metrics, monitor)
+    recert = Recertification(settings)
+    hooks = RecertHooks(metrics, monitor, recert.drift)
+    metrics.registry.register(DriftCollector(recert))
     serving = Serving(settings, hooks, hooks)
 
     def attach(svc) -> None:
+        recert.attach(svc)         # a persisted rule is restored before the first answer
         serving.attach(svc)
         metrics.model_info.info(svc.info())
 
@@ -78,6 +82,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             loop.create_task(load())
         yield
         await serving.stop()
+        recert.close()
         if service is None and serving.backend is not None:     # the one it loaded itself
             getattr(serving.backend, "close", lambda: None)()
 
@@ -89,9 +94,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app.state.serving = app.state.core = serving
     app.state.metrics = metrics
     app.state.hooks = hooks
+    app.state.recert = recert
     errors.install(app)
-    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets):
+    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets,
+                   calibration.router):
         app.include_router(router)
+    if settings.operator_key:      # without one, pin and rollback are not served at all
+        app.include_router(calibration.operator)
     openapi.install(app, settings)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,

@@ -108,7 +108,8 @@ class MetricsHooks(ServingHooks, BatcherHooks):
         if result.confidence is None:   # answer-only: no confidence to watch or calibrate
             return
         m.confidence.observe(result.confidence.dualread)
-        self.monitor.record(request_id, result.confidence.dualread, result.defer)
+        self.monitor.record(request_id, result.confidence.dualread, result.defer,
+                            getattr(result, "served", None))
 
     def feedback(self, request_id: str, correct: bool) -> bool:
         known = self.monitor.feedback(request_id, correct)

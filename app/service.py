@@ -34,6 +34,7 @@ from app.text import CONTROL, mixed_script_letter, plain_question
 from heads.check_process import CheckProcess
 from heads.dualread import Assessment, FingerprintMismatch, Heads
 from heads.novelty import NoveltyReading
+from heads.recert import SHIPPED, DeferRule, Served, reread
 from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
@@ -82,6 +83,8 @@ class Service:
 
     def _attach(self, actor: Actor, heads: Heads | None) -> None:
         self.actor, self.heads = actor, heads
+        # the artefact as shipped; `heads` is what serves (a re-certified rule applied)
+        self.base_heads = heads
         # The image check reads pixels only: in a process of its own it runs while the
         # batch decodes (heads.check_process says why not a thread).
         check = heads.image_check if heads is not None else None
@@ -91,6 +94,15 @@ class Service:
         self.heads_id = None if heads is None else heads.card.get("heads_id") or \
             f"{heads.actor_fingerprint}-{heads.card.get('git_commit', '')[:8]}"
         self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
+
+    def use_rule(self, rule: DeferRule) -> None:
+        """Serve `rule` from the next batch on (one reference swap: a batch reads one
+        heads object from start to end)."""
+        self.heads = rule.apply(self.base_heads)
+
+    @property
+    def rule_version(self) -> str:
+        return getattr(self.heads, "rule_version", SHIPPED)
 
     @property
     def threshold(self) -> float | None:
@@ -177,24 +189,25 @@ class Service:
                          ) -> tuple[Answers, list[AnswerResult | Exception]]:
         """`answer_batch`, with the actor's responses too (`readout`: how the states are
         read; the service captures them, the benchmark also times replay)."""
+        heads = self.heads       # the rule this batch is decided by, start to end
         images = [i.image for i in items]
-        checks = self._check_images(images)
+        checks = self._check_images(images, heads)
         res = self.actor.answer(images, [i.question for i in items],
                                 [i.max_new_tokens for i in items], readout=readout,
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live}, checks)
+        scored = self._assess_batch({k: res[k].readout for k in live}, checks, heads)
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
             out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
-                                   self._answer(r, res.timings, c, im)))
+                                   self._answer(r, res.timings, c, im, heads)))
         return res, out
 
-    def _check_images(self, images: list[Image.Image]
+    def _check_images(self, images: list[Image.Image], heads: Heads | None = None
                       ) -> Future[list[NoveltyReading] | None]:
         """The image check of a batch, started before it decodes (in this thread when
         there is no check process, or it cannot be used)."""
@@ -210,7 +223,7 @@ class Service:
                 log.warning(json.dumps({"event": "image_check_process_failed",
                                         "error": type(e).__name__, "detail": str(e)[:200]}))
         try:
-            done.set_result(self.heads.image_readings(images))
+            done.set_result((heads or self.heads).image_readings(images))
         except Exception as e:       # an image the check cannot read fails its own item
             done.set_exception(e)
         return done
@@ -233,7 +246,8 @@ class Service:
             self.check_process.close()
 
     def _assess_batch(self, readouts: dict[int, Any],
-                      image_checks: Future[list[NoveltyReading] | None]
+                      image_checks: Future[list[NoveltyReading] | None],
+                      heads: Heads | None = None
                       ) -> dict[int, tuple[Assessment, NoveltyReading | None, float]]:
         """Served confidences and novelty of a whole batch in one call of the readers, and
         the batch's image check (`image_checks`: one call over every image, item k's
@@ -243,7 +257,7 @@ class Service:
             return {}
         t = time.perf_counter()
         try:
-            confs = self.heads.assess(list(readouts.values()))
+            confs = (heads or self.heads).assess(list(readouts.values()))
             every = self._check_result(image_checks)
             checks = None if every is None else [every[k] for k in readouts]
         except Exception as e:
@@ -258,15 +272,19 @@ class Service:
 
     def _answer(self, r: Response, timings,
                 scored: tuple[Assessment, NoveltyReading | None, float] | None = None,
-                image: Image.Image | None = None) -> AnswerResult:
-        if self.heads is None:
+                image: Image.Image | None = None, heads: Heads | None = None) -> AnswerResult:
+        if (heads or self.heads) is None:
             return self._answer_only(r, timings)
         t = time.perf_counter()
+        heads = heads or self.heads
         if scored is not None:
             a, chk, batch_s = scored
         else:
-            a, batch_s = self.heads.assess([r.readout])[0], 0.0
-            chk = self.heads.image_reading(image) if image is not None else None
+            a, batch_s = heads.assess([r.readout])[0], 0.0
+            chk = heads.image_reading(image) if image is not None else None
+        if heads is not self.base_heads:
+            # the check process reads against the shipped reference; the rule may extend it
+            chk = reread(heads, "image_check", chk)
         conf = _confidences(a.confidence)
         nov = a.novelty                              # None: these heads have no detector
         heads_s = time.perf_counter() - t + batch_s
@@ -274,15 +292,21 @@ class Service:
         # the heads hold the whole rule: τ, the novelty and image-check p-values against α,
         # the parse check
         nov_p, chk_p = (nov.p_value if nov else None), (chk.p_value if chk else None)
-        defer, reason = self.heads.decide(conf.dualread, nov_p, problem, chk_p)
+        defer, reason = heads.decide(conf.dualread, nov_p, problem, chk_p)
+        read = {k: v for k, v in (("novelty", nov), ("image_check", chk)) if v is not None}
+        served = None if a.logits is None else Served(
+            getattr(heads, "rule_version", SHIPPED), a.logits,
+            {k: v.score for k, v in read.items()}, {k: v.p_value for k, v in read.items()},
+            problem is not None)
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
             defer=defer, defer_reason=reason,
-            defer_codes=tuple(defer_codes(self.heads, conf.dualread, nov_p, problem, chk_p)),
+            defer_codes=tuple(defer_codes(heads, conf.dualread, nov_p, problem, chk_p)),
             timings=StageTimes(timings.generate, timings.readout, heads_s),
             novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
             image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
-                                                               chk.novel))
+                                                               chk.novel),
+            served=served)
 
     def _answer_only(self, r: Response, timings) -> AnswerResult:
         """No heads: the answer, deferred, with why the response is unusable if it is."""

@@ -52,6 +52,17 @@ class Settings(BaseSettings):
     docs_require_key: bool = Field(
         True, description="with an API key, /docs, /redoc and /openapi.json need it")
     feedback_window: int = Field(500, ge=10, description="answers in the feedback window")
+    # re-certification of the defer rule (heads.recert, app.recertify)
+    operator_key: str | None = Field(
+        None, description="key (header X-Operator-Key) whose verdicts count toward "
+                          "re-certifying the defer rule; none: verdicts never count")
+    recert_window: int = Field(1000, ge=20, le=100_000,
+                               description="operator verdicts in a re-certification window")
+    recert_min_per_class: int = Field(
+        10, ge=1, description="correct and wrong verdicts each needed in a window")
+    recert_state: str | None = Field(
+        None, description="rule state file; default: recert_state.json in the heads folder")
+    drift_window: int = Field(500, ge=20, le=100_000, description="answers in the drift window")
 
 
 def apply_threads(settings: Settings) -> None:

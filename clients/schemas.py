@@ -182,6 +182,10 @@ class AnswerResponse(BaseModel):
         "(empty when it is not): " + "; ".join(f"{c.value}: {t}" for c, t in DEFER_CODES.items()))
     defer_threshold: float | None = Field(
         ..., description="τ of the heads' defer policy; null in answer-only mode")
+    defer_rule_version: str | None = Field(
+        None, description="the defer rule that decided `defer`: \"shipped\" (the heads' "
+                          "own) or a version re-certified on operator feedback (GET "
+                          "/calibration); null when the heads cannot say")
     novelty: Novelty | None = Field(
         None, description="the novelty detector's reading; null when the heads have none")
     image_check: ImageCheck | None = Field(

@@ -27,6 +27,7 @@ from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
 from heads.novelty import ALPHA, Novelty, NoveltyReading
+from heads.recert import branch_logits
 from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
@@ -37,6 +38,7 @@ EMBEDDED_HEADS = Path(__file__).parent / "embedded"
 CARD_VERSION = 4
 # the method whose confidence the defer policy thresholds
 DEFER_METHOD = "dualread"
+DUALREAD_READERS = ("psr", "state", "visual")
 # card keys written before the registry -> canonical method names
 LEGACY_TEMPERATURES = {"T_pre": "psr", "T_post": "per", "T_state": "p_state",
                        "T_saplma": "saplma", "T_bicr": "blind_image_contrast",
@@ -49,6 +51,9 @@ class Assessment:
 
     confidence: dict[str, float]
     novelty: NoveltyReading | None
+    # DualRead's branch log-odds (`heads.recert.branch_logits`): what re-certification
+    # rescores at other temperatures; None for heads without DualRead's readers
+    logits: tuple[float, float, float] | None = None
 
 
 def rule_of(novelty: Novelty | None, image_check: Novelty | None = None) -> str:
@@ -256,7 +261,10 @@ class Heads:
                       if m.served and self.has(m)}
             nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
                 else [None] * len(readouts)
-        return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i])
+            lg = branch_logits(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
+                else None
+        return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i],
+                           None if lg is None else tuple(float(v) for v in lg[i]))
                 for i in range(len(readouts))]
 
     def saplma_logits(self, h_mid: torch.Tensor) -> torch.Tensor:

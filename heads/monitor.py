@@ -19,14 +19,29 @@ class FeedbackMonitor:
         # refused, and the caller is told why rather than that the id is unknown
         self.labelled: OrderedDict[str, None] = OrderedDict()
         self.window: deque[tuple[float, bool, bool]] = deque(maxlen=window)
+        # what re-certification needs of each answer (`heads.recert.Served`), by request
+        # id, apart from `pending`: only an operator's verdict takes it, so a verdict from
+        # anyone else cannot use up an answer an operator has yet to judge
+        self.served: OrderedDict[str, object] = OrderedDict()
         self.remember = remember
         self.lock = threading.Lock()
 
-    def record(self, request_id: str, confidence: float, deferred: bool) -> None:
+    def record(self, request_id: str, confidence: float, deferred: bool,
+               served: object | None = None) -> None:
         with self.lock:
             self.pending[request_id] = (confidence, deferred)
             while len(self.pending) > self.remember:
                 self.pending.popitem(last=False)
+            if served is not None:
+                self.served[request_id] = served
+                while len(self.served) > self.remember:
+                    self.served.popitem(last=False)
+
+    def take_served(self, request_id: str) -> object | None:
+        """The answer's re-certification record, once: a second call for the same id
+        (a repeated or concurrent verdict) gets None."""
+        with self.lock:
+            return self.served.pop(request_id, None)
 
     def feedback(self, request_id: str, correct: bool) -> bool:
         with self.lock:

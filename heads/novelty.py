@@ -140,6 +140,15 @@ class Novelty:
         other.n_fit, other.t = self.n_fit, dict(self.t)
         return other.calibrate(x_cal)
 
+    def extend_reference(self, scores: np.ndarray) -> ExtendedReference:
+        """This detector with a second conformal reference: the scores of a stream that
+        labelled feedback re-certified (`heads.recert`). This one is unchanged."""
+        return ExtendedReference(self, scores)
+
+    def p_values_of(self, scores: np.ndarray) -> np.ndarray:
+        """Conformal p-values of scores already computed (by another process, say)."""
+        return p_values(self.t["calibration"].numpy(), scores, presorted=True)
+
     # ------------------------------------------------------------------ scoring
     def _std(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.t["mean"]) / self.t["scale"]
@@ -206,3 +215,38 @@ class Novelty:
         if "calibration" in nov.t:      # p-values search it as sorted: make sure it is
             nov.t["calibration"] = nov.t["calibration"].sort().values
         return nov
+
+
+class ExtendedReference:
+    """A detector whose input is in-distribution when it looks like the fitting data *or*
+    like a re-certified stream: p = max(p against the clean calibration split, p against
+    the stream's scores). Each p-value is valid for its own population, so the flag rate
+    stays ≤ α for clean inputs and for inputs exchangeable with the stream's window (a
+    pooled reference would instead flag a stream's upper tail at the rate of its share of
+    the pool). Reads as the detector it wraps otherwise."""
+
+    def __init__(self, base: Novelty, scores: np.ndarray) -> None:
+        self.base = base
+        self.extra = np.sort(np.asarray(scores, float))
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["base"], name)
+
+    def extend_reference(self, scores: np.ndarray) -> ExtendedReference:
+        return ExtendedReference(self.base, np.r_[self.extra, np.asarray(scores, float)])
+
+    def p_values_of(self, scores: np.ndarray) -> np.ndarray:
+        s = np.asarray(scores, float)
+        return np.maximum(self.base.p_values_of(s), p_values(self.extra, s, presorted=True))
+
+    def p_value(self, x: torch.Tensor) -> np.ndarray:
+        return self.p_values_of(self.base.score(x))
+
+    def novel(self, x: torch.Tensor, alpha: float = ALPHA) -> np.ndarray:
+        return self.p_value(x) < alpha
+
+    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA
+             ) -> list[NoveltyReading]:
+        s = np.array([r.score for r in self.base.read(feats, alpha)])
+        return [NoveltyReading(float(a), float(b), bool(b < alpha))
+                for a, b in zip(s, self.p_values_of(s))]

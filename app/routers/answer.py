@@ -8,6 +8,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from python_multipart.multipart import parse_options_header
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -215,6 +216,7 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
         defer=res.defer, defer_reason=res.defer_reason,
         defer_reasons=[DeferCode(code) for code in res.defer_codes],
         defer_threshold=backend.threshold,
+        defer_rule_version=None if res.served is None else res.served.version,
         novelty=None if res.novelty is None else Novelty(
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         image_check=None if res.image_check is None else ImageCheck(
@@ -250,7 +252,17 @@ async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
     """A clinician's verdict on an earlier answer (by its server-generated request_id);
     feeds the calibration monitor. O(1): the window statistics wait for /metrics."""
     hooks = request.app.state.hooks
-    known = hooks.feedback(body.request_id, body.correct)
+    # an operator's verdict also counts toward re-certifying the defer rule, once per id
+    # (app.recertify); anyone else's feeds the monitor only
+    who = request.app.state.recert.operator(request)
+    # both claims happen before the first await, so concurrent verdicts on one id cannot
+    # each win one of them (the monitor's label and the certificate's count)
+    labelled = hooks.feedback(body.request_id, body.correct)
+    served = hooks.monitor.take_served(body.request_id) if who is not None else None
+    counted = served is not None and (await run_in_threadpool(
+        request.app.state.recert.count, body.request_id, served, body.correct, who)
+    )["counted"]
+    known = labelled or counted
     reason = None if known else (
         "already_labelled" if hooks.monitor.already_labelled(body.request_id) else "unknown")
     return FeedbackResponse(accepted=known, window=len(hooks.monitor.window), reason=reason)

@@ -1,0 +1,74 @@
+"""GET /calibration: the defer rule being served, its certificate, the open window of
+operator verdicts, the history of switches and the live drift statistics. POST
+/calibration/pin, /unpin and /rollback: operator only, and served only when an operator key
+is configured (heads.recert, app.recertify)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import require_json, require_key
+from app.routers.common import ERRORS
+from heads.recert import RecertError
+
+router = APIRouter(tags=["calibration"], dependencies=[Depends(require_key)])
+
+
+async def require_operator(request: Request) -> str:
+    who = request.app.state.recert.operator(request)
+    if who is None:
+        raise HTTPException(403, "send the operator key in the X-Operator-Key header")
+    return who
+
+
+operator = APIRouter(tags=["calibration"],
+                     dependencies=[Depends(require_key), Depends(require_operator)])
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str | None = Field(None, max_length=64,
+                                description="rule to serve and keep; default: the active one")
+
+
+def _store(request: Request):
+    store = request.app.state.recert.store
+    if store is None:
+        raise HTTPException(503, "loading model")
+    return store
+
+
+@router.get("/calibration", responses=ERRORS)
+def calibration(request: Request) -> dict:
+    """The active defer rule with its certificate, the open verdict window, the last
+    certification attempt, the kept rules and the switch history (no request content)."""
+    return request.app.state.recert.view()
+
+
+@operator.post("/calibration/pin", responses=ERRORS, dependencies=[Depends(require_json)])
+async def pin(request: Request, body: PinRequest, who: str = Depends(require_operator)
+              ) -> dict:
+    """Serve `version` (default: the active rule) and switch no more until unpinned."""
+    try:
+        rule = await run_in_threadpool(_store(request).pin, body.version, who)
+    except RecertError as e:
+        raise HTTPException(404, str(e)) from None
+    return {"active": rule.summary(), "pinned": True}
+
+
+@operator.post("/calibration/unpin", responses=ERRORS)
+async def unpin(request: Request, who: str = Depends(require_operator)) -> dict:
+    await run_in_threadpool(_store(request).unpin, who)
+    return {"pinned": False}
+
+
+@operator.post("/calibration/rollback", responses=ERRORS)
+async def rollback(request: Request, who: str = Depends(require_operator)) -> dict:
+    """Serve the rule active before the current one, and pin it."""
+    try:
+        rule = await run_in_threadpool(_store(request).rollback, who)
+    except RecertError as e:
+        raise HTTPException(409, str(e)) from None
+    return {"active": rule.summary(), "pinned": True}

@@ -1,0 +1,511 @@
+"""Re-certification of the defer rule on labelled feedback from a new input stream (SPEC §8).
+
+A *rule* is what decides `defer` beyond the fitted readers: DualRead's two branch
+temperatures, τ, and the conformal reference of each novelty detector. The shipped rule
+comes from the heads card; a re-certified rule is fitted on one window of operator verdicts
+only, with the offline protocol: the window is split by a hash of the request id into a
+temperature part and a τ part (disjoint, as the offline temperature and defer splits), the
+temperatures are refitted with `heads.calibration.fit_temperature`, and τ is chosen with
+`heads.defer.choose_threshold` (Clopper–Pearson bound of the risk among released ≤ r with
+probability ≥ 1 − δ over the window's draw). The window's detector scores become a
+second conformal reference of each detector that can take one (`extend_reference`: an
+input then passes when it looks like the fitting data or like the window); the τ-part
+items are judged with leave-one-out p-values against the window, so the certificate is on
+the rule that would be served. The guarantee is for items
+exchangeable with the window's; each window is its own claim.
+
+Nothing here keeps an image, a question or an answer: a served answer leaves its three
+branch log-odds, its detector scores and p-values, whether its response parsed, and the
+version of the rule that decided it (`Served`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from heads.calibration import fit_temperature, fuse
+from heads.defer import DeferPolicy, choose_threshold
+from heads.methods import dualread as dualread_method
+
+if TYPE_CHECKING:
+    from heads.dualread import Heads
+    from heads.novelty import NoveltyReading
+
+log = logging.getLogger("dualread.audit")
+
+SHIPPED = "shipped"
+# The temperatures a rule refits: DualRead's two branches (SPEC §1), by method name
+BRANCHES = ("psr", "per")
+# The detectors a rule can carry a reference for: `Heads` attributes, each with `<name>_alpha`
+DETECTORS = ("novelty", "image_check")
+MIN_TEMPERATURE_ROWS = 20      # fewer rows: the temperatures are kept, not refitted
+KEEP_RULES = 20                # rules kept for rollback (the active chain first)
+KEEP_EVENTS = 200              # audit events kept in the state file (all go to the log)
+
+
+class RecertError(RuntimeError):
+    """An operator request that cannot be carried out (unknown version, nothing to roll
+    back to); the message says why."""
+
+
+# ------------------------------------------------------------------ what an answer leaves
+@dataclass(frozen=True)
+class Served:
+    """What a served answer keeps for re-certification: no request content."""
+
+    version: str                               # the rule that decided `defer`
+    logits: tuple[float, float, float]         # PSR, PER (pre-temperature), consistency term
+    scores: dict[str, float] = field(default_factory=dict)   # detector score, by detector
+    p_values: dict[str, float] = field(default_factory=dict)  # as served, by detector
+    problem: bool = False                      # the response did not parse
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "logits": list(self.logits), "scores": self.scores,
+                "p_values": self.p_values, "problem": self.problem}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Served:
+        return cls(d["version"], tuple(float(x) for x in d["logits"]),
+                   {k: float(v) for k, v in d.get("scores", {}).items()},
+                   {k: float(v) for k, v in d.get("p_values", {}).items()},
+                   bool(d.get("problem", False)))
+
+
+def branch_logits(heads: Heads, f: dict[str, torch.Tensor]) -> np.ndarray:
+    """[N, 3]: PSR's and PER's log-odds before their temperatures, and the answer-
+    consistency term added after PER's (what `dualread_at` needs to rescore)."""
+    with torch.inference_mode():
+        pre = dualread_method.pre_logits(heads, f).double().reshape(-1)
+        post = dualread_method.post_logits(heads, f).double().reshape(-1)
+        cons = dualread_method.consistency_log_prob(heads, f)
+        cons = torch.as_tensor(cons, dtype=torch.float64).expand_as(post).reshape(-1)
+    return torch.stack([pre, post, cons], 1).numpy()
+
+
+def dualread_at(logits: np.ndarray, t_pre: float, t_post: float) -> np.ndarray:
+    """DualRead's confidence from `branch_logits` at other temperatures (SPEC §1 fusion)."""
+    x = torch.as_tensor(np.asarray(logits, float).reshape(-1, 3), dtype=torch.float64)
+    p_pre = torch.sigmoid(x[:, 0] / t_pre)
+    p_post = torch.sigmoid(x[:, 1] / t_post + x[:, 2])
+    return fuse(p_pre, p_post).double().numpy()
+
+
+# ------------------------------------------------------------------ the rule
+@dataclass
+class DeferRule:
+    version: str
+    temperatures: dict[str, float]             # BRANCHES' temperatures
+    policy: dict | None                        # DeferPolicy.to_dict(); None: defer everything
+    # scores added to each detector's conformal reference (only detectors that extend)
+    references: dict[str, list[float]] = field(default_factory=dict)
+    # the window's distribution of served scores ("dualread" and each detector), against
+    # which drift is measured while this rule is active; empty for the shipped rule
+    drift_reference: dict[str, list[float]] = field(default_factory=dict)
+    certificate: dict | None = None
+    created_at: str = ""
+    created_by: str = ""
+
+    @property
+    def tau(self) -> float | None:
+        return None if self.policy is None else float(self.policy["tau"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DeferRule:
+        return cls(**d)
+
+    def summary(self) -> dict:
+        """The rule without its long score lists (what `/calibration` shows)."""
+        return {"version": self.version, "temperatures": self.temperatures,
+                "policy": self.policy, "certificate": self.certificate,
+                "references_extended": {k: len(v) for k, v in self.references.items()},
+                "created_at": self.created_at, "created_by": self.created_by}
+
+    def apply(self, base: Heads) -> Heads:
+        """A copy of `base` serving this rule (`base` unchanged): its temperatures, τ and
+        extended detector references."""
+        heads = copy.copy(base)
+        heads.temperatures = {**base.temperatures, **self.temperatures}
+        heads.policy = DeferPolicy(**self.policy) if self.policy is not None else None
+        for name, extra in self.references.items():
+            det = getattr(base, name, None)
+            if det is not None and hasattr(det, "extend_reference"):
+                setattr(heads, name, det.extend_reference(np.asarray(extra, float)))
+        heads.rule_version = self.version
+        return heads
+
+
+def shipped_rule(heads: Heads) -> DeferRule:
+    """The rule the heads artefact ships with."""
+    return DeferRule(SHIPPED, {b: heads.temperature(b) for b in BRANCHES},
+                     heads.policy.to_dict() if heads.policy is not None else None,
+                     created_by="heads artefact")
+
+
+def detectors_of(heads: Heads) -> dict[str, tuple[Any, float]]:
+    """The heads' detectors with their α, by name."""
+    return {n: (getattr(heads, n), float(getattr(heads, f"{n}_alpha")))
+            for n in DETECTORS if getattr(heads, n, None) is not None}
+
+
+def reread(heads: Heads, name: str, reading: NoveltyReading | None) -> NoveltyReading | None:
+    """A detector reading made against another reference (the image check's process keeps
+    the shipped one), its p-value and flag redone against `heads`' reference for `name`."""
+    det = getattr(heads, name, None)
+    if reading is None or det is None or not hasattr(det, "p_values_of"):
+        return reading
+    from heads.novelty import NoveltyReading
+
+    alpha = float(getattr(heads, f"{name}_alpha"))
+    p = float(det.p_values_of(np.array([reading.score]))[0])
+    return NoveltyReading(reading.score, p, p < alpha)
+
+
+# ------------------------------------------------------------------ the certificate
+@dataclass(frozen=True)
+class Verdict:
+    request_id: str
+    served: Served
+    correct: bool
+    at: float                                  # unix time it was counted
+    who: str
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "served": self.served.to_dict(),
+                "correct": self.correct, "at": self.at, "who": self.who}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        return cls(d["request_id"], Served.from_dict(d["served"]), bool(d["correct"]),
+                   float(d["at"]), d.get("who", ""))
+
+
+def in_temperature_part(request_id: str, share: float) -> bool:
+    """The window's split: a hash of the server-generated request id (no client choice)."""
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h / 2 ** 64 < share
+
+
+def _loo_p_values(window: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """p-value of window[i] (i in idx) against the window without itself."""
+    win = np.sort(window)
+    s = window[idx]
+    at_least = len(win) - np.searchsorted(win, s, side="left") - 1
+    return (1 + at_least) / len(win)
+
+
+def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_risk: float,
+            delta: float, min_per_class: int, temperature_share: float = 0.3,
+            who: str = "") -> tuple[DeferRule | None, dict]:
+    """Refit the temperatures and τ on `verdicts` alone. Returns (rule, certificate); the
+    rule is None when the certificate does not hold (its `reason` says why)."""
+    n = len(verdicts)
+    z = np.array([v.correct for v in verdicts], int)
+    cert: dict[str, Any] = {
+        "n": n, "n_correct": int(z.sum()), "n_wrong": int(n - z.sum()),
+        "target_risk": target_risk, "delta": delta, "min_per_class": min_per_class,
+        "temperature_share": temperature_share,
+        "bound": "one-sided Clopper-Pearson upper bound of the risk among released, "
+                 "binary search over thresholds (heads.defer.choose_threshold)",
+        "holds": False, "reason": None}
+    if n == 0 or min(cert["n_correct"], cert["n_wrong"]) < min_per_class:
+        cert["reason"] = (f"label balance: {cert['n_correct']} correct and {cert['n_wrong']} "
+                          f"wrong verdicts; each needs at least {min_per_class}")
+        return None, cert
+    temp = np.array([in_temperature_part(v.request_id, temperature_share) for v in verdicts])
+    cal = ~temp
+    cert.update(n_temperature=int(temp.sum()), n_tau=int(cal.sum()))
+    x = np.array([v.served.logits for v in verdicts], float)
+    if temp.sum() < MIN_TEMPERATURE_ROWS or len(set(z[temp])) < 2:
+        # too little to fit a temperature on: the base's stay. The certificate below does
+        # not depend on how the temperatures were chosen, only that the τ part did not
+        # choose them.
+        temps = {b: base.temperature(b) for b in BRANCHES}
+        cert["temperatures_kept"] = (f"temperature part has {int(temp.sum())} verdicts, "
+                                     f"{int(z[temp].sum())} correct: needs "
+                                     f"{MIN_TEMPERATURE_ROWS} with both labels to refit")
+    else:
+        zt = torch.as_tensor(z[temp], dtype=torch.float64)
+        temps = {"psr": fit_temperature(torch.as_tensor(x[temp, 0]), zt),
+                 "per": fit_temperature(torch.as_tensor(x[temp, 1]), zt)}
+    p = dualread_at(x, temps["psr"], temps["per"])
+
+    # the rule's other terms on the τ part: parse problems and each detector's flag
+    flagged = np.array([v.served.problem for v in verdicts])
+    references, refs_note, drift_ref = {}, {}, {"dualread": p.tolist()}
+    idx = np.flatnonzero(cal)
+    for name, (det, alpha) in detectors_of(base).items():
+        scores = np.array([v.served.scores.get(name, np.nan) for v in verdicts], float)
+        have = np.isfinite(scores)
+        if have.any():
+            drift_ref[name] = scores[have].tolist()
+        if hasattr(det, "extend_reference") and hasattr(det, "p_values_of") and have.all():
+            references[name] = scores.tolist()
+            # as the extended detector will read a fresh item of the stream: the larger
+            # of its p-values against the shipped reference and against the window
+            pv = np.maximum(det.p_values_of(scores[idx]), _loo_p_values(scores, idx))
+            flagged[idx] |= pv < alpha
+            refs_note[name] = f"extended by {n} window scores"
+        else:
+            served_p = np.array([v.served.p_values.get(name, np.nan) for v in verdicts])
+            flagged[idx] |= served_p[idx] < alpha        # NaN compares False
+            refs_note[name] = "skipped: the detector cannot extend its reference" \
+                if not hasattr(det, "extend_reference") else \
+                "skipped: some verdicts carry no score of this detector"
+    cert["detector_references"] = refs_note or "no detector"
+    cand = idx[~flagged[idx]]
+    cert["n_tau_other_terms_defer"] = int(len(idx) - len(cand))
+    policy = choose_threshold(p[cand], z[cand], target_risk, delta)
+    released = cand[p[cand] >= policy.tau]
+    cert.update(
+        temperatures={k: round(v, 6) for k, v in temps.items()},
+        tau=policy.tau, feasible=policy.feasible,
+        released_share=round(len(released) / max(1, len(idx)), 6),
+        risk_among_released=round(float(1 - z[released].mean()), 6) if len(released) else None,
+        risk_upper_bound=round(policy.risk_upper_bound, 6))
+    if not policy.feasible:
+        cert["reason"] = (f"no threshold keeps the {1 - delta:.0%} Clopper-Pearson bound of "
+                          f"the risk among released at or below {target_risk} on the "
+                          f"{len(cand)} τ-part verdicts the other terms release")
+        return None, cert
+    cert["holds"] = True
+    rule = DeferRule(version, temps, policy.to_dict(), references, drift_ref, cert,
+                     _now(), who)
+    return rule, cert
+
+
+# ------------------------------------------------------------------ the store
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so a crash leaves the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+@dataclass
+class Settings:
+    window: int = 1000                 # verdicts that close a window
+    min_per_class: int = 10            # each label at least this often in a window
+    temperature_share: float = 0.3
+    target_risk: float | None = None   # None: the shipped policy's r
+    delta: float | None = None         # None: the shipped policy's δ
+
+
+class RuleStore:
+    """The active rule, the rules kept for rollback, the open window of counted verdicts
+    and the audit history, persisted atomically in one JSON file (never the heads' own
+    files). Every change happens under one lock and is on disk before it returns."""
+
+    def __init__(self, path: str | Path, base: Heads, heads_id: str,
+                 settings: Settings | None = None,
+                 on_switch: Callable[[DeferRule], None] | None = None) -> None:
+        self.path = Path(path)
+        self.base = base
+        self.heads_id = heads_id
+        self.settings = settings or Settings()
+        self.on_switch = on_switch or (lambda rule: None)
+        self.lock = threading.RLock()
+        shipped = shipped_rule(base)
+        self.rules: dict[str, DeferRule] = {SHIPPED: shipped}
+        self.chain: list[str] = [SHIPPED]           # activation order; last is active
+        self.pinned = False
+        self.window: list[Verdict] = []
+        self.counted: set[str] = set()
+        self.events: list[dict] = []
+        self.attempts = 0
+        self.last_attempt: dict | None = None
+        self._load(shipped)
+
+    # ---------------------------------------------------------------- persistence
+    def _load(self, shipped: DeferRule) -> None:
+        if not self.path.exists():
+            return
+        state = json.loads(self.path.read_text())
+        same = state.get("heads_id") == self.heads_id and \
+            state.get("rules", {}).get(SHIPPED, {}).get("policy") == shipped.policy and \
+            state.get("rules", {}).get(SHIPPED, {}).get("temperatures") == shipped.temperatures
+        if not same:
+            # another artefact's state: keep it aside, start from the shipped rule
+            stale = self.path.with_name(self.path.name + f".stale-{int(time.time())}")
+            os.replace(self.path, stale)
+            log.warning(json.dumps({"event": "recert_state_set_aside", "to": stale.name,
+                                    "why": "written for other heads"}))
+            return
+        self.rules = {k: DeferRule.from_dict(v) for k, v in state["rules"].items()}
+        self.chain = list(state["chain"])
+        self.pinned = bool(state.get("pinned", False))
+        self.window = [Verdict.from_dict(v) for v in state.get("window", [])]
+        self.counted = {v.request_id for v in self.window}
+        self.events = list(state.get("events", []))
+        self.attempts = int(state.get("attempts", 0))
+        self.last_attempt = state.get("last_attempt")
+
+    def _save(self) -> None:
+        state = {"heads_id": self.heads_id, "chain": self.chain, "pinned": self.pinned,
+                 "rules": {k: r.to_dict() for k, r in self.rules.items()},
+                 "window": [v.to_dict() for v in self.window],
+                 "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,
+                 "last_attempt": self.last_attempt}
+        atomic_write(self.path, json.dumps(state))
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def active(self) -> DeferRule:
+        return self.rules[self.chain[-1]]
+
+    def view(self) -> dict:
+        """What `/calibration` shows (no request content: ids stay out of it)."""
+        with self.lock:
+            w = self.window
+            return {"active": self.active.summary(), "pinned": self.pinned,
+                    "window": {"counted": len(w), "needed": self.settings.window,
+                               "correct": sum(v.correct for v in w),
+                               "wrong": sum(not v.correct for v in w),
+                               "opened_at": _iso(w[0].at) if w else None},
+                    "last_attempt": self.last_attempt,
+                    "rules": [self.rules[k].summary() for k in self.rules],
+                    "chain": list(self.chain), "history": self.events[-50:]}
+
+    # ---------------------------------------------------------------- verdicts
+    def add(self, request_id: str, served: Served, correct: bool, who: str) -> dict:
+        """Count one operator verdict (once per request id); closes the window and tries
+        a certificate when it is full. Returns what happened."""
+        with self.lock:
+            if request_id in self.counted:
+                return {"counted": False, "reason": "already_counted"}
+            self.window.append(Verdict(request_id, served, bool(correct), time.time(), who))
+            self.counted.add(request_id)
+            if len(self.window) < self.settings.window:
+                self._save()
+                return {"counted": True, "window": len(self.window)}
+            return {"counted": True, "window": len(self.window), **self._close(who)}
+
+    def _close(self, who: str) -> dict:
+        """Certify the full window, switch when the certificate holds and no rule is
+        pinned, open a new window; one save for all of it."""
+        rows, self.window, self.counted = self.window, [], set()
+        self.attempts += 1
+        s, shipped = self.settings, self.rules[SHIPPED]
+        r = s.target_risk if s.target_risk is not None else \
+            (shipped.policy or {}).get("target_risk", 0.05)
+        d = s.delta if s.delta is not None else (shipped.policy or {}).get("delta", 0.1)
+        version = f"r{self.attempts}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
+        rule, cert = certify(rows, self.base, version, target_risk=r, delta=d,
+                             min_per_class=s.min_per_class,
+                             temperature_share=s.temperature_share, who=who)
+        window = {"n": len(rows), "first_at": _iso(rows[0].at), "last_at": _iso(rows[-1].at),
+                  "correct": cert["n_correct"], "wrong": cert["n_wrong"],
+                  "decided_by": sorted({v.served.version for v in rows})}
+        old = self.active
+        if rule is None:
+            event = "refused"
+        elif self.pinned:
+            event, cert = "held_pinned", {**cert, "note": "a rule is pinned: not switched"}
+        else:
+            event = "switch"
+        self.last_attempt = {"at": _now(), "event": event, "version": version,
+                             "window": window, "certificate": cert}
+        if event == "switch":
+            self.rules[version] = rule
+            self.chain.append(version)
+            self._trim()
+        self._event(event, who, window=window, old=old,
+                    new=rule if event == "switch" else None, certificate=cert,
+                    candidate=version)
+        self._save()
+        if event == "switch":
+            self.on_switch(rule)
+        return {"attempt": event, "version": version, "certificate": cert}
+
+    # ---------------------------------------------------------------- operator
+    def rollback(self, who: str) -> DeferRule:
+        """Back to the rule active before the current one; pins it (a rolled-back stream
+        would otherwise switch again at its next window)."""
+        with self.lock:
+            if len(self.chain) < 2:
+                raise RecertError("nothing to roll back to: the shipped rule is active")
+            old = self.active
+            self.chain.pop()
+            self.pinned = True
+            self._event("rollback", who, old=old, new=self.active)
+            self._save()
+            self.on_switch(self.active)
+            return self.active
+
+    def pin(self, version: str | None, who: str) -> DeferRule:
+        """Make `version` (default: the active one) active and keep it until unpinned."""
+        with self.lock:
+            version = version or self.active.version
+            if version not in self.rules:
+                raise RecertError(f"no rule {version!r}; known: {', '.join(self.rules)}")
+            old = self.active
+            if version != old.version:
+                self.chain = [v for v in self.chain if v != version] + [version]
+            self.pinned = True
+            self._event("pin", who, old=old, new=self.active)
+            self._save()
+            if version != old.version:
+                self.on_switch(self.active)
+            return self.active
+
+    def unpin(self, who: str) -> None:
+        with self.lock:
+            self.pinned = False
+            self._event("unpin", who, old=self.active, new=self.active)
+            self._save()
+
+    # ---------------------------------------------------------------- internals
+    def _trim(self) -> None:
+        keep = set(self.chain[-KEEP_RULES:]) | {SHIPPED}
+        self.chain = [v for v in self.chain if v in keep]
+        self.rules = {k: r for k, r in self.rules.items() if k in keep}
+
+    def _event(self, event: str, who: str, old: DeferRule, new: DeferRule | None = None,
+               **extra: Any) -> None:
+        """Audit record: who, when, what, old/new τ; never a request's content."""
+        e = {"event": event, "who": who, "at": _now(),
+             "old": {"version": old.version, "tau": old.tau},
+             "new": None if new is None else {"version": new.version, "tau": new.tau},
+             **extra}
+        self.events.append(e)
+        log.info(json.dumps({"audit": "defer_rule", **e}, default=str))
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -1,0 +1,269 @@
+"""Re-certification through the service: streams of answers over /answer, operator
+verdicts over /feedback, the switch in /calibration and /answer, the drift gauges on
+/metrics; the guards (operator key, once per id, restart) on a real `dualread serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.main import create_app
+from app.service import Service
+from app.settings import Settings
+from heads.defer import DeferPolicy
+from heads.dualread import Heads
+from heads.fit import fit_image_check
+from heads.image_check import pixel_features_many
+from models.actor import Answers, StageTimings
+from models.shift import corrupt
+from tests.conftest import random_image
+from tests.helpers import LiveServer, b64, png_bytes, random_heads
+
+Q = "what color is the shape?"
+TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
+OP = {"X-Operator-Key": "op-secret"}
+WINDOW = 100          # verdicts per window in these tests (the default is 300)
+
+
+def benign(k: int) -> Image.Image:
+    """Another colour balance (a scanner-like transform): the image check flags it."""
+    a = np.asarray(random_image(5000 + k), float)
+    return Image.fromarray(np.clip(a * [1.0, 0.55, 0.35] + [40, 0, 0], 0, 255).astype(np.uint8))
+
+
+def harmful(k: int) -> Image.Image:
+    return corrupt(random_image(9000 + k), "blur", 5)
+
+
+@pytest.fixture(scope="module")
+def heads_dir(actors, tmp_path_factory) -> str:
+    """Random readers with a policy at r = 0.3 and an image check fitted on clean
+    (noise) images: both streams below are new to it."""
+    root = tmp_path_factory.mktemp("recert-heads")
+    heads = Heads.load(random_heads(root / "plain", actors["qwen3_vl"]))
+    heads.policy = DeferPolicy(0.45, 0.3, 0.1, 0.7, 0.2, 0.28, 500, True)
+    fit = torch.from_numpy(pixel_features_many([random_image(1000 + k) for k in range(150)]))
+    cal = torch.from_numpy(pixel_features_many([random_image(2000 + k) for k in range(199)]))
+    heads.image_check = fit_image_check(fit, cal)
+    card = {k: v for k, v in heads.card.items() if k != "image_check"}
+    heads.save(root / "h", card)
+    return str(root / "h")
+
+
+def _service(actor_dir: str, heads_dir: str, monkeypatch) -> Service:
+    service = Service(actor_dir, heads_dir)
+
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        # a well-formed, finished response: the parse check is not what defers it
+        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
+                                 cue=False)
+        for r in rs:
+            r.finished = True
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+    monkeypatch.setattr(service, "needs_tag", True)
+    return service
+
+
+def _settings(heads_dir: str, state) -> Settings:
+    return Settings(max_new_tokens=8, batch_wait_ms=20, heads=heads_dir,
+                    operator_key="op-secret", recert_window=WINDOW, recert_min_per_class=3,
+                    recert_state=str(state), drift_window=60)
+
+
+def _answers(c: TestClient, images: list[Image.Image]) -> list[dict]:
+    """Answers of many images, eight requests at a time (they share model batches)."""
+    def one(im):
+        r = c.post("/answer", json={"image": b64(png_bytes(im)), "question": Q})
+        assert r.status_code == 200, r.text
+        return r.json()
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, images))
+
+
+def _verdicts(c: TestClient, bodies: list[dict], correct, headers=OP) -> list[dict]:
+    out = []
+    for k, b in enumerate(bodies):
+        r = c.post("/feedback", json={"request_id": b["request_id"], "correct": correct(k)},
+                   headers=headers)
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    return out
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    return {e.name: open(e.path, "rb").read() for e in os.scandir(folder)}
+
+
+def _gauges(c: TestClient) -> dict:
+    return {(s.name, s.labels.get("score")): s.value
+            for f in text_string_to_metric_families(c.get("/metrics").text)
+            for s in f.samples}
+
+
+def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatch):
+    state = tmp_path / "rules.json"
+    shipped_files = _files(heads_dir)
+    svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
+    with TestClient(create_app(_settings(heads_dir, state), svc)) as c:
+        # ---- harmful stream (severity-5 blur), mostly wrong: the certificate refuses
+        bodies = _answers(c, [harmful(k) for k in range(WINDOW)])
+        assert np.mean([b["defer"] for b in bodies]) >= 0.9
+        assert {b["defer_rule_version"] for b in bodies} == {"shipped"}
+        g = _gauges(c)
+        # the alert's condition (docker/prometheus/rules.yml, DualreadInputDrift)
+        assert g[("dualread_drift", "image_check")] > 0.25
+        assert g[("dualread_drift_window", None)] >= 50
+        assert g[("dualread_drift_flagged_share", None)] >= 0.9
+        # an unauthenticated client's verdicts (no operator key) never count
+        _verdicts(c, bodies[:30], lambda k: True, headers={})
+        assert c.get("/calibration").json()["window"]["counted"] == 0
+        # a wrong operator key is refused outright
+        r = c.post("/feedback", json={"request_id": bodies[30]["request_id"],
+                                      "correct": True}, headers={"X-Operator-Key": "guess"})
+        assert r.status_code == 401
+        _verdicts(c, bodies, lambda k: k % 10 < 4)          # 40% right
+        cal = c.get("/calibration").json()
+        assert cal["last_attempt"]["event"] == "refused"
+        assert cal["last_attempt"]["window"]["n"] == WINDOW
+        assert "Clopper-Pearson" in cal["last_attempt"]["certificate"]["reason"]
+        assert cal["active"]["version"] == "shipped" and cal["window"]["counted"] == 0
+        after = _answers(c, [harmful(WINDOW + k) for k in range(8)])
+        assert all(b["defer"] and b["defer_rule_version"] == "shipped" for b in after)
+
+        # ---- benign stream (another colour balance), right 9 times in 10
+        bodies = _answers(c, [benign(k) for k in range(60)])
+        shipped_released = 1 - np.mean([b["defer"] for b in bodies])
+        assert shipped_released <= 0.1
+        assert np.mean([b["image_check"]["flagged"] for b in bodies]) >= 0.9
+        _verdicts(c, bodies, lambda k: k % 10 != 0)
+        assert c.get("/calibration").json()["window"]["counted"] == 60
+
+    # ---- restart mid-window: a new process state from disk; no counted verdict lost
+    svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
+    with TestClient(create_app(_settings(heads_dir, state), svc)) as c:
+        cal = c.get("/calibration").json()
+        assert cal["window"]["counted"] == 60 and cal["window"]["wrong"] == 6
+        bodies = _answers(c, [benign(60 + k) for k in range(WINDOW - 60)])
+        _verdicts(c, bodies, lambda k: k % 10 != 0)
+        cal = c.get("/calibration").json()
+        assert cal["last_attempt"]["event"] == "switch", cal["last_attempt"]
+        new = cal["active"]["version"]
+        assert new != "shipped" and cal["chain"] == ["shipped", new]
+        cert = cal["active"]["certificate"]
+        assert cert["holds"] and cert["risk_upper_bound"] <= 0.3
+        assert cert["detector_references"]["image_check"].startswith("extended")
+        [switch] = [e for e in cal["history"] if e["event"] == "switch"]
+        assert switch["who"].startswith("operator:") and switch["at"]
+        assert switch["old"]["version"] == "shipped" and switch["new"]["version"] == new
+        assert switch["window"]["n"] == WINDOW
+        # the next answers of the stream: decided by the new rule, and released
+        nxt = _answers(c, [benign(200 + k) for k in range(40)])
+        assert {b["defer_rule_version"] for b in nxt} == {new}
+        assert {b["defer_threshold"] for b in nxt} == {cal["active"]["policy"]["tau"]}
+        assert 1 - np.mean([b["defer"] for b in nxt]) >= 0.8
+        # drift is now measured against the window the rule was certified on
+        g = _gauges(c)
+        assert g[("dualread_drift", "image_check")] < 0.25
+        assert g[("dualread_defer_rule_info", None)] == 1.0
+        # rollback: the shipped rule again, pinned; /answer says so
+        r = c.post("/calibration/rollback", headers=OP)
+        assert r.status_code == 200 and r.json()["active"]["version"] == "shipped"
+        assert _answers(c, [benign(300)])[0]["defer_rule_version"] == "shipped"
+        assert c.post("/calibration/rollback").status_code == 403      # operator only
+        r = c.post("/calibration/pin", json={"version": new}, headers=OP)
+        assert r.status_code == 200 and r.json()["active"]["version"] == new
+        assert c.post("/calibration/pin", json={"version": "nope"},
+                      headers=OP).status_code == 404
+    # the heads' own files were never written
+    assert _files(heads_dir) == shipped_files
+    audit = json.loads(state.read_text())["events"]
+    assert [e["event"] for e in audit] == ["refused", "switch", "rollback", "pin"]
+
+
+# ------------------------------------------------------------------ a real server
+def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=headers or {}, timeout=60)
+
+
+def test_real_server_keeps_counted_verdicts_and_counts_once(actor_dirs, heads_dir, tmp_path,
+                                                            monkeypatch):
+    state = tmp_path / "rules.json"
+    monkeypatch.setenv("DUALREAD_OPERATOR_KEY", "op-secret")
+    monkeypatch.setenv("DUALREAD_RECERT_STATE", str(state))
+    monkeypatch.setenv("DUALREAD_RECERT_WINDOW", "50")
+    server = LiveServer(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=4).wait_ready()
+    try:
+        ids = [_post(server.url, "/answer", {"image": b64(png_bytes(random_image(k))),
+                                             "question": Q}).json()["request_id"]
+               for k in range(4)]
+        for rid in ids[:3]:
+            assert _post(server.url, "/feedback", {"request_id": rid, "correct": True},
+                         OP).json()["accepted"]
+        # sixteen concurrent verdicts on one id: one counts
+        start = threading.Barrier(16)
+
+        def send():
+            start.wait()
+            return _post(server.url, "/feedback", {"request_id": ids[3], "correct": False},
+                         OP).json()["accepted"]
+
+        with ThreadPoolExecutor(16) as pool:
+            accepted = list(pool.map(lambda _: send(), range(16)))
+        assert sum(accepted) == 1
+        assert httpx.get(server.url + "/calibration").json()["window"]["counted"] == 4
+    finally:
+        server.close()
+    server = LiveServer(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=4).wait_ready()
+    try:
+        window = httpx.get(server.url + "/calibration").json()["window"]
+        assert window["counted"] == 4 and window["wrong"] == 1
+        # an id counted before the restart cannot count again
+        assert not _post(server.url, "/feedback", {"request_id": ids[0], "correct": True},
+                         OP).json()["accepted"]
+    finally:
+        server.close()
+
+
+def test_without_an_operator_key_nothing_counts(actor_dirs, heads_dir, tmp_path,
+                                               monkeypatch):
+    svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
+    settings = Settings(max_new_tokens=8, batch_wait_ms=5, heads=heads_dir,
+                        recert_window=20, recert_state=str(tmp_path / "rules.json"))
+    with TestClient(create_app(settings, svc)) as c:
+        bodies = _answers(c, [benign(k) for k in range(20)])
+        for b in bodies:        # the monitor takes them; none counts toward a certificate
+            assert c.post("/feedback", json={"request_id": b["request_id"], "correct": True},
+                          headers=OP).json()["accepted"]
+        cal = c.get("/calibration").json()
+        assert cal["counting"] is False and "no operator key" in cal["reason"]
+        assert cal["active"]["version"] == "shipped" and "last_attempt" not in cal
+        for path in ("/calibration/pin", "/calibration/rollback", "/calibration/unpin"):
+            assert c.post(path, json={}, headers=OP).status_code == 404
+    assert not (tmp_path / "rules.json").exists()
+
+
+def test_a_second_process_on_one_state_file_counts_nothing(actor_dirs, heads_dir, tmp_path,
+                                                           monkeypatch):
+    """Two replicas on one state file would overwrite each other's windows: the second
+    one to start counts nothing and says why."""
+    state = tmp_path / "rules.json"
+    first = TestClient(create_app(_settings(heads_dir, state),
+                                  _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)))
+    second = TestClient(create_app(_settings(heads_dir, state),
+                                   _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)))
+    with first as a, second as b:
+        assert a.get("/calibration").json()["counting"] is True
+        cal = b.get("/calibration").json()
+        assert cal["counting"] is False and "held by another process" in cal["reason"]
