@@ -250,7 +250,7 @@ def test_mask_area_scales_with_severity():
     img = Image.new("RGB", (64, 64), (255, 0, 0))
     box = (8, 8, 48, 40)                                      # 40 × 32
     for lam in (0.25, 0.5, 1.0):
-        a = np.asarray(images.mask_region(img, box, lam))
+        a = np.asarray(images.mask_region(img, box, lam, "gray"))   # geometry: a visible fill
         gray = (a == 128).all(-1).sum()
         assert gray == pytest.approx(lam * 40 * 32, rel=0.08)
         ys, xs = np.nonzero((a == 128).all(-1))
@@ -291,7 +291,8 @@ def test_run_parameters_of_every_probe():
               "deployment": {"actor": "a"}}
     assert ccg_probe.params(cfg) == {"probe": "ccg", "seed": 3, **common}
     assert reliance_probe.params(cfg) == {"probe": "reliance", "seed": 3, **common}
-    assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0], **common}
+    assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0],
+                                      "fill": "background", **common}
     assert tgs_probe.params(cfg) == {"probe": "tgs", "seed": 3, "ratios": [0.0, 0.5],
                                      "seeds": [0, 1], **common}
 

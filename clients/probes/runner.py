@@ -45,6 +45,7 @@ class Config:
     severities: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     mask_ratios: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     mask_seeds: tuple[int, ...] = (0, 1, 2)
+    mask_fill: str = "background"      # EMVR's mask: the image's own background estimate
     deployment: dict = field(default_factory=dict)
 
 
