@@ -183,6 +183,9 @@ class TrajectoryScore(BaseModel):
     mu_c: float | None = Field(None, description="verbalized μ(C) after the trajectory")
     answer: str
     masked_tokens: int
+    digits: list[float] | None = Field(
+        None, description="P(C = 0..10) after the trajectory, renormalised over the digit "
+                          "tokens (what μ(C) averages); null without a confidence cue")
 
 
 class ScoreResponse(TrajectoryScore):
