@@ -456,6 +456,9 @@ def probe(
     bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DUALREAD_API_KEY")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    deadline_s: Annotated[float, typer.Option(
+        "--deadline-s", min=0, help="seconds from the start during which a 429 (queue full) "
+                                    "is retried, honouring Retry-After")] = 24 * 3600.0,
 ) -> None:
     """Grounding probes over HTTP against any deployment; resumable (re-run to continue)."""
     from clients.probes import PROBES
@@ -466,7 +469,7 @@ def probe(
         raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
     urls = url or ["http://127.0.0.1:8000"]
     report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
-                 api_key, seed, bootstrap, progress=progress)
+                 api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s)
     console.print((out / "report.md").read_text().split("![")[0], markup=False)
     run_info = json.loads((out / "run.json").read_text())
     console.print(f"wrote {out}/report.json, report.md and figures; {run_info['items_run']} "

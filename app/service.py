@@ -329,7 +329,9 @@ class Service:
         ro = r.readout
         return ScoreResult(confidence=_confidences(self.heads.confidence(ro)),
                            mu_c=ro.verbalized_mu, answer=r.answer,
-                           masked_tokens=len(ro.positions.get("masked", [])))
+                           masked_tokens=len(ro.positions.get("masked", [])),
+                           digits=None if ro.digit_probs is None
+                           else [round(float(p), 6) for p in ro.digit_probs])
 
     @staticmethod
     def _guard(fn) -> Any:

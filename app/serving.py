@@ -111,6 +111,7 @@ class ScoreResult:
     mu_c: float | None
     answer: str
     masked_tokens: int
+    digits: list[float] | None = None   # P(C = 0..10), what μ(C) averages
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ with the server's reason. The service's own 408 (the body did not arrive in time
 nothing ran) says `Retry-After`: it is what a request gets when Ray Serve re-routes it from
 a replica that died under it to one that can no longer read its body. A 408 without it (a
 proxy's own request timeout, when the request may have run) is not repeated.
+
+The async client treats 429 as backpressure, not failure: its window of requests in flight
+adapts (AIMD: halved on a 429, at most once per round of requests that saw the old window;
+one wider after a window's worth of successes in a row, up to the `concurrency` it was given),
+and with a `deadline` a 429 is retried, honouring `Retry-After`, until that moment rather
+than a fixed number of times. An offline run (the probes) sets a deadline; a caller that
+wants an answer now does not.
 """
 
 from __future__ import annotations
@@ -220,21 +227,71 @@ class DualReadClient:
         return r.json()
 
 
+class AdaptiveLimit:
+    """How many requests may be in flight: AIMD on the server's 429s.
+
+    `window` starts at `ceiling`. A 429 halves it (never below 1), but only for a request
+    that was admitted under the current window: requests already in flight when it shrank
+    were refused by the same crowd, so one burst of 429s halves it once, not to 1 at once.
+    After `window` successes in a row it grows by one, up to `ceiling`."""
+
+    def __init__(self, ceiling: int) -> None:
+        if ceiling < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.ceiling = self.window = self.smallest = ceiling
+        self.in_flight = self.streak = self.epoch = 0
+        self.throttled = 0                      # 429s seen
+        self._wake = asyncio.Event()
+
+    async def acquire(self) -> int:
+        """Wait for a free place in the window; returns the epoch the request starts in."""
+        while self.in_flight >= self.window:
+            self._wake.clear()
+            await self._wake.wait()
+        self.in_flight += 1
+        return self.epoch
+
+    def release(self, epoch: int, overloaded: bool) -> None:
+        """Give the place back; `overloaded`: the server answered 429."""
+        self.in_flight -= 1
+        if overloaded:
+            self.throttled += 1
+            self.streak = 0
+            if epoch == self.epoch:
+                self.window = max(1, self.window // 2)
+                self.smallest = min(self.smallest, self.window)
+                self.epoch += 1
+        else:
+            self.streak += 1
+            if self.streak >= self.window and self.window < self.ceiling:
+                self.window += 1
+                self.streak = 0
+        self._wake.set()
+
+
 class AsyncDualReadClient:
-    """Async client: at most `concurrency` requests in flight, the same retry policy."""
+    """Async client: at most `concurrency` requests in flight (fewer while the server
+    answers 429, see `AdaptiveLimit`), the same retry policy. With `deadline` (a
+    `time.monotonic()` moment) a 429 is retried until then, not `retries` times."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  timeout: float = 120.0, concurrency: int = 8, retries: int = 8,
                  backoff_base: float = 0.25, backoff_cap: float = 20.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 deadline: float | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
                                       limits=limits, transport=transport)
-        self.limit = asyncio.Semaphore(concurrency)
+        self.limit = AdaptiveLimit(concurrency)
         self.retries, self.base, self.cap = retries, backoff_base, backoff_cap
+        self.deadline = deadline
         self.batch_scoring: bool | None = None
         self.retried = 0                           # how many times a request was retried
+
+    def _retry_429(self) -> bool:
+        """Whether a 429 is retried regardless of the retry count: before the deadline."""
+        return self.deadline is not None and time.monotonic() < self.deadline
 
     async def __aenter__(self) -> AsyncDualReadClient:
         return self
@@ -247,20 +304,33 @@ class AsyncDualReadClient:
 
     async def _request(self, method: str, path: str, body: dict | None = None
                        ) -> httpx.Response:
-        for attempt in range(self.retries + 1):
+        attempt = 0      # tries that count against `retries`
+        throttled = 0    # 429s retried before the deadline: they only lengthen the wait
+        while True:
             r = None
+            epoch = await self.limit.acquire()   # the wait between tries holds no slot
             try:
-                async with self.limit:   # the wait between tries does not hold a slot
-                    r = await self.http.request(method, path, json=body)
+                r = await self.http.request(method, path, json=body)
             except httpx.TransportError:
-                if attempt == self.retries:
+                if attempt >= self.retries:
                     raise
+                attempt += 1
             else:
-                if not retryable(r) or attempt == self.retries:
+                if not retryable(r):
                     return r
+                if r.status_code == 429 and self._retry_429():
+                    throttled += 1
+                elif attempt >= self.retries:
+                    return r
+                else:
+                    attempt += 1
+            finally:   # also when cancelled: the place in the window is given back
+                self.limit.release(epoch, r is not None and r.status_code == 429)
             self.retried += 1
-            await asyncio.sleep(backoff(attempt, r, self.base, self.cap))
-        raise AssertionError("unreachable")
+            wait = backoff(min(attempt + throttled, 16), r, self.base, self.cap)
+            if self.deadline is not None:
+                wait = min(wait, max(0.0, self.deadline - time.monotonic()))
+            await asyncio.sleep(wait)
 
     async def _post(self, path: str, body: dict) -> dict:
         r = await self._request("POST", path, body)

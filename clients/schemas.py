@@ -230,7 +230,7 @@ class CounterfactualResponse(BaseModel):
     counterfactual: Run
     confidence_difference: Confidence = Field(..., description="real minus counterfactual")
     answer_changed: bool
-    decisive: bool | None = Field(None, description="z_real = 1 and z_cf = 0 (SPEC §2)")
+    decisive: bool | None = Field(None, description="z_real = 1 and z_cf = 0 (docs/method.md §2)")
     strict: bool | None = Field(None, description="decisive and the same canonical answer")
     request_id: str
 
@@ -272,6 +272,9 @@ class TrajectoryScore(BaseModel):
     mu_c: float | None = Field(None, description="verbalized μ(C) after the trajectory")
     answer: str
     masked_tokens: int
+    digits: list[float] | None = Field(
+        None, description="P(C = 0..10) after the trajectory, renormalised over the digit "
+                          "tokens (what μ(C) averages); null without a confidence cue")
 
 
 class ScoreResponse(TrajectoryScore):

@@ -30,13 +30,15 @@ def fit_temperature(logits: torch.Tensor, z: torch.Tensor, steps: int = 200) -> 
     return float(log_t.detach().exp().clamp(0.05, 100.0))
 
 
-def fit_platt(score: np.ndarray, z: np.ndarray, nonneg: bool = True) -> tuple[float, float]:
+def fit_platt(score: np.ndarray, z: np.ndarray, nonneg: bool = True,
+              min_slope: float = 0.0) -> tuple[float, float]:
     """(a, b) of p = σ(a·s + b), by logistic regression on a validation split.
 
     With `nonneg` (the default) the slope is constrained to a ≥ 0: every statistic is
     oriented so that higher means more confident, and a negative slope would silently
     invert it. When the data want a < 0 the fit stops at a = 0 (the base rate, no
-    ranking) and `platt_inverted` says so.
+    ranking) and `platt_inverted` says so. `min_slope` (in units of the score's standard
+    deviation) keeps the slope above 0, so the map never collapses to a constant.
     """
     from scipy.optimize import minimize
 
@@ -58,7 +60,7 @@ def fit_platt(score: np.ndarray, z: np.ndarray, nonneg: bool = True) -> tuple[fl
 
     rate = z.mean()
     w0 = np.array([0.0, np.log(rate / (1 - rate))])
-    bounds = [(0.0, None) if nonneg else (None, None), (None, None)]
+    bounds = [(min_slope, None) if nonneg else (None, None), (None, None)]
     w = minimize(loss, w0, jac=True, method="L-BFGS-B", bounds=bounds).x
     a = w[0] / sd
     return float(a), float(w[1] - a * mu)
@@ -68,6 +70,33 @@ def platt_inverted(score: np.ndarray, z: np.ndarray) -> bool:
     """True when an unconstrained Platt fit wants a negative slope: the statistic ranks
     the wrong way round on this split."""
     return fit_platt(score, z, nonneg=False)[0] < 0
+
+
+MIN_SLOPE = 0.05   # per standard deviation of the statistic: a floor, so never a constant
+
+
+def fit_oriented_platt(score: np.ndarray, z: np.ndarray) -> tuple[tuple[float, float], dict]:
+    """A Platt map whose orientation is chosen on this (the fitting) split and which is
+    never a constant.
+
+    The sign is the one under which the statistic ranks correct above wrong on this split
+    (AUROC ≥ .5; for a baseline whose usual direction is a convention, such as mean
+    log-prob or entropy, the data decide); the slope is then fitted ≥ MIN_SLOPE per
+    standard deviation. Where the statistic carries no signal the map is nearly flat but
+    still ranks, so its AUROC is measured, not .500 by construction. The log records
+    both orientations' AUROC on the fitting split."""
+    from heads.metrics import auroc
+
+    s = np.asarray(score, float).ravel()
+    z = np.asarray(z, float).ravel()
+    both = auroc(s, z) if 0 < z.mean() < 1 and s.std() > 0 else 0.5
+    sign = 1.0 if both >= 0.5 else -1.0
+    a, b = fit_platt(sign * s, z, min_slope=MIN_SLOPE if s.std() > 0 else 0.0)
+    ab = (sign * a, b)
+    return ab, {"slope": round(ab[0], 6), "intercept": round(ab[1], 6),
+                "orientation": "as defined" if sign > 0 else "flipped",
+                "fit_auroc_as_defined": round(float(both), 6),
+                "fit_auroc_flipped": round(1 - float(both), 6)}
 
 
 def platt_log(score: np.ndarray, z: np.ndarray, ab: tuple[float, float]) -> dict:

@@ -58,6 +58,8 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         # the full table: what these heads hold (an older artefact, or a fit where a
         # method had nothing to learn from, lacks some readers)
         chosen = [m for m in chosen if heads.has(m)]
+    dropped = _unreadable_follow_up(actor, chosen) if methods is None else {}
+    chosen = [m for m in chosen if m.name not in dropped]
     missing = [m.name for m in chosen if not heads.has(m)]
     if missing:
         raise ValueError(f"these heads were fitted without {', '.join(missing)}; refit them "
@@ -65,7 +67,7 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
     passes = registry.passes_for(chosen)
     report: dict = {"actor": _display(actor.folder), "actor_fingerprint": actor.fingerprint,
                     "heads": heads.card.get("command", ""), "command": command,
-                    "bootstrap": bootstrap, "datasets": {}}
+                    "bootstrap": bootstrap, "datasets": {}, "dropped": dropped}
     for spec in specs:
         items = sample(load(spec), limit)
         # features with the κ the heads were fitted with
@@ -192,6 +194,16 @@ def _grounding(heads: Heads, col: Collector, items: list, plan, feats: dict, met
     return out
 
 
+def _unreadable_follow_up(actor, chosen) -> dict[str, str]:
+    """Methods left out of the full table, with the reason: P(True) when the actor's
+    tokenizer cannot read its template (`heads.passes.ptrue_unreadable`)."""
+    from heads.passes import ptrue_unreadable
+
+    tok = getattr(actor, "tokenizer", None)
+    why = ptrue_unreadable(tok) if tok is not None else None
+    return {m.name: why for m in chosen if "follow_up" in m.passes and why}
+
+
 def _fmt(row: dict, k: str) -> str:
     v = row[k]
     if k + "_ci" in row and not np.isnan(row[k + "_ci"][0]):
@@ -216,6 +228,8 @@ def markdown(report: dict) -> str:
             cells = " | ".join(_fmt(row, k) for k in SHOWN)
             lines.append(f"| {m} | {cells} | {row['cost_passes']} | "
                          f"{row['seconds_per_item_extra']:.4f} |")
+        for m, why in report.get("dropped", {}).items():
+            lines.append(f"| {m} | dropped: {why} |" + " |" * (len(SHOWN) + 1))
         lines.append("")
         lines += _grounding_md(d)
     if "macro_average" in report:

@@ -41,6 +41,27 @@ PTRUE_PROMPT = ("\n\nQuestion: {question}\nProposed Answer: {answer}\n"
                 "Is the proposed answer:\n (A) True\n (B) False\nThe proposed answer is: (")
 PTRUE_YES = ("A", " A", "True", " True")
 PTRUE_NO = ("B", " B", "False", " False")
+# P(True) is a question the actor must read. Above this many tokens per template word on
+# average, its tokenizer never saw these words as words (a vocabulary fitted to its own
+# response format spells "Proposed" letter by letter), and the score is a straw man.
+PTRUE_MAX_TOKENS_PER_WORD = 2.0
+
+
+def ptrue_unreadable(tokenizer) -> str | None:
+    """Why the actor cannot read the P(True) template, or None when it can: the mean
+    number of tokens per template word (each encoded as it stands, after a space)."""
+    import re
+
+    words = re.findall(r"[A-Za-z]+", re.sub(r"\{\w+\}", " ", PTRUE_PROMPT))
+    counts = [len(tokenizer.encode(" " + w, add_special_tokens=False)) for w in words]
+    per_word = sum(counts) / len(counts)
+    if per_word <= PTRUE_MAX_TOKENS_PER_WORD:
+        return None
+    worst = max(zip(counts, words))
+    return (f"the actor's tokenizer splits the P(True) template into {per_word:.1f} tokens "
+            f"per word (\"{worst[1]}\": {worst[0]}): it cannot read the question as words, "
+            "so P(True) would be a straw man")
+
 
 PassFn = Callable[["Collector", "list[Item]", dict], dict[str, torch.Tensor]]
 

@@ -1,4 +1,5 @@
-"""Re-certification of the defer rule on labelled feedback from a new input stream (SPEC §8).
+"""Re-certification of the defer rule on labelled feedback from a new input stream
+(docs/method.md §8).
 
 A *rule* is what decides `defer` beyond the fitted readers: DualRead's two branch
 temperatures, τ, and the conformal reference of each novelty detector. The shipped rule
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dualread.audit")
 
 SHIPPED = "shipped"
-# The temperatures a rule refits: DualRead's two branches (SPEC §1), by method name
+# The temperatures a rule refits: DualRead's two branches (docs/method.md §1), by method name
 BRANCHES = ("psr", "per")
 # The detectors a rule can carry a reference for: `Heads` attributes, each with `<name>_alpha`
 DETECTORS = ("novelty", "image_check")
@@ -97,7 +98,8 @@ def branch_logits(heads: Heads, f: dict[str, torch.Tensor]) -> np.ndarray:
 
 
 def dualread_at(logits: np.ndarray, t_pre: float, t_post: float) -> np.ndarray:
-    """DualRead's confidence from `branch_logits` at other temperatures (SPEC §1 fusion)."""
+    """DualRead's confidence from `branch_logits` at other temperatures (docs/method.md §1,
+    fusion)."""
     x = torch.as_tensor(np.asarray(logits, float).reshape(-1, 3), dtype=torch.float64)
     p_pre = torch.sigmoid(x[:, 0] / t_pre)
     p_post = torch.sigmoid(x[:, 1] / t_post + x[:, 2])

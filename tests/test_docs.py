@@ -253,7 +253,7 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 def test_readme_is_a_short_guide() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 300
-    assert "SPEC §" not in readme                 # the contract is docs/method.md
+    assert "docs/method.md §" not in readme                 # the contract is docs/method.md
     for marker in ("<!-- settings:start -->", "<!-- settings:end -->"):
         assert readme.count(marker) == 1
 

@@ -250,7 +250,7 @@ def test_mask_area_scales_with_severity():
     img = Image.new("RGB", (64, 64), (255, 0, 0))
     box = (8, 8, 48, 40)                                      # 40 × 32
     for lam in (0.25, 0.5, 1.0):
-        a = np.asarray(images.mask_region(img, box, lam))
+        a = np.asarray(images.mask_region(img, box, lam, "gray"))   # geometry: a visible fill
         gray = (a == 128).all(-1).sum()
         assert gray == pytest.approx(lam * 40 * 32, rel=0.08)
         ys, xs = np.nonzero((a == 128).all(-1))
@@ -291,9 +291,10 @@ def test_run_parameters_of_every_probe():
               "deployment": {"actor": "a"}}
     assert ccg_probe.params(cfg) == {"probe": "ccg", "seed": 3, **common}
     assert reliance_probe.params(cfg) == {"probe": "reliance", "seed": 3, **common}
-    assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0], **common}
+    assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0],
+                                      "fill": "background", **common}
     assert tgs_probe.params(cfg) == {"probe": "tgs", "seed": 3, "ratios": [0.0, 0.5],
-                                     "seeds": [0, 1], **common}
+                                     "seeds": [0, 1], "alternatives": 5, **common}
 
 
 def test_store_resumes_and_drops_a_half_written_line(tmp_path):
@@ -532,6 +533,12 @@ def test_every_probe_against_a_live_service(service, tmp_path):
         assert {"mask", "blur", "control", "tvr_mask"} <= set(e)
         assert all(v is None or 0 <= v <= 1 for v in (e["mask"], e["blur"], e["tvr_mask"]))
     assert rep["emvr"]["n_trajectories"] == 5
+    # the paper's JSD reads the 11-way P(C) the service returns with each scored trajectory
+    assert {f"n_jsd11_pairs_{a}" for a in ("vision", "reasoning", "answer")} <= set(
+        rep["tgs"]["verbalized"])
+    for line in (out / "tgs.jsonl").read_text().splitlines():
+        for d in json.loads(line)["record"].get("digits", {}).values():
+            assert len(d) == 11 and abs(sum(d) - 1) < 1e-3
     r = rep["reliance"]
     assert {"vrs", "bd", "is", "vbr", "vhr", "nvcr", "hvrr"} <= set(r) and r["n"] == 5
     assert -1 <= r["vrs"] <= 1 and 0 <= r["is"] <= 1

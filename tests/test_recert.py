@@ -116,7 +116,7 @@ def test_benign_stream_is_recertified_and_released():
     """A stream the image check flags but the actor answers as well as on clean inputs:
     the shipped rule defers it; the rule certified on its window releases the next 500
     items at the coverage the same protocol reaches on clean inputs (less 0.05, mean of 30
-    draws: one window's coverage varies by ±0.15) with risk ≤ r + 0.02 (SPEC §8's benign
+    draws: one window's coverage varies by ±0.15) with risk ≤ r + 0.02 (docs/method.md §8's benign
     criterion)."""
     base = _base()
     shipped = shipped_rule(base).apply(base)

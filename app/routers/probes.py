@@ -62,7 +62,7 @@ def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
 
 def trajectory_score(r: ScoreResult) -> TrajectoryScore:
     return TrajectoryScore(confidence=confidence(r.confidence), mu_c=r.mu_c, answer=r.answer,
-                           masked_tokens=r.masked_tokens)
+                           masked_tokens=r.masked_tokens, digits=r.digits)
 
 
 @router.post("/probe/counterfactual", response_model=CounterfactualResponse, responses=ERRORS)

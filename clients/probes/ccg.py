@@ -1,7 +1,12 @@
 """`dualread probe ccg` — docs/method.md §2. Donors are assigned (seeded) before anything is scored;
 each eligible item is answered on its own image and on the donor's, and every confidence
 interface the service returns is read from those two answers. The CCG-AUC maths is the
-one in `clients.ccg` (not a second copy)."""
+one in `clients.ccg` (not a second copy).
+
+Beyond docs/method.md §2's table: CCG-AUC per answer type and on open (not yes/no) questions on
+their own, where the actor can give the same wrong answer on both images and strict CCG
+can differ from natural; and paired contrasts between interfaces (same decisive pairs,
+the same source-image resamples for both, so the CI is of the difference itself)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import numpy as np
 from clients.ccg import Pair
 from clients.ccg import summarise as ccg_summary
 from clients.grounding import classify_pair
+from clients.maths import phi, resample_clusters
 from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, run_params, short
+from models.canon import canon
 from models.data import Item
 
 NAME = "ccg"
@@ -29,7 +36,20 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     real = await memo.real()
     hn = await memo.answer(f"donor:{donor.id}", pixels(donor), reference=donor)
     return {"eligible": True, "image_id": item.image_id, "donor": donor.id,
-            "donor_image": donor.image_id, "real": short(real), "hn": short(hn)}
+            "donor_image": donor.image_id, "answer_type": kind(item),
+            "real": short(real), "hn": short(hn)}
+
+
+def kind(item: Item) -> str:
+    """The item's answer type as its data labels it; yes/no or open when unlabelled."""
+    if item.answer_type:
+        return item.answer_type
+    return "yes/no" if canon(item.answer) in ("yes", "no") else "open"
+
+
+def is_open(r: dict) -> bool:
+    """Not a yes/no question (records stored before the type was kept count as unknown)."""
+    return r.get("answer_type", "unknown") not in ("yes/no", "unknown")
 
 
 def strict_pair(r: dict) -> bool:
@@ -55,6 +75,19 @@ def summarise(records: list[dict], cfg: Config) -> dict:
                       "source_images": s["E_images"],
                       "donor_images": len({r["donor_image"] for r in decisive}),
                       "underpowered": s["underpowered"]}
+    ifaces = _ifaces(out)
+    groups = {"open": [r for r in elig if is_open(r)]}
+    for t in sorted({r.get("answer_type", "unknown") for r in elig}):
+        groups[t] = [r for r in elig if r.get("answer_type", "unknown") == t]
+    out["by_answer_type"] = {
+        t: {"n_eligible": len(rows),
+            "n_decisive": sum(r["real"]["z"] and not r["hn"]["z"] for r in rows),
+            "n_strict": sum(strict_pair(r) for r in rows),
+            **{k: _ccg_cell(rows, k, cfg) for k in ifaces}}
+        for t, rows in groups.items()}
+    out["contrasts"] = {f"{a} − {b}": {m: contrast(elig, a, b, m == "strict", cfg.bootstrap)
+                                        for m in ("natural", "strict")}
+                        for i, a in enumerate(ifaces) for b in ifaces[i + 1:]}
     acc_real = float(np.mean([r["real"]["z"] for r in elig])) if elig else float("nan")
     acc_hn = float(np.mean([r["hn"]["z"] for r in elig])) if elig else float("nan")
     out["actor"] = {"acc_real": acc_real, "acc_donor": acc_hn, "vrs": acc_real - acc_hn,
@@ -62,12 +95,36 @@ def summarise(records: list[dict], cfg: Config) -> dict:
     return out
 
 
+def _ccg_cell(rows: list[dict], iface: str, cfg: Config) -> dict:
+    s = ccg_summary(pairs(rows, iface), bootstrap=cfg.bootstrap) if rows else {}
+    return {"natural": s.get("ccg_auc", float("nan")),
+            "natural_ci": s.get("ccg_auc_ci", (float("nan"),) * 2),
+            "strict": s.get("ccg_auc_strict", float("nan")),
+            "underpowered": s.get("underpowered", True)}
+
+
+def contrast(records: list[dict], a: str, b: str, strict: bool, bootstrap: int) -> dict:
+    """CCG-AUC(a) − CCG-AUC(b) on the same decisive pairs, with a paired source-image
+    cluster bootstrap CI (one resample of images serves both interfaces)."""
+    e = [r for r in records if r["real"]["z"] and not r["hn"]["z"]
+         and (strict_pair(r) or not strict)]
+    if not e:
+        return {"difference": float("nan"), "ci": (float("nan"), float("nan")), "n": 0}
+    d = np.array([phi(r["real"]["c"][a] - r["hn"]["c"][a]) - phi(r["real"]["c"][b]
+                                                                  - r["hn"]["c"][b])
+                  for r in e], float)
+    ci = resample_clusters([r["image_id"] for r in e], lambda idx: float(d[idx].mean()),
+                           bootstrap, 42)
+    return {"difference": float(d.mean()), "ci": ci, "n": len(e)}
+
+
 def _ifaces(section: dict) -> list[str]:
     return [k for k, v in section.items() if isinstance(v, dict) and "natural" in v]
 
 
 def markdown(s: dict) -> str:
-    lines = ["## CCG-AUC (SPEC §2): does confidence drop on a real hard-negative image?", "",
+    lines = ["## CCG-AUC (docs/method.md §2): does confidence drop on a real hard-negative "
+             "image?", "",
              f"{s['n_items']} items; CCG-AUC = mean φ(c_real − c_donor) over the decisive set "
              "E (right on the real image, wrong on the donor); 0.5 = blind to the swap. "
              "95% CIs: source-image cluster bootstrap.", "",
@@ -81,6 +138,30 @@ def markdown(s: dict) -> str:
                      f"{fmt(v['n_decisive'])} | {fmt(v['n_strict'])} | "
                      f"{fmt(v['source_images'])} | {fmt(v['donor_images'])} | "
                      f"{fmt(v['underpowered'])} |")
+    by = s.get("by_answer_type", {})
+    names = _ifaces(s)
+    if by and names:
+        lines += ["", "By answer type (\"open\" = every question that is not yes/no; strict "
+                  "CCG can differ from natural only there):", "",
+                  "| answer type | \\|P\\| | \\|E\\| | \\|E_strict\\| | "
+                  + " | ".join(f"{k} (strict)" for k in names) + " |",
+                  "|---|---|---|---|" + "---|" * len(names)]
+        for t, v in by.items():
+            lines.append(f"| {t} | {fmt(v['n_eligible'])} | {fmt(v['n_decisive'])} | "
+                         f"{fmt(v['n_strict'])} | " + " | ".join(
+                             f"{fmt(v[k]['natural'])} {fmt(v[k]['natural_ci'])} "
+                             f"({fmt(v[k]['strict'])})" for k in names) + " |")
+    con = s.get("contrasts", {})
+    if con:
+        lines += ["", f"Paired contrasts between interfaces ({len(con)} pairs, each on the "
+                  "same decisive pairs; 95% CI from one source-image cluster bootstrap for "
+                  "both; not adjusted for multiplicity):", "",
+                  "| contrast | natural | 95% CI | strict | 95% CI | \\|E\\| |",
+                  "|---|---|---|---|---|---|"]
+        for name, v in con.items():
+            lines.append(f"| {name} | {fmt(v['natural']['difference'])} | "
+                         f"{fmt(v['natural']['ci'])} | {fmt(v['strict']['difference'])} | "
+                         f"{fmt(v['strict']['ci'])} | {fmt(v['natural']['n'])} |")
     a = s.get("actor", {})
     lines += ["", f"Actor on P: accuracy {fmt(a.get('acc_real'))} on the real image, "
                   f"{fmt(a.get('acc_donor'))} on the donor; VRS {fmt(a.get('vrs'))}, "

@@ -1,7 +1,10 @@
 """`dualread probe emvr` — docs/method.md §4. Each item with a question-critical box (the `box` of a
-JSONL item; for easy-VQA the shape's box) is answered at five severities of a centred gray
+JSONL item; for easy-VQA the shape's box) is answered at five severities of a centred
 mask on the box, of a Gaussian blur inside it, and of the same mask on a matched
-non-critical box (control). For each confidence interface:
+non-critical box (control). The mask is filled with the image's own background estimate
+(`images.background_rgb`), not docs/method.md §4's literal gray: on easy-VQA a gray rectangle is an
+answer ("gray", "rectangle"), so it would add evidence where it should remove some.
+For each confidence interface:
 
 - EMVR = share of adjacent severity pairs where confidence *rises* as evidence goes;
 - TVR = share of trajectories with at least one such rise;
@@ -27,7 +30,7 @@ VARIANTS = ("mask", "blur", "control")
 
 
 def params(cfg: Config) -> dict:
-    return run_params(NAME, cfg, severities=list(cfg.severities))
+    return run_params(NAME, cfg, severities=list(cfg.severities), fill=cfg.mask_fill)
 
 
 def critical_box(item: Item) -> tuple[int, int, int, int] | None:
@@ -44,10 +47,11 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
         return {"skipped": "no box", "image_id": item.image_id}
     img = item.image()
     ctrl = control_box(box, img.size, ctx.other_boxes(item))
-    ops = {"mask": lambda lam: mask_region(img, box, lam),
+    fill = ctx.cfg.mask_fill
+    ops = {"mask": lambda lam: mask_region(img, box, lam, fill),
            "blur": lambda lam: blur_region(img, box, lam)}
     if ctrl is not None:
-        ops["control"] = lambda lam: mask_region(img, ctrl, lam)
+        ops["control"] = lambda lam: mask_region(img, ctrl, lam, fill)
 
     async def one(variant: str, lam: float) -> dict:
         if lam <= 0:                                   # λ = 0 is the untouched image
@@ -77,7 +81,7 @@ def summarise(records: list[dict], cfg: Config) -> dict:
     ctrl = [r for r in rows if r.get("control")]
     sev = [f"{s:g}" for s in cfg.severities]
     out: dict = {"n_items": len(records), "n_trajectories": len(rows), "n_control": len(ctrl),
-                 "severities": sev, "bootstrap": cfg.bootstrap}
+                 "severities": sev, "bootstrap": cfg.bootstrap, "mask_fill": cfg.mask_fill}
     actor: dict = {}
     for v in VARIANTS:
         sub = ctrl if v == "control" else rows
@@ -125,10 +129,13 @@ def _ifaces(s: dict) -> list[str]:
 
 
 def markdown(s: dict) -> str:
-    lines = ["## Evidence order (SPEC §4): does confidence fall as the critical region goes?",
+    lines = ["## Evidence order (docs/method.md §4): does confidence fall as the critical "
+             "region goes?",
              "", f"{s['n_trajectories']} trajectories (5 severities each), {s['n_control']} "
-             "with a matched non-critical control box. EMVR = share of adjacent severity pairs "
-             "where confidence rises (0 = monotone); TVR = share of trajectories with any rise. "
+             "with a matched non-critical control box; mask fill: "
+             f"{s.get('mask_fill', 'gray')} (the image's own background estimate unless it "
+             "says gray). EMVR = share of adjacent severity pairs where confidence rises "
+             "(0 = monotone); TVR = share of trajectories with any rise. "
              f"95% CIs: paired bootstrap over trajectories ({s['bootstrap']}, seed 42).", "",
              "| interface | EMVR mask | 95% CI | TVR mask | EMVR blur | 95% CI | EMVR control | "
              "95% CI |", "|---|---|---|---|---|---|---|---|"]

@@ -19,7 +19,19 @@ from clients.counterfactual import BLANK_RGB, blank_image
 from clients.counterfactual import BLANK_SIZE as BLANK_SIZE  # re-exported: the old home
 
 Box = tuple[int, int, int, int]
-GRAY = BLANK_RGB      # the region-mask fill (docs/method.md §4) is the blank image's gray
+GRAY = BLANK_RGB      # docs/method.md §4's literal fill, the blank image's gray (kept as an option)
+FILLS = ("background", "gray")
+
+
+def background_rgb(img: Image.Image) -> tuple[int, int, int]:
+    """The image's own background estimate: the per-channel median of its one-pixel
+    border. A mask of this colour removes what it covers without drawing anything the
+    data could name: a gray patch on easy-VQA *is* a gray rectangle, an answerable
+    colour and shape (on a flat background, like easy-VQA's, it is invisible; on a
+    textured one it is a flat patch of the image's own typical edge colour)."""
+    a = np.asarray(img.convert("RGB"))
+    ring = np.concatenate([a[0], a[-1], a[1:-1, 0], a[1:-1, -1]])
+    return tuple(int(v) for v in np.median(ring, axis=0).round())
 
 
 def png(img: Image.Image) -> bytes:
@@ -43,11 +55,16 @@ def mask_rect(box: Box, severity: float) -> Box:
     return mx0, my0, mx0 + w, my0 + h
 
 
-def mask_region(img: Image.Image, box: Box, severity: float) -> Image.Image:
+def mask_region(img: Image.Image, box: Box, severity: float,
+                fill: str = "background") -> Image.Image:
+    """The centred λ-rectangle of `box` painted over: with the image's background
+    estimate (`background_rgb`, the default) or docs/method.md §4's literal gray."""
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {FILLS}")
     out = img.convert("RGB").copy()
     x0, y0, x1, y1 = mask_rect(box, severity)
     if x1 > x0 and y1 > y0:
-        out.paste(GRAY, (x0, y0, x1, y1))
+        out.paste(background_rgb(img) if fill == "background" else GRAY, (x0, y0, x1, y1))
     return out
 
 

@@ -157,7 +157,7 @@ def markdown(res: dict, command: str) -> str:
     def f(x) -> str:
         return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.3f}"
 
-    lines = ["## Evidence-order head (SPEC §4)", "", f"`{command}`", "",
+    lines = ["## Evidence-order head (docs/method.md §4)", "", f"`{command}`", "",
              f"{res['n_trajectories']} trajectories, {res['folds']} folds grouped by question; "
              "linear heads on [h_close ; mean answer log-prob ; mean answer entropy], trained "
              f"on mask trajectories (order weight {res['order_weight']}, margin "

@@ -74,7 +74,7 @@ def summarise(records: list[dict], cfg: Config) -> dict:
 
 
 def markdown(s: dict) -> str:
-    lines = ["## Visual reliance (SPEC §5): real vs blank vs shuffled image", "",
+    lines = ["## Visual reliance (docs/method.md §5): real vs blank vs shuffled image", "",
              f"{s['n']} items. 95% CIs: image-cluster bootstrap ({s['bootstrap']}); p: paired "
              "sign-flip "
              "permutation test against 0 (10,000).", "",

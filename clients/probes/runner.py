@@ -33,6 +33,7 @@ from models.canon import canon, is_correct
 from models.data import HardNegativeIndex, Item
 
 FORMAT = 1          # bump when a record's layout changes: old lines stop matching
+DEADLINE_S = 24 * 3600.0   # how long a run keeps retrying 429s (backpressure) by default
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Config:
     severities: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     mask_ratios: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     mask_seeds: tuple[int, ...] = (0, 1, 2)
+    mask_fill: str = "background"      # EMVR's mask: the image's own background estimate
     deployment: dict = field(default_factory=dict)
 
 
@@ -301,6 +303,8 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequen
     run = {"wall_s": round(time.perf_counter() - t0, 2), "items": len(items),
            "items_run": len(todo) - len(failures), "items_resumed": len(items) - len(todo),
            "failures": failures, "retried_requests": sum(c.client.retried for c in ctxs),
+           "throttled_requests": sum(c.client.limit.throttled for c in ctxs),
+           "smallest_window": min(c.client.limit.smallest for c in ctxs),
            "batch_scoring": ctx.client.batch_scoring, "concurrency": concurrency,
            "items_by_url": by_url}
     return stores, run
@@ -359,9 +363,15 @@ def same_deployment(found: Sequence[dict], urls: Sequence[str]) -> dict:
 def run(names: Sequence[str], url: str | Sequence[str], data: str, out: Path,
         limit: int | None = None, concurrency: int = 16, api_key: str | None = None,
         seed: int = 0, bootstrap: int = 1000, max_new_tokens: int | None = None,
-        progress: bool = True, items: list[Item] | None = None) -> dict:
+        progress: bool = True, items: list[Item] | None = None,
+        deadline_s: float | None = DEADLINE_S) -> dict:
     """Run probes `names` against the service at `url`, or split the items across several
-    endpoints of one deployment; returns report.json's content."""
+    endpoints of one deployment; returns report.json's content.
+
+    A 429 is backpressure: each endpoint's client narrows its window of requests in flight
+    (AIMD, `clients.http.AdaptiveLimit`) and retries, honouring `Retry-After`, until
+    `deadline_s` seconds after the start (None: a fixed number of retries, as for any
+    other caller)."""
     from clients.probes import PROBES
     from models.data import load, sample
 
@@ -378,7 +388,9 @@ def run(names: Sequence[str], url: str | Sequence[str], data: str, out: Path,
     urls = [url] if isinstance(url, str) else list(url)
 
     async def go() -> tuple[dict[str, Store], dict]:
-        clients = [AsyncDualReadClient(u, api_key, concurrency=concurrency) for u in urls]
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        clients = [AsyncDualReadClient(u, api_key, concurrency=concurrency, deadline=deadline)
+                   for u in urls]
         try:
             found = [await deployment(c, u) for c, u in zip(clients, urls)]
             cfg.deployment = same_deployment(found, urls)

@@ -83,6 +83,26 @@ def share_close(p: np.ndarray, q: np.ndarray, at: float = 0.1) -> float:
     return float((d <= at).mean()) if d.size else float("nan")
 
 
+def jsd(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Jensen–Shannon divergence between rows of two distributions (natural log, so at
+    most ln 2): ½ KL(P‖M) + ½ KL(Q‖M), M = ½(P + Q) (TGS paper A.1.4)."""
+    p, q = np.atleast_2d(np.asarray(p, float)), np.atleast_2d(np.asarray(q, float))
+    m = (p + q) / 2
+
+    def kl(a: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(a > 0, a * np.log(a / m), 0.0)
+        return t.sum(-1)
+    return 0.5 * kl(p) + 0.5 * kl(q)
+
+
+def pairwise_jsd(dists: list[np.ndarray]) -> list[float]:
+    """JSD of every pair among a set of distributions (the paper's 'all alternative
+    pairs')."""
+    return [float(jsd(dists[i], dists[j])[0]) for i in range(len(dists))
+            for j in range(i + 1, len(dists))]
+
+
 # ---------------------------------------------------------------- visual reliance (§5)
 def reliance(z_real, z_blank, z_shuf, same_answer, nvc) -> dict[str, float]:
     """VRS, BD, IS, VBR, VHR, NVCR, HVRR and P(invariant | NVC) from per-item arrays."""

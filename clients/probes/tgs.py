@@ -9,10 +9,17 @@ call with τ unmasked, τ with the think block masked at 25/50/75% (3 seeds each
 - TGS-self = mean[c(τ) − c(τ masked 100%)] over items whose think block has tokens to mask.
 - TGS-pair_axis = mean[c(good) − c(bad_axis)] over items answered correctly (so the good
   trajectory is good) that have a variant on that axis; TGS-pair = mean of the axes.
-- P(JSD ≤ 0.1) between good and bad: the service returns scalar confidences, so JSD is
-  between Bernoulli(c) distributions. For μ(C) that is a garbling of the 11-way digit
-  distribution, so by data processing it is ≤ the digit JSD and P(JSD ≤ 0.1) here is an
-  upper bound on the paper's statistic.
+- P(JSD ≤ 0.1), two versions, each labelled in the report:
+  * `p_jsd_le_0.1_{axis}` (Bernoulli): JSD (log 2) between Bernoulli(c) of the good and
+    the bad trajectory, for every interface (the service's scalar confidences). For μ(C)
+    it garbles the 11-way digit distribution, so by data processing it is ≤ the digit JSD.
+  * `p_jsd11_le_0.1_{axis}` (the paper's, TGS A.1): the 11-way P(C) after each of the
+    actor's own component and up to K_ALTERNATIVES rule-built alternatives on that axis
+    (seeded picks, duplicates dropped), JSD (natural log) over every pair of them, pooled
+    over items. Verbalized μ(C) only: the other interfaces have no digit distribution.
+    The paper samples its alternatives from another VLM (T = .8); ours come from the
+    same substitution rules as the bad variants, so there are fewer on some axes (a
+    yes/no answer has one alternative).
 """
 
 from __future__ import annotations
@@ -23,18 +30,35 @@ import numpy as np
 
 from clients.probes import text
 from clients.probes.runner import Config, Context, Memo, fmt, interfaces, pixels, run_params
-from clients.probes.stats import NAN_CI, cluster_bootstrap, mean, share_close
+from clients.probes.stats import NAN_CI, cluster_bootstrap, mean, pairwise_jsd, share_close
 from models.data import Item
 
 NAME = "tgs"
 AXES = ("vision", "reasoning", "answer")
-MAX_HESITATIONS = 20          # keeps one item inside one 64-trajectory batch
+MAX_HESITATIONS = 14          # keeps one item inside one 64-trajectory batch
+K_ALTERNATIVES = 5            # alternatives per axis for the paper's JSD (TGS A.1.3: k = 5)
 CLOSE = 0.02                  # |c_pre − c_post| ≤ .02 counts as "no change" (TGS §3.4)
 
 
 def params(cfg: Config) -> dict:
     return run_params(NAME, cfg, seed=cfg.seed, ratios=list(cfg.mask_ratios),
-                      seeds=list(cfg.mask_seeds))
+                      seeds=list(cfg.mask_seeds), alternatives=K_ALTERNATIVES)
+
+
+def alternatives(response: str, question: str, key: str, axis: str) -> list[str]:
+    """Up to K_ALTERNATIVES distinct trajectories that replace one component (seeded picks
+    of the same rules as the bad variants), none equal to the response itself."""
+    make = {"vision": lambda k: text.vision_variant(response, question, k),
+            "reasoning": lambda k: text.reasoning_variant(response),
+            "answer": lambda k: text.answer_variant(response, k)}[axis]
+    out: list[str] = []
+    for j in range(4 * K_ALTERNATIVES):        # a few extra draws: picks may repeat
+        v = make(f"{key}:alt{j}")
+        if v is not None and v != response and v not in out:
+            out.append(v)
+        if len(out) == K_ALTERNATIVES:
+            break
+    return out
 
 
 def plan(response: str, question: str, key: str, cfg: Config
@@ -54,6 +78,11 @@ def plan(response: str, question: str, key: str, cfg: Config
     for axis, v in variants.items():
         if v is not None:
             labels.append(axis)
+            trajs.append(v)
+            masks.append(None)
+    for axis in AXES:
+        for j, v in enumerate(alternatives(response, question, key, axis)):
+            labels.append(f"alt:{axis}:{j}")
             trajs.append(v)
             masks.append(None)
     for j, (pre, post) in enumerate(text.hesitations(response)[:MAX_HESITATIONS]):
@@ -77,6 +106,8 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     return {"image_id": item.image_id, "z": real["z"], "interfaces": ifaces,
             "masked_tokens": by[full].masked_tokens if full in by else 0,
             "scores": {k: s.confidence.model_dump() for k, s in by.items()},
+            "digits": {k: s.digits for k, s in by.items()
+                       if (k == "good" or k.startswith("alt:")) and s.digits is not None},
             "variants": variants,
             "hesitations": sum(k.endswith(":pre") for k in labels)}
 
@@ -128,6 +159,12 @@ def summarise(records: list[dict], cfg: Config) -> dict:
             if rows:
                 axis_means.append(mean(d))
         v["pair"] = float(np.mean(axis_means)) if axis_means else float("nan")
+        if k == "verbalized":
+            for a in AXES:
+                d = _digit_jsd(records, a)
+                v[f"p_jsd11_le_0.1_{a}"] = float(np.mean(np.array(d) <= 0.1)) if d \
+                    else float("nan")
+                v[f"n_jsd11_pairs_{a}"] = len(d)
         if events:
             pre = np.array([e[0][k] for e in events])
             post = np.array([e[1][k] for e in events])
@@ -137,25 +174,50 @@ def summarise(records: list[dict], cfg: Config) -> dict:
     return out
 
 
+def _digit_jsd(records: list[dict], axis: str) -> list[float]:
+    """Pairwise JSD of P(C) over {own component} ∪ its alternatives on `axis`, pooled
+    over items that have at least one alternative (all items, right or wrong: the paper
+    does not condition on correctness)."""
+    out: list[float] = []
+    for r in records:
+        dig = r.get("digits") or {}
+        alts = [dig[k] for k in sorted(dig) if k.startswith(f"alt:{axis}:")]
+        if "good" in dig and alts:
+            out += pairwise_jsd([np.array(dig["good"])] + [np.array(x) for x in alts])
+    return out
+
+
 def _ifaces(s: dict) -> list[str]:
     return [k for k, v in s.items() if isinstance(v, dict) and "self" in v]
 
 
 def markdown(s: dict) -> str:
-    lines = ["## Trajectory grounding (SPEC §3): does confidence read the trajectory?", "",
+    lines = ["## Trajectory grounding (docs/method.md §3): does confidence read the "
+             "trajectory?", "",
              f"{s['n_items']} items (actor accuracy {fmt(s['accuracy'])}); TGS-self on "
              f"{s['n_self']} with a think block to mask; TGS-pair on correctly answered items "
              f"with a rule-built variant (vision {s['n_pair_vision']}, reasoning "
              f"{s['n_pair_reasoning']}, answer {s['n_pair_answer']}). Positive = grounded, "
-             "0 = trajectory-blind, negative = anti-grounded. 95% CIs: image-cluster bootstrap.",
+             "0 = trajectory-blind, negative = anti-grounded. 95% CIs: image-cluster bootstrap. "
+             "P(JSD≤.1), Bernoulli: JSD (log 2) between Bernoulli(c) of good and bad.",
              "", "| interface | TGS-self | 95% CI | TGS-pair | vision | reasoning | answer | "
-             "P(JSD≤.1) vision | reasoning | answer |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "P(JSD≤.1) Bernoulli vision | reasoning | answer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for k in _ifaces(s):
         v = s[k]
         lines.append(f"| {k} | {fmt(v['self'])} | {fmt(v['self_ci'])} | {fmt(v['pair'])} | "
                      + " | ".join(f"{fmt(v[f'pair_{a}'])} {fmt(v[f'pair_{a}_ci'])}"
                                   for a in AXES) + " | "
                      + " | ".join(fmt(v[f"p_jsd_le_0.1_{a}"]) for a in AXES) + " |")
+    v = s.get("verbalized", {})
+    if any(f"p_jsd11_le_0.1_{a}" in v for a in AXES):
+        lines += ["", "P(JSD≤.1) as the TGS paper defines it (verbalized μ(C) only): the "
+                  "11-way P(C) after the actor's own component and up to "
+                  f"{K_ALTERNATIVES} rule-built alternatives per axis, JSD (natural log) over "
+                  "every pair, pooled over items; higher = more trajectory-independent. "
+                  + "; ".join(f"{a} {fmt(v.get(f'p_jsd11_le_0.1_{a}'))} "
+                              f"({fmt(v.get(f'n_jsd11_pairs_{a}'))} pairs)" for a in AXES)
+                  + "."]
     ratios = list(s[_ifaces(s)[0]]["curve"]) if _ifaces(s) else []
     lines += ["", "Masking curve (mean confidence as the think block is masked; the answer "
               "stays visible):", "", "| interface | " + " | ".join(ratios) + " |",

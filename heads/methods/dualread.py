@@ -48,6 +48,12 @@ CONSISTENCY_C = 1.0
 # held-out fitting images only): flipped answers kept a mean term of −5.9 to −8.4 at all
 # three, and 1% lowers the fewest of the actor's own answers.
 CONSISTENCY_QUANTILE = 0.01
+# The most the term may take from PER's log-odds (nats). Unbounded, a replay the reader
+# finds slightly unlike the actor's own (one 25% think-mask seed) could drop DualRead by
+# more than .5; at 4 it moves PER's odds by at most e^4 ≈ 55× and DualRead's log-odds by
+# at most 2 (fusion halves it): from .95 to ≥ .72, from .99 to ≥ .93. Flipped answers had
+# a mean term of −5.9 to −8.4, so the floor still takes most of what the term took there.
+CONSISTENCY_FLOOR = 4.0
 PSR_READER = {"psr": ReaderSpec(1, PSR_HIDDEN)}
 STATE_READER = {"state": ReaderSpec(1)}
 VISUAL_READER = {"visual": ReaderSpec(4)}
@@ -186,12 +192,13 @@ def consistency_log_prob(heads: Heads, f: Features) -> torch.Tensor | float:
     trajectories (right or wrong) from answer-flipped ones; q is the CONSISTENCY_QUANTILE
     of log σ(c) over held-out own trajectories (`Heads.offsets["consistency"]`), so the
     term is 0 for all but that share of the actor's own answers and leaves natural
-    calibration alone, while an answer the states contradict loses its excess. 0 for heads
-    fitted without the reader."""
+    calibration alone, while an answer the states contradict loses its excess, at most
+    CONSISTENCY_FLOOR nats. 0 for heads fitted without the reader."""
     if CONSISTENCY not in heads.readers:
         return 0.0
     q = heads.offsets.get(CONSISTENCY, 0.0)
-    return (F.logsigmoid(consistency_logits(heads, f)) - q).clamp(max=0.0)
+    return (F.logsigmoid(consistency_logits(heads, f)) - q).clamp(min=-CONSISTENCY_FLOOR,
+                                                                   max=0.0)
 
 
 def consistency_rows(data: FitData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,8 +329,8 @@ class AnswerConsistency(Method):
                                                                         c.numpy())), 4)
             log["val_own_mean_log_prob"] = round(float(lp[yv == 1].mean()), 4)
             log["val_flipped_mean_log_prob"] = round(float(lp[yv == 0].mean()), 4)
-            log["val_flipped_mean_term"] = round(float((lp[yv == 0] - q).clamp(max=0).mean()),
-                                                 4)
+            log["val_flipped_mean_term"] = round(float(
+                (lp[yv == 0] - q).clamp(min=-CONSISTENCY_FLOOR, max=0).mean()), 4)
         return log
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:

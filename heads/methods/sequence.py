@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from heads.calibration import fit_platt, fit_temperature, logit, platt, platt_log
+from heads.calibration import fit_oriented_platt, fit_temperature, logit, platt
 from heads.registry import Features, FitData, Method
 
 if TYPE_CHECKING:
@@ -44,7 +44,12 @@ class MaxSequenceProbability(Method):
 
 
 class PlattMapped(Method):
-    """A scalar statistic of the natural pass, Platt-mapped on the temperature split."""
+    """A scalar statistic of the natural pass, Platt-mapped on the temperature split.
+
+    Which way the statistic ranks (higher log-prob, lower entropy = more confident) is
+    the usual convention, not a law: the orientation is chosen on the temperature split
+    and the map's slope is floored above 0 (`fit_oriented_platt`), so the baseline always
+    ranks and is never a constant (a constant scores AUROC .500 by construction)."""
 
     feature = ""
     sign = 1.0
@@ -54,8 +59,8 @@ class PlattMapped(Method):
 
     def fit(self, heads: Heads, data: FitData) -> dict:
         s, z = self.statistic(data.on("temperature")), data.y("temperature").numpy()
-        heads.platt_maps[self.name] = fit_platt(s, z)     # slope ≥ 0: never inverted
-        return platt_log(s, z, heads.platt_maps[self.name])
+        heads.platt_maps[self.name], log = fit_oriented_platt(s, z)
+        return log
 
     def score(self, heads: Heads, f: Features) -> np.ndarray:
         return platt(self.statistic(f), heads.platt_map(self.name, NEUTRAL))

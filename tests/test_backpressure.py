@@ -1,0 +1,153 @@
+"""429 is backpressure for an offline run: the async client narrows its window of requests
+in flight (AIMD) and retries until the run's deadline, so a probe run finishes against a
+server whose queue is small."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from clients.http import AdaptiveLimit, AsyncDualReadClient
+from tests.helpers import live_servers, random_heads
+
+ANSWER = {"answer": "red", "response": "r", "defer": False, "defer_threshold": 0.5,
+          "model": "m", "heads": "h", "request_id": "x",
+          "confidence": {k: 0.5 for k in ("dualread", "psr", "per", "verbalized")},
+          "timings_ms": {"queue": 0, "generate": 0, "readout": 0, "heads": 0}}
+
+
+def test_window_halves_once_per_burst_and_grows_back_after_a_streak():
+    lim = AdaptiveLimit(8)
+
+    async def fill(n: int) -> list[int]:
+        return [await lim.acquire() for _ in range(n)]
+
+    epochs = asyncio.run(fill(8))
+    assert lim.in_flight == 8 and set(epochs) == {0}
+    for e in epochs[:6]:                 # six refused in one burst: one halving, not six
+        lim.release(e, overloaded=True)
+    assert lim.window == 4 and lim.throttled == 6
+    lim.release(epochs[6], overloaded=False)
+    lim.release(epochs[7], overloaded=False)
+    epochs = asyncio.run(fill(4))        # admitted under the new window: may halve again
+    lim.release(epochs[0], overloaded=True)
+    assert lim.window == 2 and lim.smallest == 2
+    for e in epochs[1:]:
+        lim.release(e, overloaded=False)
+    assert lim.window == 3               # a window's worth (2) of successes in a row: +1
+    for _ in range(3):
+        lim.release(asyncio.run(fill(1))[0], overloaded=False)
+    assert lim.window == 4
+    for _ in range(100):
+        lim.release(asyncio.run(fill(1))[0], overloaded=False)
+    assert lim.window == 8 == lim.ceiling and lim.in_flight == 0
+    for _ in range(10):
+        lim.release(asyncio.run(fill(1))[0], overloaded=True)
+    assert lim.window == 1               # never below one
+
+
+def _small_queue_server(capacity: int, seen: dict):
+    """A mock service that refuses (429, Retry-After: 0) whatever finds `capacity`
+    requests already running."""
+    running = [0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen["max"] = max(seen.get("max", 0), running[0] + 1)
+        if running[0] >= capacity:
+            seen["429"] = seen.get("429", 0) + 1
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"detail": "full"})
+        running[0] += 1
+        try:
+            await asyncio.sleep(0.005)
+        finally:
+            running[0] -= 1
+        seen["ok"] = seen.get("ok", 0) + 1
+        return httpx.Response(200, json=ANSWER)
+    return handler
+
+
+def test_client_rides_out_429s_until_the_deadline_and_narrows_its_window():
+    seen: dict = {}
+
+    async def go(deadline: float | None) -> list:
+        async with AsyncDualReadClient(
+                "http://t", concurrency=8, retries=1, deadline=deadline,
+                transport=httpx.MockTransport(_small_queue_server(2, seen))) as c:
+            got = await asyncio.gather(*(c.answer(b"img", "q") for _ in range(60)),
+                                       return_exceptions=True)
+            return got, c.limit
+
+    got, lim = asyncio.run(go(time.monotonic() + 60))
+    assert all(not isinstance(g, Exception) and g.answer == "red" for g in got)
+    assert seen["ok"] == 60 and seen["429"] == lim.throttled > 0
+    assert lim.smallest <= 2             # the window came down to what the server holds
+    # AIMD keeps refusals rare: a fixed window of 8 against room for 2 gets ~3 per success
+    assert lim.throttled < 60
+
+    # without a deadline a 429 counts against the retries, as for any other caller
+    seen.clear()
+    got, _ = asyncio.run(go(None))
+    assert any(isinstance(g, httpx.HTTPStatusError) and "429" in str(g) for g in got)
+
+
+def test_a_429_after_the_deadline_is_raised():
+    seen: dict = {}
+
+    async def go() -> object:
+        async with AsyncDualReadClient(
+                "http://t", retries=0, deadline=time.monotonic() + 0.2,
+                transport=httpx.MockTransport(_small_queue_server(0, seen))) as c:
+            try:
+                return await c.answer(b"img", "q")
+            except httpx.HTTPStatusError as e:
+                return e
+    t0 = time.monotonic()
+    got = asyncio.run(go())
+    assert isinstance(got, httpx.HTTPStatusError) and seen["429"] >= 2
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.fixture(scope="module")
+def small_queue_service(actor_dirs, actors, tmp_path_factory):
+    """A live `dualread serve` that queues at most 2 jobs and batches one at a time."""
+    heads = random_heads(tmp_path_factory.mktemp("bp-heads"), actors["qwen3_vl"])
+    with live_servers(actor_dirs["qwen3_vl"], heads, max_new_tokens=8, queue_limit=2,
+                      max_batch_size=1) as urls:
+        yield urls[0]
+
+
+def _dataset(folder: Path, n: int) -> tuple[str, list[str]]:
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(
+            folder / f"{i}.png")
+        rows.append({"id": f"c{i}", "image": f"{i}.png", "question": "what color is the shape?",
+                     "answer": ["red", "blue", "green"][i % 3], "box": [4, 4, 24, 20]})
+    path = folder / "items.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"jsonl:{path}", [r["id"] for r in rows]
+
+
+def test_probe_run_finishes_against_a_live_server_with_a_tiny_queue(small_queue_service,
+                                                                    tmp_path):
+    from clients.probes.runner import run
+
+    data, ids = _dataset(tmp_path, 8)
+    out = tmp_path / "out"
+    report = run(["ccg", "reliance"], small_queue_service, data, out, concurrency=8,
+                 bootstrap=20, progress=False, deadline_s=600)
+    info = json.loads((out / "run.json").read_text())
+    assert info["throttled_requests"] > 0           # the server did push back
+    assert info["failures"] == [] and "failures" not in report
+    assert info["items_run"] == len(ids)
+    for probe in ("ccg", "reliance"):
+        stored = [json.loads(x)["id"] for x in (out / f"{probe}.jsonl").read_text().splitlines()]
+        assert sorted(stored) == sorted(ids)
