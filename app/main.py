@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from app import errors
 from app.metrics import Metrics, MetricsHooks
 from app.middleware import RequestContext
-from app.routers import answer, ops, probes
+from app.routers import answer, openai, ops, probes
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
@@ -85,9 +85,11 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app.state.metrics = metrics
     app.state.hooks = hooks
     errors.install(app)
-    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets):
+    for router in (answer.router, probes.router, openai.router, ops.router, ops.docs,
+                   ops.assets):
         app.include_router(router)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key)
+    app.add_middleware(openai.OpenAIErrors)    # outside RequestContext: its errors too
     return app
