@@ -28,6 +28,25 @@ FEEDBACK_GAUGES = {
 }
 
 
+DEFER_REASONS = ("confidence", "response", "novelty", "image_check")
+
+
+def defer_reasons(result: AnswerResult) -> list[str]:
+    """The `DEFER_REASONS` a deferred answer was deferred for, read off its result: the
+    novelty and image-check flags, a response problem (the first of `defer_reason`'s
+    "; "-joined parts when there are more parts than flags: `Heads.decide` puts it first),
+    and "confidence" when `defer_reason` is null (DualRead below the threshold alone)."""
+    if not result.defer:
+        return []
+    if result.defer_reason is None:
+        return ["confidence"]
+    flags = [name for name, r in (("novelty", result.novelty),
+                                  ("image_check", result.image_check))
+             if r is not None and r.novel]
+    problem = len(result.defer_reason.split("; ")) > len(flags)
+    return (["response"] if problem else []) + flags
+
+
 class FeedbackCollector:
     """Window statistics at scrape time, recomputed only after new feedback."""
 
@@ -76,6 +95,12 @@ class Metrics:
         self.confidence = Histogram("dualread_confidence", "DualRead confidence of answers.",
                                     buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
         self.defer = Counter("dualread_defer", "Answers flagged for deferral.", registry=r)
+        self.defer_reasons = Counter(
+            "dualread_defer_reasons", "Deferred answers by reason (one answer counts under "
+            "each reason that holds; confidence: DualRead below the threshold alone).",
+            ["reason"], registry=r)
+        for reason in DEFER_REASONS:     # every series exists from the start, at 0
+            self.defer_reasons.labels(reason)
         self.feedback = Counter("dualread_feedback", "Feedback received.", ["known"],
                                 registry=r)
         self.model_info = Info("dualread_model", "Loaded actor and heads.", registry=r)
@@ -106,6 +131,8 @@ class MetricsHooks(ServingHooks, BatcherHooks):
         m.stage_duration.labels("heads").observe(result.timings.heads)
         if result.defer:
             m.defer.inc()
+            for reason in defer_reasons(result):
+                m.defer_reasons.labels(reason).inc()
         self.monitor.record(request_id, result.confidence.dualread, result.defer)
 
     def feedback(self, request_id: str, correct: bool) -> bool:
