@@ -206,7 +206,7 @@ def _data_uri(url: str) -> str:
     """The base64 payload of `data:<type>;base64,<payload>`; the media type is not trusted
     (the decoder reads the bytes)."""
     param = "messages[0].content.image_url.url"
-    head, comma, payload = url[: MAX_DATA_URI_HEADER + 1].partition(",")
+    head, comma, _ = url[: MAX_DATA_URI_HEADER + 1].partition(",")
     if not url.startswith("data:") or not comma or not head.lower().endswith(";base64"):
         raise _Refused(422, "image_url.url must be a base64 data URI "
                             "(data:image/png;base64,...): the server fetches no URL", param)
