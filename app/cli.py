@@ -10,6 +10,8 @@ from typing import Annotated
 try:
     import typer
     from rich.console import Console
+
+    from app.settings_cli import markdown_table, settings_from, with_settings
 except ModuleNotFoundError as e:   # a client-only install has the script but not its stack
     raise SystemExit(f"dualread: the command line needs the server stack ({e.name} is "
                      'missing): pip install "dualread[server]"') from e
@@ -47,35 +49,80 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16")]
 
 
+# The settings `dualread answer` takes as flags: those that shape one answer.
+ANSWER_SETTINGS = ("actor", "heads", "heads_mismatch", "device", "dtype", "threads",
+                   "max_new_tokens", "max_question_chars", "max_question_tokens",
+                   "max_image_bytes", "max_image_pixels", "request_timeout_s")
+
+
 @app.command()
+@with_settings(ANSWER_SETTINGS)
 def answer(
+    given: dict,
     image: Annotated[Path, typer.Option("--image", exists=True, dir_okay=False)],
     question: Annotated[str, typer.Option("--question")],
-    actor: ActorOpt = None,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
-    readout: Annotated[str, typer.Option("--readout", help="capture or replay")] = "capture",
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    readout_shapes: Annotated[bool, typer.Option(
+        "--readout-shapes", help="instead: the actor's answer with the readout's shapes "
+        "and positions (no heads)")] = False,
+    readout: Annotated[str, typer.Option(
+        "--readout", help="with --readout-shapes: capture or replay")] = "capture",
+    as_json: Annotated[bool, typer.Option("--json", hidden=True,
+                                          help="accepted; the output is JSON anyway")] = False,
 ) -> None:
-    """Answer one visual question and show the readout's shapes."""
+    """Answer one visual question: prints the JSON that POST /answer returns (answer,
+    confidence, defer, defer_reasons, ...). Each setting flag also reads DUALREAD_<NAME>
+    from the environment, and so do the settings without a flag here."""
+    import asyncio
+    import uuid
+
+    from app.errors import detail_of, status_of
+    from app.settings import apply_threads
+
+    settings = settings_from(given)
+    apply_threads(settings)
+    if readout_shapes:
+        _readout_shapes(settings, image, question, readout)
+        return
+    from app.one_answer import answer_once
+    from app.service import Service
+    from heads.dualread import FingerprintMismatch
+
+    try:
+        svc = Service(settings.actor, settings.heads, settings.device, settings.dtype,
+                      settings.heads_mismatch)
+    except FingerprintMismatch as e:
+        typer.echo(f"dualread: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        out = asyncio.run(answer_once(svc, settings, image.read_bytes(), question))
+    except Exception as e:
+        status = status_of(e)
+        if status == 500:           # a fault, not a refusal: its traceback helps more
+            raise
+        # the body /answer would send with this status
+        sys.stdout.write(json.dumps({"detail": detail_of(e), "request_id": uuid.uuid4().hex})
+                         + "\n")
+        typer.echo(f"dualread: refused with HTTP status {status} (as /answer would)", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        svc.close()
+    sys.stdout.write(out.model_dump_json() + "\n")
+
+
+def _readout_shapes(settings, image: Path, question: str, readout: str) -> None:
+    """The actor alone: its answer and the shapes of what the heads would read."""
     from models.images import open_image
     from models.loading import load_actor
 
-    act = load_actor(actor, device=device, dtype=dtype)
-    r = act.answer([open_image(image.read_bytes())], [question], max_new_tokens, readout)[0]
+    act = load_actor(settings.actor, device=settings.device, dtype=settings.dtype)
+    r = act.answer([open_image(image.read_bytes())], [question], settings.max_new_tokens,
+                   readout)[0]
     ro = r.readout
     out = {"answer": r.answer, "canonical": r.canonical, "response": r.text,
            "verbalized": r.parsed.verbalized, "mu_c": ro.verbalized_mu if ro else None,
            "finished": r.finished, "readout_shapes": ro.shapes() if ro else {},
            "positions": {k: v for k, v in (ro.positions if ro else {}).items()}}
-    if as_json:
-        sys.stdout.write(json.dumps(out) + "\n")
-        return
-    console.print(f"[bold]answer[/bold]: {r.answer!r}   [dim](canonical {r.canonical!r})[/dim]")
-    console.print(f"[bold]response[/bold]: {r.text}")
-    for name, shape in out["readout_shapes"].items():
-        console.print(f"  {name:15s} {shape}")
+    sys.stdout.write(json.dumps(out) + "\n")
 
 
 @app.command("train-actor")
@@ -326,44 +373,10 @@ def evaluate(
     console.print(f"wrote {out}/report.json, report.md and plots")
 
 
-def _serve_opt(name: str, flag: str | None = None) -> typer.models.OptionInfo:
-    """A `serve` flag whose help shows the Settings default (None here lets the
-    DUALREAD_<NAME> environment variable apply)."""
-    from app.settings import Settings
-
-    field = Settings.model_fields[name]
-    flag = flag or "--" + name.replace("_", "-")
-    return typer.Option(flag, help=f"{field.description} (default: {field.default})")
-
-
 @app.command()
+@with_settings()
 def serve(
-    actor: ActorOpt = None,
-    heads: HeadsOpt = None,
-    device: Annotated[str | None, _serve_opt("device")] = None,
-    dtype: Annotated[str | None, _serve_opt("dtype")] = None,
-    threads: Annotated[int | None, _serve_opt("threads")] = None,
-    host: Annotated[str | None, _serve_opt("host")] = None,
-    port: Annotated[int | None, _serve_opt("port")] = None,
-    max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
-    batch_wait_ms: Annotated[float | None, _serve_opt("batch_wait_ms")] = None,
-    queue_limit: Annotated[int | None, _serve_opt("queue_limit")] = None,
-    request_timeout_s: Annotated[float | None, _serve_opt("request_timeout_s")] = None,
-    max_body_bytes: Annotated[int | None, _serve_opt("max_body_bytes")] = None,
-    body_timeout_s: Annotated[float | None, _serve_opt("body_timeout_s")] = None,
-    max_image_bytes: Annotated[int | None, _serve_opt("max_image_bytes")] = None,
-    max_image_pixels: Annotated[int | None, _serve_opt("max_image_pixels")] = None,
-    max_decodes: Annotated[int | None, _serve_opt("max_decodes")] = None,
-    max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
-    max_question_tokens: Annotated[int | None, _serve_opt("max_question_tokens")] = None,
-    max_response_tokens: Annotated[int | None, _serve_opt("max_response_tokens")] = None,
-    api_key: Annotated[str | None, typer.Option(
-        "--api-key", help="require 'Authorization: Bearer KEY' (or DUALREAD_API_KEY) "
-                          "(default: none, no auth)")] = None,
-    metrics_require_key: Annotated[bool | None, _serve_opt(
-        "metrics_require_key", "--metrics-require-key/--metrics-open")] = None,
-    docs_require_key: Annotated[bool | None, _serve_opt(
-        "docs_require_key", "--docs-require-key/--docs-open")] = None,
+    given: dict,
     ray: Annotated[bool, typer.Option(
         "--ray", help="run on Ray Serve: a local Ray instance, or the one at --ray-address")
                    ] = False,
@@ -377,26 +390,26 @@ def serve(
         "--ray-address", help="with --ray: join this cluster (e.g. auto, or ray://host:10001)"
     )] = None,
 ) -> None:
-    """Run the HTTP service. Every flag also reads DUALREAD_<FLAG> from the environment."""
+    """Run the HTTP service. Every setting is a flag here and reads DUALREAD_<NAME> from
+    the environment too, e.g. --max-question-chars and DUALREAD_MAX_QUESTION_CHARS
+    (docs/configuration.md; `dualread settings --markdown`)."""
     import uvicorn
 
+    from app.heads_match import mismatch
     from app.main import create_app
-    from app.settings import Settings, apply_threads
+    from app.settings import apply_threads
 
-    given = {k: v for k, v in dict(
-        actor=str(actor) if actor else None, heads=str(heads) if heads else None,
-        device=device, dtype=dtype, threads=threads, host=host, port=port,
-        max_batch_size=max_batch_size,
-        batch_wait_ms=batch_wait_ms, queue_limit=queue_limit,
-        request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
-        body_timeout_s=body_timeout_s,
-        max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,
-        max_decodes=max_decodes, max_new_tokens=max_new_tokens,
-        max_question_tokens=max_question_tokens,
-        max_response_tokens=max_response_tokens, api_key=api_key,
-        metrics_require_key=metrics_require_key,
-        docs_require_key=docs_require_key).items() if v is not None}
-    settings = Settings(**given)
+    settings = settings_from(given)
+    # before anything starts: heads of another actor are a startup error, not a service
+    # that stays up answering 503 (unless answer-only is asked for)
+    problem = mismatch(settings.actor, settings.heads)
+    if problem is not None:
+        if settings.heads_mismatch == "refuse":
+            typer.echo(f"dualread: {problem}", err=True)
+            raise typer.Exit(2)
+        typer.echo("dualread: answer-only (--heads-mismatch answer-only): every /answer has "
+                   "confidence null and defer true; the heads were fitted for another actor",
+                   err=True)
     apply_threads(settings)
     if ray:
         try:
@@ -428,8 +441,26 @@ def serve(
         f"dualread: serving on http://{settings.host}:{settings.port} (OpenAPI at /docs); "
         "/health/ready turns 200 once the model is loaded")
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+                            # h11: the one parser that bounds the headers (httptools: no limit)
+                            http="h11", h11_max_incomplete_event_size=settings.max_header_bytes)
     Server(config).run()
+
+
+@app.command("settings")
+def settings_cmd(
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="the table of every setting (docs/configuration.md) instead")
+                        ] = False,
+) -> None:
+    """The settings `serve` would run with (flags aside: the DUALREAD_* variables and the
+    defaults), as JSON; the API key is shown as set or not, never its value."""
+    if markdown:
+        sys.stdout.write(markdown_table())
+        return
+    values = settings_from({}).model_dump()
+    values["api_key"] = None if values["api_key"] is None else "(set)"
+    sys.stdout.write(json.dumps(values, indent=1) + "\n")
 
 
 @app.command()

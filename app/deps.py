@@ -7,7 +7,7 @@ import hmac
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.errors import Unauthorized, UnsupportedMediaType
+from app.errors import NoHeads, Unauthorized, UnsupportedMediaType
 from app.serving import Serving
 from app.settings import Settings
 
@@ -59,6 +59,13 @@ async def require_key_for_metrics(request: Request, creds: HTTPAuthorizationCred
     settings = get_settings(request)
     if settings.metrics_require_key:
         check_key(settings, creds)
+
+
+async def require_heads(request: Request) -> None:
+    """The probe routes compute confidences: refused in answer-only mode (no heads)."""
+    backend = get_serving(request).backend
+    if backend is not None and backend.heads_id is None:
+        raise NoHeads()
 
 
 def media_type(request: Request) -> str:

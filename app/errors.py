@@ -84,6 +84,16 @@ class ShuttingDown(NotReady):
         super().__init__(detail)
 
 
+class NoHeads(ServiceError):
+    """Answer-only mode (`heads_mismatch`): no heads, so no confidence to compute."""
+
+    status = 503
+
+    def __init__(self, detail: str = "no heads for this model: the service runs answer-only "
+                                     "(heads_mismatch), so it computes no confidence") -> None:
+        super().__init__(detail)
+
+
 class DeadlineExceeded(ServiceError):
     status = 504
 

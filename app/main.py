@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import errors
+from app.logs import JsonLines
 from app.metrics import Metrics, MetricsHooks
 from app.middleware import RequestContext
 from app.routers import answer, openai, ops, probes
@@ -22,6 +23,7 @@ from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
 from heads.monitor import FeedbackMonitor
+from models.images import log_warnings
 
 log = logging.getLogger("dualread.access")
 DESCRIPTION = ("Visual question answering with a frozen VLM and DualRead confidence: answer, "
@@ -34,7 +36,7 @@ def _json_logging() -> None:
         lg = logging.getLogger(name)
         if not lg.handlers:
             h = logging.StreamHandler(sys.stderr)
-            h.setFormatter(logging.Formatter("%(message)s"))
+            h.setFormatter(JsonLines())
             lg.addHandler(h)
             lg.setLevel(logging.INFO)
             lg.propagate = False
@@ -45,6 +47,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     liveness answers at once and readiness turns 200 when the model is in memory."""
     settings = settings or Settings()
     _json_logging()
+    # decoder warnings quote the file: into the JSON log, without their text
+    log_warnings(logging.getLogger("dualread.service"))
     monitor = FeedbackMonitor(settings.feedback_window)
     metrics = Metrics(monitor)
     hooks = MetricsHooks(metrics, monitor)
@@ -64,7 +68,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             async def load() -> None:
                 try:
                     svc = await loop.run_in_executor(None, lambda: Service(
-                        settings.actor, settings.heads, settings.device, settings.dtype))
+                        settings.actor, settings.heads, settings.device, settings.dtype,
+                        settings.heads_mismatch))
                     attach(svc)
                 except Exception as e:  # readiness stays 503 and says why
                     serving.load_error = f"{type(e).__name__}: {e}"

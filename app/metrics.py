@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from app.engine import BatcherHooks, Job
 from app.serving import AnswerResult, ServingHooks
+from clients.schemas import DeferCode
 from heads.monitor import FeedbackMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -28,23 +29,8 @@ FEEDBACK_GAUGES = {
 }
 
 
-DEFER_REASONS = ("confidence", "response", "novelty", "image_check")
-
-
-def defer_reasons(result: AnswerResult) -> list[str]:
-    """The `DEFER_REASONS` a deferred answer was deferred for, read off its result: the
-    novelty and image-check flags, a response problem (the first of `defer_reason`'s
-    "; "-joined parts when there are more parts than flags: `Heads.decide` puts it first),
-    and "confidence" when `defer_reason` is null (DualRead below the threshold alone)."""
-    if not result.defer:
-        return []
-    if result.defer_reason is None:
-        return ["confidence"]
-    flags = [name for name, r in (("novelty", result.novelty),
-                                  ("image_check", result.image_check))
-             if r is not None and r.novel]
-    problem = len(result.defer_reason.split("; ")) > len(flags)
-    return (["response"] if problem else []) + flags
+# the label values of dualread_defer_reasons_total: the response's defer_reasons codes
+DEFER_REASONS = tuple(c.value for c in DeferCode)
 
 
 class FeedbackCollector:
@@ -96,8 +82,8 @@ class Metrics:
                                     buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
         self.defer = Counter("dualread_defer", "Answers flagged for deferral.", registry=r)
         self.defer_reasons = Counter(
-            "dualread_defer_reasons", "Deferred answers by reason (one answer counts under "
-            "each reason that holds; confidence: DualRead below the threshold alone).",
+            "dualread_defer_reasons", "Deferred answers by reason (the defer_reasons codes; "
+            "an answer deferred for several reasons counts under each).",
             ["reason"], registry=r)
         for reason in DEFER_REASONS:     # every series exists from the start, at 0
             self.defer_reasons.labels(reason)
@@ -125,14 +111,16 @@ class MetricsHooks(ServingHooks, BatcherHooks):
 
     def answered(self, request_id: str, result: AnswerResult, queued_s: float) -> None:
         m = self.metrics
-        m.confidence.observe(result.confidence.dualread)
         m.stage_duration.labels("generate").observe(result.timings.generate)
         m.stage_duration.labels("readout").observe(result.timings.readout)
         m.stage_duration.labels("heads").observe(result.timings.heads)
         if result.defer:
             m.defer.inc()
-            for reason in defer_reasons(result):
-                m.defer_reasons.labels(reason).inc()
+            for code in result.defer_codes:
+                m.defer_reasons.labels(code).inc()
+        if result.confidence is None:   # answer-only: no confidence to watch or calibrate
+            return
+        m.confidence.observe(result.confidence.dualread)
         self.monitor.record(request_id, result.confidence.dualread, result.defer)
 
     def feedback(self, request_id: str, correct: bool) -> bool:

@@ -108,7 +108,7 @@ class DualRead:
         apply_threads(s)
         # Loaded here, not in the background: Serve routes to a replica only once its
         # constructor has returned, so no request meets a model that is still loading.
-        service = Service(s.actor, s.heads, s.device, s.dtype)
+        service = Service(s.actor, s.heads, s.device, s.dtype, s.heads_mismatch)
         self.api = create_app(s, service=service)
         self.api.state.serving.new_batcher = ServeBatcher
         replica = serve.get_replica_context().replica_id.unique_id

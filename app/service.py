@@ -12,7 +12,15 @@ from typing import Any
 
 from PIL import Image
 
-from app.errors import DeadlineExceeded, ModelFailure, QuestionInvalid, TrajectoryInvalid
+from app.defer_codes import NO_HEADS_REASON, answer_only_codes, defer_codes
+from app.errors import (
+    DeadlineExceeded,
+    ModelFailure,
+    NoHeads,
+    QuestionInvalid,
+    TrajectoryInvalid,
+)
+from app.heads_match import heads_fingerprint, mismatch_message
 from app.serving import (
     AnswerItem,
     AnswerResult,
@@ -24,7 +32,7 @@ from app.serving import (
 )
 from app.text import CONTROL, mixed_script_letter, plain_question
 from heads.check_process import CheckProcess
-from heads.dualread import Assessment, Heads
+from heads.dualread import Assessment, FingerprintMismatch, Heads
 from heads.novelty import NoveltyReading
 from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
@@ -44,10 +52,21 @@ def _confidences(c: dict[str, float]) -> Confidences:
 
 class Service:
     def __init__(self, actor_dir: str | None, heads_dir: str | None, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", heads_mismatch: str = "refuse") -> None:
         actor = load_actor(actor_dir, device=device, dtype=dtype)
-        # Heads fitted on another actor read meaningless states: refuse them.
-        self._attach(actor, Heads.load(heads_dir, actor.fingerprint))
+        # Heads fitted on another actor read meaningless states: never used. "answer-only"
+        # serves answers without them (app.heads_match); otherwise loading fails.
+        self.heads_problem: str | None = None
+        try:
+            heads: Heads | None = Heads.load(heads_dir, actor.fingerprint)
+        except FingerprintMismatch:
+            self.heads_problem = mismatch_message(actor_dir, heads_dir, actor.fingerprint,
+                                                  heads_fingerprint(heads_dir))
+            if heads_mismatch != "answer-only":
+                raise FingerprintMismatch(self.heads_problem) from None
+            log.warning(json.dumps({"event": "answer_only", "detail": self.heads_problem}))
+            heads = None
+        self._attach(actor, heads)
         if self.check_process is not None:
             self.check_process.start()
 
@@ -61,22 +80,23 @@ class Service:
         svc._attach(actor, heads)
         return svc
 
-    def _attach(self, actor: Actor, heads: Heads) -> None:
+    def _attach(self, actor: Actor, heads: Heads | None) -> None:
         self.actor, self.heads = actor, heads
         # The image check reads pixels only: in a process of its own it runs while the
         # batch decodes (heads.check_process says why not a thread).
-        check = heads.image_check
+        check = heads.image_check if heads is not None else None
         self.check_process = CheckProcess(check, heads.image_check_alpha) \
             if check is not None and check.kind == "knn" else None
         self.fingerprint = self.actor.fingerprint
-        self.heads_id = self.heads.card.get("heads_id") or \
-            f"{self.heads.actor_fingerprint}-{self.heads.card.get('git_commit', '')[:8]}"
+        self.heads_id = None if heads is None else heads.card.get("heads_id") or \
+            f"{heads.actor_fingerprint}-{heads.card.get('git_commit', '')[:8]}"
         self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
 
     @property
-    def threshold(self) -> float:
-        """τ of the heads' defer policy (above any probability when there is none)."""
-        return self.heads.defer_threshold
+    def threshold(self) -> float | None:
+        """τ of the heads' defer policy (above any probability when there is none); None
+        without heads (answer-only)."""
+        return None if self.heads is None else self.heads.defer_threshold
 
     def _actor_card(self) -> dict[str, Any]:
         card = Path(self.actor.folder) / "actor_card.json"
@@ -84,7 +104,7 @@ class Service:
 
     def info(self) -> dict[str, str]:
         """Labels of the dualread_model_info metric."""
-        return {"actor": self.fingerprint, "heads": self.heads_id,
+        return {"actor": self.fingerprint, "heads": self.heads_id or "none",
                 "family": self.actor.family.name, "device": str(self.actor.device)}
 
     def cards(self) -> dict[str, Any]:
@@ -93,7 +113,8 @@ class Service:
         return {"actor": {"fingerprint": self.actor.fingerprint, "folder_name":
                           Path(self.actor.folder).name, "family": self.actor.family.name,
                           "card": actor_card},
-                "heads": {"id": self.heads_id, "card": self.heads.card}}
+                "heads": {"id": self.heads_id, "card": None if self.heads is None else
+                          self.heads.card, "mismatch": self.heads_problem}}
 
     # ------------------------------------------------------------------ input checks
     def check_question(self, question: str, max_chars: int, max_tokens: int) -> str:
@@ -147,7 +168,9 @@ class Service:
     # ------------------------------------------------------------------ batch handlers
     def answer_batch(self, items: list[AnswerItem], deadlines: list[float]
                      ) -> list[AnswerResult | Exception]:
-        return self.answer_responses(items, deadlines)[1]
+        # without heads nothing reads the states: none are captured
+        return self.answer_responses(items, deadlines,
+                                     "capture" if self.heads is not None else "none")[1]
 
     def answer_responses(self, items: list[AnswerItem], deadlines: list[float],
                          readout: ReadoutMode = "capture"
@@ -176,13 +199,16 @@ class Service:
         """The image check of a batch, started before it decodes (in this thread when
         there is no check process, or it cannot be used)."""
         proc = self.check_process
+        done: Future[list[NoveltyReading] | None] = Future()
+        if self.heads is None:
+            done.set_result(None)
+            return done
         if proc is not None and not proc.given_up:
             try:
                 return proc.submit(images)
             except Exception as e:    # cannot start one (no fds, ...): check them here
                 log.warning(json.dumps({"event": "image_check_process_failed",
                                         "error": type(e).__name__, "detail": str(e)[:200]}))
-        done: Future[list[NoveltyReading] | None] = Future()
         try:
             done.set_result(self.heads.image_readings(images))
         except Exception as e:       # an image the check cannot read fails its own item
@@ -213,7 +239,7 @@ class Service:
         the batch's image check (`image_checks`: one call over every image, item k's
         reading at k), with each item's share of the seconds; {} when either call fails
         (each item then scores alone, so a bad readout or image fails only its own item)."""
-        if not readouts:
+        if not readouts or self.heads is None:
             return {}
         t = time.perf_counter()
         try:
@@ -233,6 +259,8 @@ class Service:
     def _answer(self, r: Response, timings,
                 scored: tuple[Assessment, NoveltyReading | None, float] | None = None,
                 image: Image.Image | None = None) -> AnswerResult:
+        if self.heads is None:
+            return self._answer_only(r, timings)
         t = time.perf_counter()
         if scored is not None:
             a, chk, batch_s = scored
@@ -245,18 +273,30 @@ class Service:
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
         # the heads hold the whole rule: τ, the novelty and image-check p-values against α,
         # the parse check
-        defer, reason = self.heads.decide(conf.dualread, nov.p_value if nov else None, problem,
-                                          chk.p_value if chk else None)
+        nov_p, chk_p = (nov.p_value if nov else None), (chk.p_value if chk else None)
+        defer, reason = self.heads.decide(conf.dualread, nov_p, problem, chk_p)
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
             defer=defer, defer_reason=reason,
+            defer_codes=tuple(defer_codes(self.heads, conf.dualread, nov_p, problem, chk_p)),
             timings=StageTimes(timings.generate, timings.readout, heads_s),
             novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
             image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
                                                                chk.novel))
 
+    def _answer_only(self, r: Response, timings) -> AnswerResult:
+        """No heads: the answer, deferred, with why the response is unusable if it is."""
+        problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
+        return AnswerResult(
+            answer=r.answer, canonical=r.canonical, response=r.text, confidence=None,
+            defer=True, defer_reason="; ".join(x for x in (NO_HEADS_REASON, problem) if x),
+            defer_codes=tuple(answer_only_codes(problem)),
+            timings=StageTimes(timings.generate, timings.readout, 0.0))
+
     def score_batch(self, items: list[ScoreItem], deadlines: list[float]
                     ) -> list[ScoreResult | Exception]:
+        if self.heads is None:          # the routes refuse first (NoHeads); this holds anyway
+            return [NoHeads() for _ in items]
         res = self.actor.score([i.image for i in items], [i.question for i in items],
                                [i.response for i in items], mask=[i.mask for i in items])
         return [self._guard(lambda r=r: self._score(r)) for r in res]

@@ -93,12 +93,13 @@ class AnswerResult:
     answer: str
     canonical: str
     response: str
-    confidence: Confidences
+    confidence: Confidences | None           # None: answer-only, no heads
     defer: bool
     defer_reason: str | None
     timings: StageTimes
     novelty: NoveltyResult | None = None     # None: the heads have no novelty detector
     image_check: NoveltyResult | None = None  # None: the heads have no image check
+    defer_codes: tuple[str, ...] = ()        # clients.schemas.DeferCode values
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ class Backend(Protocol):
     """What the serving layer needs from the model side (`app.service.Service`)."""
 
     fingerprint: str
-    heads_id: str
-    threshold: float
+    heads_id: str | None                     # None: answer-only, no heads
+    threshold: float | None
 
     def info(self) -> dict[str, str]: ...
     def cards(self) -> dict[str, Any]: ...

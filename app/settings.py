@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -11,6 +13,9 @@ class Settings(BaseSettings):
 
     actor: str | None = Field(None, description="actor folder; default: the embedded actor")
     heads: str | None = Field(None, description="heads folder; default: the embedded heads")
+    heads_mismatch: Literal["refuse", "answer-only"] = Field(
+        "refuse", description="heads fitted for another actor: refuse to start, or serve "
+        "answers without confidence (confidence null, defer true, reason no_heads)")
     device: str = Field("cpu", description="cpu or cuda")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     threads: int | None = Field(
@@ -26,6 +31,10 @@ class Settings(BaseSettings):
                                 description="request body limit (413 before reading more)")
     body_timeout_s: float = Field(30.0, gt=0,
                                   description="time to receive a whole request body (408)")
+    # uvicorn's h11 parser buffers at most this much of a request line and its headers,
+    # then answers 400 and closes; httptools has no bound (a 96 MB header took 17.8 s)
+    max_header_bytes: int = Field(16384, ge=1024,
+                                  description="request line and headers (400 before the app)")
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="per image (413)")
     # 4096² (the largest side the processors keep): a 40 M-pixel PNG of 117 KB cost
     # 2.4 s and 420 MB to decode and resize

@@ -1,4 +1,4 @@
-"""CCG-AUC probe (SPEC §2), run against any deployment through `/probe/counterfactual`.
+"""CCG-AUC probe (docs/method.md §2), run against any deployment through `/probe/counterfactual`.
 
 For each eligible item a real donor image with the same normalised question and a
 different canonical answer is assigned (seeded, before anything is scored); the service

@@ -1,6 +1,6 @@
 """The blank counterfactual image, defined once for both sides of the API.
 
-SPEC §5's *blank* condition (visual reliance) and the `"blank"` counterfactual of
+docs/method.md §5's *blank* condition (visual reliance) and the `"blank"` counterfactual of
 `/probe/counterfactual`: a fixed 224×224 RGB image of (128, 128, 128). Mid-gray and one
 fixed size, so every item sees the same content-free input.
 
@@ -22,7 +22,7 @@ BLANK_RGB = (128, 128, 128)
 
 
 def blank_image() -> Image.Image:
-    """SPEC §5 blank condition: 224×224 RGB (128, 128, 128). Needs Pillow."""
+    """docs/method.md §5 blank condition: 224×224 RGB (128, 128, 128). Needs Pillow."""
     from PIL import Image
 
     return Image.new("RGB", BLANK_SIZE, BLANK_RGB)

@@ -1,4 +1,4 @@
-"""The decisive / strict rule of CCG-AUC (SPEC §2), in one pure function.
+"""The decisive / strict rule of CCG-AUC (docs/method.md §2), in one pure function.
 
 The service's `/probe/counterfactual` and the probe suites both classify a pair with it,
 so the definition cannot drift between them.

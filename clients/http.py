@@ -178,7 +178,7 @@ class DualReadClient:
                        counterfactual: ImageLike | None = None,
                        reference: str | None = None,
                        counterfactual_reference: str | None = None) -> CounterfactualResponse:
-        """`counterfactual=None` uses the blank image (SPEC §5)."""
+        """`counterfactual=None` uses the blank image (docs/method.md §5)."""
         body = _cf_body(image, question, counterfactual, reference, counterfactual_reference)
         return CounterfactualResponse.model_validate(self._post("/probe/counterfactual", body))
 

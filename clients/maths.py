@@ -1,4 +1,4 @@
-"""The CCG-AUC maths (SPEC §2) and the image-cluster bootstrap, with numpy only.
+"""The CCG-AUC maths (docs/method.md §2) and the image-cluster bootstrap, with numpy only.
 
 Shared by the probe clients and by `heads` (whose evaluation CIs resample images the same
 way), so an evaluator needs no model stack to recompute a number.

@@ -6,6 +6,7 @@ Request bodies forbid unknown fields: a misspelt field is an error, not a silent
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
@@ -81,6 +82,39 @@ class ImageCheck(BaseModel):
                                            "image_check.alpha, 0.01): the answer is deferred")
 
 
+class DeferCode(StrEnum):
+    """Why an answer is deferred, as a stable code (`defer_reasons`); the one list."""
+
+    low_confidence = "low_confidence"
+    novel_states = "novel_states"
+    image_flagged = "image_flagged"
+    no_answer_tag = "no_answer_tag"
+    empty_answer = "empty_answer"
+    degenerate_repetition = "degenerate_repetition"
+    truncated = "truncated"
+    unusable_response = "unusable_response"
+    no_heads = "no_heads"
+
+
+# What each code means (docs and the OpenAPI description; a test keeps one per code).
+DEFER_CODES: dict[DeferCode, str] = {
+    DeferCode.low_confidence: "confidence.dualread is below defer_threshold (every answer "
+                              "when the heads have no defer policy)",
+    DeferCode.novel_states: "the actor's states are unlike the fitting data (novelty "
+                            "p < alpha)",
+    DeferCode.image_flagged: "the image's quality statistics are unlike the fitting images "
+                             "(image-check p < alpha)",
+    DeferCode.no_answer_tag: "the response has no <answer> tag",
+    DeferCode.empty_answer: "the answer is empty",
+    DeferCode.degenerate_repetition: "the response repeats itself",
+    DeferCode.truncated: "the response was cut off at max_new_tokens",
+    DeferCode.unusable_response: "the response is not usable for a reason without a code "
+                                 "of its own (defer_reason names it)",
+    DeferCode.no_heads: "the service runs answer-only: no heads for this model "
+                        "(heads_mismatch = answer-only)",
+}
+
+
 class Timings(BaseModel):
     queue: float
     generate: float
@@ -93,29 +127,35 @@ class AnswerResponse(BaseModel):
         "answer": "red", "response": "<think>I see a red circle. ...</think><answer>red</answer>"
         "<confidence>9</confidence>", "confidence": {"dualread": 0.97, "psr": 0.95,
                                                      "per": 0.98, "verbalized": 0.88},
-        "defer": False, "defer_reason": None, "defer_threshold": 0.71,
+        "defer": False, "defer_reason": None, "defer_reasons": [], "defer_threshold": 0.71,
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
         "image_check": {"score": 3.1, "p_value": 0.52, "flagged": False}, "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
         "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
     response: str
-    confidence: Confidence
+    confidence: Confidence | None = Field(
+        ..., description="null only in answer-only mode (no heads for this model)")
     defer: bool = Field(..., description="route to a clinician: confidence below threshold, "
                                          "the image unlike the fitting data (novelty or "
-                                         "image check), or the response did not parse")
+                                         "image check), the response did not parse, or no "
+                                         "heads (answer-only mode)")
     defer_reason: str | None = Field(
         None, description="why the response itself is not trusted (no answer tag, empty "
                           "answer, repetition, truncated) and/or that the image is unlike "
-                          "the fitting data (novelty p < alpha, image-check p < alpha); null "
-                          "when only confidence decides")
-    defer_threshold: float
+                          "the fitting data (novelty p < alpha, image-check p < alpha), or "
+                          "\"no heads for this model\"; null when only confidence decides")
+    defer_reasons: list[DeferCode] = Field(
+        default_factory=list, description="why the answer is deferred, as stable codes "
+        "(empty when it is not): " + "; ".join(f"{c.value}: {t}" for c, t in DEFER_CODES.items()))
+    defer_threshold: float | None = Field(
+        ..., description="τ of the heads' defer policy; null in answer-only mode")
     novelty: Novelty | None = Field(
         None, description="the novelty detector's reading; null when the heads have none")
     image_check: ImageCheck | None = Field(
         None, description="the image check's reading; null when the heads have none")
     model: str = Field(..., description="actor fingerprint")
-    heads: str = Field(..., description="heads artefact id")
+    heads: str | None = Field(..., description="heads artefact id; null in answer-only mode")
     request_id: str = Field(..., description="server-generated; the key for /feedback")
     timings_ms: Timings
 
@@ -146,6 +186,7 @@ class Run(BaseModel):
     # truncated or untagged response can match its reference; the reason says so
     defer: bool | None = None
     defer_reason: str | None = None
+    defer_reasons: list[DeferCode] | None = None
 
 
 class CounterfactualResponse(BaseModel):

@@ -1,4 +1,4 @@
-"""Temperature scaling, Platt mapping and the DualRead log-odds fusion (SPEC §1)."""
+"""Temperature scaling, Platt mapping and the DualRead log-odds fusion (docs/method.md §1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Defer policy with a finite-sample risk guarantee (SPEC §1).
+"""Defer policy with a finite-sample risk guarantee (docs/method.md §1).
 
 Selective classification with guaranteed risk (Geifman & El-Yaniv, 2017): a binary search
 over the sorted calibration confidences, ⌈log2 m⌉ tests, each a one-sided Clopper–Pearson

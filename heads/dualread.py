@@ -52,7 +52,7 @@ class Assessment:
 
 
 def rule_of(novelty: Novelty | None, image_check: Novelty | None = None) -> str:
-    """The defer rule in words, as the card states it (SPEC §8), for heads with or without
+    """The defer rule in words, as the card states it (docs/method.md §8), for heads with or without
     a novelty detector and an image check; `Heads.decide` implements it. (A plain function:
     the `defer_rule` property only forwards here.)"""
     terms = ["DualRead < tau"] + (["novelty p-value < alpha"] if novelty is not None else []) \

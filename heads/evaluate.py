@@ -1,6 +1,6 @@
 """`dualread evaluate`: every confidence method on the same frozen actor outputs.
 
-One row per method (SPEC §7), columns n, accuracy, AUROC, ECE-15, ECE-10, Brier, AURC,
+One row per method (docs/method.md §7), columns n, accuracy, AUROC, ECE-15, ECE-10, Brier, AURC,
 HCE@0.9 with image-cluster bootstrap CIs, the cost of each method in forward passes
 beyond the natural generation, and measured seconds per item.
 """
@@ -81,7 +81,7 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         if with_question_only and "question_prior" in heads.card:
             scores[QUESTION_ONLY] = question_only(heads.card["question_prior"],
                                                   [it.question for it in items])
-        # CCG donors are assigned before any confidence is scored (SPEC §2)
+        # CCG donors are assigned before any confidence is scored (docs/method.md §2)
         plan = grounding.plan_donors(items, seed=0) if grounding_on else None
         rows = {}
         n = len(items)

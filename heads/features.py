@@ -1,4 +1,4 @@
-"""Features read off a `Readout` (SPEC §1): cheap, and the same offline and online."""
+"""Features read off a `Readout` (docs/method.md §1): cheap, and the same offline and online."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from models.readout import Readout, mean_answer_state, mu_from_digit_probs
 
-# SPEC §1's κ, the default when heads are fitted. Fitted heads store the κ they were fitted
-# with (`Heads.kappa`); evaluation and serving use that stored value, never this constant.
+# docs/method.md §1's κ, the default when heads are fitted. Fitted heads store the κ they were
+# fitted with (`Heads.kappa`); evaluation and serving use that stored value, never this constant.
 KAPPA = 0.1
 # Bump when what `extract` returns changes meaning (names, shapes, definitions): cached
 # readouts carry this version in their key, so old shards are not reused. The cache key
@@ -93,9 +93,9 @@ def extract_many(readouts: Sequence[Readout], kappa: float = KAPPA) -> dict[str,
         # the novelty detector reads [h_pre ; img_mean ; img_std] (heads.novelty)
         "img_mean": img_mean,
         "img_std": img_std,
-        # sequence statistics over the answer span (SPEC §7)
+        # sequence statistics over the answer span (docs/method.md §7)
         "msp": torch.where(has_lp, mean_lp.exp(), torch.zeros(())).reshape(-1, 1),
-        # over the answer span, like the other sequence scores (SPEC §7)
+        # over the answer span, like the other sequence scores (docs/method.md §7)
         "mean_logprob": mean_lp.reshape(-1, 1),
         "entropy": _span_mean(ans_ent).reshape(-1, 1),
         # float64: a stated 9 must stay 0.9 (HCE@0.9, ECE bins)

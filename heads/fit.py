@@ -81,7 +81,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               image_items: list[Item] | None = None) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
     then (with `novelty`) the novelty detector and (with `image_check`) the image check
-    of the defer rule (SPEC §8).
+    of the defer rule (docs/method.md §8).
 
     `image_items`: whose images the image check is fitted and calibrated on (default
     `items`). Pixels cost no actor pass, and the check's conformal reference needs many
@@ -130,8 +130,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         heads.image_check, image_log = image_check_stage(
             image_items if image_items is not None else items, novelty_per_family, seed)
         heads.image_check_alpha = ALPHA
-    reader_rate = float(z[splits["reader"]].float().mean())
-    prior = prior_check(scores, z[df].numpy(), reader_rate)
+    prior = prior_check(scores, z.numpy(), {k: v.numpy() for k, v in splits.items()})
     info = {
         "splits": {"reader": len(splits["reader"]), "reader_train": len(splits["reader_train"]),
                    "reader_val": len(splits["reader_val"]),
@@ -318,11 +317,17 @@ def bce(c: np.ndarray, z: np.ndarray) -> float:
     return float(-np.mean(z * np.log(c) + (1 - z) * np.log(1 - c)))
 
 
-def prior_check(scores: dict[str, np.ndarray], z: np.ndarray, rate: float) -> dict:
+def prior_check(scores: dict[str, np.ndarray], z: np.ndarray,
+                splits: dict[str, np.ndarray]) -> dict:
     """BCE of each method that trains a reader, on the defer split (images no reader or
-    temperature saw), against predicting the reader split's base rate there."""
+    temperature saw; `scores` are on it), against predicting there the base rate of the
+    reader split (what a reader could learn from its own data without any feature). `z`:
+    every item's label; `splits`: item indices per split."""
     from heads.modules import prior_bce
 
+    z = np.asarray(z, float)
+    rate = float(z[np.asarray(splits["reader"])].mean())
+    z = z[np.asarray(splits["defer"])]
     base = prior_bce(rate, float(np.mean(z)))
     out = {"prior_rate": round(rate, 5), "prior_bce": round(base, 5), "worse": []}
     for m in registry.registered():

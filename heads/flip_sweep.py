@@ -1,5 +1,5 @@
-"""Choosing the answer-flip augmentation's settings on held-out data (SPEC §1: no test item
-fits anything, choosing constants included).
+"""Choosing the answer-flip augmentation's settings on held-out data (docs/method.md §1: no test
+item fits anything, choosing constants included).
 
     python -m heads.flip_sweep [--out docs/flip-sweep] [--cache cache] [--limit 3500]
                                [--consistent 300]
@@ -9,7 +9,7 @@ splits of `heads.fit`); readouts and the answer-flip pass come from the collecto
 For each flip weight λ (P-State and PER alike) and L2 of the post-answer readers:
 - PSR, P-State and PER are fitted with the reader split cut to `reader_train` (flips of
   reader_train items only), temperatures on the temperature split;
-- answer-axis drop (TGS-pair's answer axis, SPEC §3): on `reader_val` items the actor
+- answer-axis drop (TGS-pair's answer axis, docs/method.md §3): on `reader_val` items the actor
   answered correctly and that have a flip, mean of p(own response) − p(answer-flipped
   response), for DualRead and both post branches;
 - natural AUROC and BCE on the defer split, against the prior BCE of `heads.fit.prior_check`;

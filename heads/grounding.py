@@ -1,6 +1,6 @@
 """Grounding in `evaluate`, on the same frozen readouts as the calibration table.
 
-- CCG-AUC (SPEC §2) for every method: each evaluated item gets a donor from
+- CCG-AUC (docs/method.md §2) for every method: each evaluated item gets a donor from
   `HardNegativeIndex` over the evaluated items (assigned before anything is scored); the
   actor's run on (donor image, same question) is the donor item's own run when the
   question text is identical, else one extra run on that pair. Natural and strict
@@ -25,7 +25,7 @@ from heads.metrics import auroc
 from models.canon import canon
 from models.data import COLOURS, SHAPES, HardNegativeIndex, Item
 
-UNDERPOWERED_IMAGES = 30   # SPEC §2: E must span at least this many independent images
+UNDERPOWERED_IMAGES = 30   # docs/method.md §2: E must span at least this many independent images
 
 
 def answer_type(gold: str) -> str:

@@ -1,4 +1,4 @@
-"""Reliability metrics (SPEC §6). Correct = positive; confidences in [0, 1]."""
+"""Reliability metrics (docs/method.md §6). Correct = positive; confidences in [0, 1]."""
 
 from __future__ import annotations
 

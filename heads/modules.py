@@ -1,4 +1,4 @@
-"""Small readers on frozen features and how they are fitted (SPEC §1, §7).
+"""Small readers on frozen features and how they are fitted (docs/method.md §1, §7).
 
 Inputs are standardised with statistics of the fitting split (kept as buffers), so a
 "linear head" stays linear in the raw state while the optimiser sees a sane scale.
@@ -97,7 +97,7 @@ def fit_mlp(reader: Reader, x: torch.Tensor, z: torch.Tensor, x_val: torch.Tenso
 def fit_linear(reader: Reader, x: torch.Tensor, z: torch.Tensor,
                offset: torch.Tensor | None = None, steps: int = 1000, lr: float = 1e-3,
                l2: float = 1e-3, weight: torch.Tensor | None = None) -> dict:
-    """BCE + L2, full batch, fixed steps (SPEC: 1000 steps, lr 1e-3).
+    """BCE + L2, full batch, fixed steps (docs/method.md §1: 1000 steps, lr 1e-3).
 
     With `offset` the reader fits the residual: ℓ = offset + reader(x) (P-Visual on top of
     a frozen P-State). `weight` weighs each row's BCE (a weighted mean; default equal).

@@ -1,4 +1,4 @@
-"""Novelty score on the actor's states, turned into a conformal p-value (SPEC §8).
+"""Novelty score on the actor's states, turned into a conformal p-value (docs/method.md §8).
 
 Fitted on clean reader-split features, calibrated on a disjoint clean split of n items:
     p(x) = (1 + #{i : s_i ≥ s(x)}) / (n + 1)

@@ -128,7 +128,7 @@ def semantic_entropy(samples: list[str]) -> float:
 
 # ---------------------------------------------------------------- the passes
 def run_black_image(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
-    """Teacher-forced replay of the natural response on a black image (BICR, SPEC §7)."""
+    """Teacher-forced replay of the natural response on a black image (BICR, docs/method.md §7)."""
     imgs = [black_image(it.image().size) for it in items]
     res = col.actor.score(imgs, [it.question for it in items], meta["responses"], cue=False)
     return {"h_close_black": torch.stack([r.readout.h_close for r in res])}

@@ -85,9 +85,10 @@ def study_methods(post: dict | None = None) -> list:
 
 
 class RefitDualRead:
-    """DualRead's readers, temperatures and τ refitted by the registry's own fits (SPEC §1,
-    `heads.fit.fit_methods` with PSR, P-State and PER, in registration order) on the study's
-    split labels; τ on a clean defer split (its guarantee is for clean inputs)."""
+    """DualRead's readers, temperatures and τ refitted by the registry's own fits
+    (docs/method.md §1, `heads.fit.fit_methods` with PSR, P-State and PER, in registration
+    order) on the study's split labels; τ on a clean defer split (its guarantee is for clean
+    inputs)."""
 
     def __init__(self, dim: int) -> None:
         # Readers start from the global RNG state, as `fit_heads` creates them; only the

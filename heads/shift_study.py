@@ -1,5 +1,5 @@
 """Measurement study: DualRead under generic corruptions, and which novelty signal makes
-`defer` hold under shift (SPEC §8).
+`defer` hold under shift (docs/method.md §8).
 
     python -m heads.shift_study [--out docs/shift-study] [--cache cache/shift-study]
 

@@ -340,7 +340,7 @@ class Actor:
 
     def _digit_probs(self, text: str, spans, last: torch.Tensor, lp: int,
                      digit_lp: torch.Tensor | None = None) -> torch.Tensor | None:
-        """P(C=c) at the position whose next token is the verbalized level (SPEC §3).
+        """P(C=c) at the position whose next token is the verbalized level (docs/method.md §3).
 
         `digit_lp` holds the response's next-token log-probabilities of the known digits
         (row k predicts response token k; `_token_stats`); when it covers the cue's

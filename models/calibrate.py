@@ -1,7 +1,7 @@
 """Verbalized-confidence measurements and the calibration continuation of the actor.
 
 `confidence_report` measures what the actor says about itself: the stated digit, the
-readout μ(C) (SPEC §3) and how well μ(C) ranks correct over wrong answers (AUROC), next to
+readout μ(C) (docs/method.md §3) and how well μ(C) ranks correct over wrong answers (AUROC), next to
 the accuracy and blank-image numbers of its card. `calibrate_actor`
 continues GRPO on an existing actor with the RLCR-style reward and reports with it.
 """

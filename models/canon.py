@@ -1,4 +1,4 @@
-"""One deterministic grader (SPEC `canon`), used for rewards and labels alike."""
+"""One deterministic grader (docs/method.md `canon`), used for rewards and labels alike."""
 
 from __future__ import annotations
 

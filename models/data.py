@@ -204,7 +204,7 @@ def load(spec: str) -> list[Item]:
     """Items for a data spec such as `easyvqa:test` or `slake:/data/slake:test`.
 
     A suffix `~FAMILY:SEVERITY` (e.g. `easyvqa:test~blur:3`) corrupts every image
-    (models.shift, SPEC §8).
+    (models.shift, docs/method.md §8).
     """
     if "~" in spec:
         from models.shift import shift_items, split_spec
@@ -231,7 +231,7 @@ def sample(items: list[Item], limit: int | None, seed: int = 0) -> list[Item]:
 
 # ---------------------------------------------------------------- hard negatives
 class HardNegativeIndex:
-    """Donors for CCG (SPEC §2): same normalised question, different canonical answer,
+    """Donors for CCG (docs/method.md §2): same normalised question, different canonical answer,
     different image, same data. Assigned deterministically from a seed."""
 
     def __init__(self, items: list[Item], seed: int = 0) -> None:

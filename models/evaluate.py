@@ -57,7 +57,7 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def evaluate_actor(actor, items: list[Item], batch: int = 32) -> dict:
-    """Card metrics: real-image accuracy, blank-image accuracy, their gap (SPEC §5)."""
+    """Card metrics: real-image accuracy, blank-image accuracy, their gap (docs/method.md §5)."""
     real = summarise(run_items(actor, items, batch=batch, label="real images"))
     blank = summarise(run_items(actor, items, blank=True, batch=batch, label="blank images"))
     return {

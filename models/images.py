@@ -7,6 +7,16 @@ Policy (the service documents the same):
 - Size: the pixel count (DICOM: rows × columns × frames) is read from the header and
   checked before any pixel is decoded, so a decompression bomb costs nothing.
 - Geometry: an aspect ratio above 200:1 is refused (VLM processors cannot resize it).
+- DICOM: the transfer syntax is read from the file meta group before pydicom parses the
+  dataset. Accepted: the native encodings (implicit/explicit VR little endian, explicit
+  big endian) and JPEG baseline/extended (1.2.840.10008.1.2.4.50/.51). Deflated
+  (1.2.840.10008.1.2.1.99) is refused before parsing: pydicom inflates the whole dataset
+  in one call, about 1000:1, before anything can be checked. RLE (decoded byte by byte
+  in Python, output unbounded until the end), JPEG 2000, JPEG-LS, lossless JPEG and the
+  video syntaxes are refused after the header checks: their decoding cost is not bounded
+  here. A JPEG frame goes through the same checks as a JPEG upload (`check_jpeg`) and its
+  own header must declare exactly the dataset's rows × columns, both before decoding.
+  No DICOM text (tag values) is quoted in an error.
 - DICOM: single-frame only (a multi-frame object is a series; send the frame you mean);
   at most MAX_DICOM_ITEMS sequence items, and no more pixel data than its rows × columns
   need, both checked before pydicom parses or unpacks; MONOCHROME1/2 are windowed with the
@@ -28,9 +38,14 @@ Policy (the service documents the same):
 from __future__ import annotations
 
 import io
+import itertools
+import json
+import logging
 import re
+import threading
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -59,6 +74,14 @@ FORMATS = ("PNG", "JPEG")
 DICOM_MONO = ("MONOCHROME1", "MONOCHROME2")
 DICOM_COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422")
 FORMAT_HINT = "send a PNG, JPEG or DICOM file"
+# DICOM transfer syntaxes whose pixel data is decoded here with its work bounded: the
+# native encodings (length checked against rows × columns before unpacking) and JPEG
+# baseline/extended (each frame through `check_jpeg`, its header against rows × columns).
+DICOM_NATIVE = ("1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.2")
+DICOM_JPEG = ("1.2.840.10008.1.2.4.50", "1.2.840.10008.1.2.4.51")
+DICOM_DEFLATED = "1.2.840.10008.1.2.1.99"
+DICOM_HINT = ("send it uncompressed (Explicit VR Little Endian) or as baseline JPEG "
+              "(1.2.840.10008.1.2.4.50), or send a PNG")
 
 
 class ImageError(ValueError):
@@ -222,6 +245,76 @@ def _compressed(ds) -> bool:
         return False
 
 
+def _syntax_name(uid: str) -> str:
+    """A transfer syntax's registered name, or a phrase: never the client's own text."""
+    import pydicom.uid
+
+    known = pydicom.uid.UID_dictionary.get(uid)
+    return f"{known[0]} ({uid})" if known else "(unregistered)"
+
+
+def dicom_transfer_syntax(data: bytes) -> str | None:
+    """The transfer syntax a DICOM file's meta group declares (None: none declared),
+    read with pydicom's own file-meta reader (what `dcmread` reads first, so both see the
+    same value) without parsing the dataset. Refuses, before parsing, a syntax whose
+    parsing itself decompresses: deflated (pydicom inflates the whole dataset in one
+    `zlib.decompress`, ~1000:1; 995 KB held 2 GB) and any syntax not registered as native
+    or encapsulated (encapsulated pixel data stays bytes while parsing)."""
+    import pydicom.uid
+    from pydicom.filereader import _read_file_meta_info, read_preamble
+
+    fp = io.BytesIO(data)
+    try:
+        read_preamble(fp, False)
+        meta = _read_file_meta_info(fp)
+        uid = meta.get("TransferSyntaxUID")
+    except Exception as e:   # pydicom raises many types on hostile input
+        raise ImageInvalid(f"unreadable DICOM file meta: {type(e).__name__}") from None
+    if uid is None:
+        return None          # pydicom guesses a native encoding; nothing is inflated
+    uid = str(uid)
+    known = pydicom.uid.UID_dictionary.get(uid)
+    parse_safe = uid in DICOM_NATIVE or (
+        known is not None and "Deflate" not in known[0] and pydicom.uid.UID(uid).is_encapsulated)
+    if uid == DICOM_DEFLATED or not parse_safe:
+        raise ImageInvalid(f"DICOM transfer syntax {_syntax_name(uid)} is not accepted: its "
+                           f"decompression cannot be bounded; {DICOM_HINT}")
+    return uid
+
+
+def check_dicom_frame(ds, rows: int, cols: int, max_pixels: int) -> None:
+    """Before an encapsulated JPEG frame is decoded: exactly one frame (as pydicom will
+    cut it: no extended offset table, one frame of the basic one), a JPEG that passes
+    `check_jpeg` (scans, segments, coding), and a header that declares the dataset's own
+    rows × columns (a 64×64 dataset held a 9400² JPEG: 3.7 GB for four at once)."""
+    from pydicom.encaps import generate_frames
+
+    if "ExtendedOffsetTable" in ds or "ExtendedOffsetTableLengths" in ds:
+        raise ImageInvalid("DICOM with an extended offset table (multi-frame) is not "
+                           "supported; send the one frame you mean")
+    try:
+        frames = list(itertools.islice(generate_frames(ds.PixelData, number_of_frames=1), 2))
+    except Exception as e:
+        raise ImageInvalid(f"unreadable DICOM encapsulated pixel data: {type(e).__name__}"
+                           ) from None
+    if len(frames) != 1:
+        raise ImageInvalid("DICOM encapsulated pixel data holds more than one frame; send "
+                           "the one frame you mean")
+    frame = frames[0]
+    if frame[:2] != JPEG_SOI:
+        raise ImageInvalid("DICOM JPEG frame does not start with a JPEG header")
+    check_jpeg(frame)
+    try:
+        with Image.open(io.BytesIO(frame), formats=["JPEG"]) as img:
+            width, height = img.size
+    except Exception as e:
+        raise ImageInvalid(f"unreadable DICOM JPEG frame: {type(e).__name__}") from None
+    if (width, height) != (cols, rows):
+        raise ImageInvalid(f"DICOM JPEG frame of {width}x{height} pixels, not the "
+                           f"{cols}x{rows} its Rows and Columns declare")
+    check_geometry(width, height, max_pixels)
+
+
 def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     try:
         import pydicom
@@ -232,6 +325,7 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     items = data.count(b"\xfe\xff\x00\xe0") + data.count(b"\xff\xfe\xe0\x00")
     if items > MAX_DICOM_ITEMS:
         raise ImageInvalid(f"DICOM with over {MAX_DICOM_ITEMS} sequence items")
+    syntax = dicom_transfer_syntax(data)
     try:
         ds = pydicom.dcmread(io.BytesIO(data))
     except Exception as e:   # pydicom raises many types on hostile input
@@ -247,8 +341,16 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
                            "send the one frame you mean")
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
     if photometric not in DICOM_MONO + DICOM_COLOUR:
-        raise ImageInvalid(f"DICOM photometric interpretation {photometric!r} is not "
-                           f"supported (accepted: {', '.join(DICOM_MONO + DICOM_COLOUR)})")
+        # not quoted: a tag's text is the client's (it could be anything, a name too)
+        raise ImageInvalid(f"DICOM photometric interpretation not supported (accepted: "
+                           f"{', '.join(DICOM_MONO + DICOM_COLOUR)})")
+    # after the pixel limit (a 16000² RLE header is 413, as any other): decoders whose
+    # work is not bounded here are refused before they run
+    if syntax is not None and syntax not in DICOM_NATIVE + DICOM_JPEG:
+        raise ImageInvalid(f"DICOM transfer syntax {_syntax_name(syntax)} is not accepted: "
+                           f"its decoding cannot be bounded; {DICOM_HINT}")
+    if syntax in DICOM_JPEG:
+        check_dicom_frame(ds, rows, cols, max_pixels)
     samples = _tag(ds, "SamplesPerPixel", 3 if photometric in DICOM_COLOUR else 1, int)
     bits = _tag(ds, "BitsAllocated", 8, int)
     stored = _tag(ds, "BitsStored", bits, int)
@@ -385,3 +487,57 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         img = Image.alpha_composite(bg, rgba)
     return img.convert("RGB")
+
+
+# ---------------------------------------------------------------------------- warnings
+# pydicom and PIL warn with the file's own text (a tag's value, a patient name), and
+# Python prints a warning to stderr, outside the JSON log lines. `log_warnings` sends
+# every warning to the log instead: its category and the code that raised it, the message
+# only when an image decoder did not raise it.
+DECODER_PACKAGES = ("pydicom", "PIL")
+_seen: dict[tuple[str, str, int], int] = {}
+_seen_lock = threading.Lock()
+
+
+def _source(filename: str) -> tuple[str, bool]:
+    """Where a warning was raised, as `package/module.py`, and whether an image decoder
+    raised it."""
+    parts = Path(filename).parts
+    # a decoder's warning may name this module as its caller (stacklevel)
+    decoder = any(p in DECODER_PACKAGES for p in parts) or parts[-2:] == ("models", "images.py")
+    return "/".join(parts[-2:]), decoder
+
+
+def log_warning(message, category, filename, lineno, file=None, line=None,
+                logger: logging.Logger | None = None) -> None:
+    """`warnings.showwarning` as a JSON log line. Each place in the code is logged at its
+    1st, 2nd, 4th, 8th... warning, with the count so far: a hostile file raises thousands
+    (one per malformed element), and the log must not grow with them."""
+    source, decoder = _source(str(filename))
+    key = (category.__name__, source, int(lineno))
+    with _seen_lock:
+        n = _seen[key] = _seen.get(key, 0) + 1
+    if n & (n - 1):
+        return
+    entry = {"event": "warning", "category": category.__name__, "source": source,
+             "line": lineno, "count": n}
+    if not decoder:
+        entry["message"] = str(message)[:300]
+    (logger or logging.getLogger("dualread.service")).warning(json.dumps(entry))
+
+
+def log_warnings(logger: logging.Logger) -> None:
+    """Route warnings into `logger` (process-wide; `log_warning`), and keep pydicom's log
+    records (the same text) from propagating. The decoders' warnings
+    are always shown to the hook, never recorded in their module's registry: the default
+    action keeps every distinct message text there, so a file's text would stay in memory."""
+    for package in (*DECODER_PACKAGES, __name__):
+        warnings.filterwarnings("always", module=rf"{re.escape(package)}(\.|$)")
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        log_warning(message, category, filename, lineno, logger=logger)
+
+    warnings.showwarning = show
+    # pydicom also logs each warning, text and all, to its own logger: kept out of any
+    # handler an embedding process puts on the root logger
+    logging.getLogger("pydicom").propagate = False

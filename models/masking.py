@@ -1,4 +1,4 @@
-"""Attention-level masking of a trajectory span (SPEC §3).
+"""Attention-level masking of a trajectory span (docs/method.md §3).
 
 Masked tokens stay in the sequence with their positions; no later token may attend to
 them. The mask is float additive 4-D (0 allowed, finfo.min blocked) with explicit

@@ -21,7 +21,7 @@ class Parsed:
 
     @property
     def verbalized(self) -> float:
-        """Verbalized confidence in [0, 1]; invalid or missing is kept at 0.5 (SPEC)."""
+        """Verbalized confidence in [0, 1]; invalid or missing is kept at 0.5 (docs/method.md)."""
         return 0.5 if self.confidence is None else self.confidence / 10
 
 

@@ -72,7 +72,7 @@ class Readout:
 
     @property
     def verbalized_mu(self) -> float | None:
-        """μ(C) = Σ_c (c/10)·P(C=c) (SPEC §3)."""
+        """μ(C) = Σ_c (c/10)·P(C=c) (docs/method.md §3)."""
         return stated_mu(self.digit_probs)
 
     @property
@@ -189,7 +189,7 @@ def overlapping(spans: list[tuple[int, int]], start: int, end: int,
 
 def locate(parsed: Parsed, spans: list[tuple[int, int]], special: set[int]
            ) -> tuple[list[int], int]:
-    """Answer token indices A and the closing index t_close (SPEC §1), response-relative.
+    """Answer token indices A and the closing index t_close (docs/method.md §1), response-relative.
 
     Returns t_close = -1 when the response has no usable token (state at t_prompt is used).
     """

@@ -8,7 +8,7 @@ is marked right or wrong; with that response teacher-forced, the loss is
 
     (μ(C) − z)²  −  λ · log P(next token is a digit)  +  w · CE(the response's other tokens)
 
-where μ(C) = Σ_c P(C = c | digits) · c/10 at the confidence cue (SPEC §3, the readout the
+where μ(C) = Σ_c P(C = c | digits) · c/10 at the confidence cue (docs/method.md §3, the readout the
 service reports), z the correctness. The second term keeps a digit the likely next token
 (without it greedy decoding stopped writing one); the third is self-distillation on the
 actor's own greedy text, so its answers stay where they were — a share of each batch

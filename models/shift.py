@@ -1,4 +1,4 @@
-"""Generic image corruptions for a shift suite (SPEC §8), ImageNet-C style.
+"""Generic image corruptions for a shift suite (docs/method.md §8), ImageNet-C style.
 
 A data spec takes a suffix `~FAMILY:SEVERITY` (severity 1–5), e.g. `easyvqa:test~blur:3`;
 `~all:S` gives every family of the suite (`FAMILIES`) at severity S; `rotate` is addressable

@@ -1,4 +1,4 @@
-"""CCG-AUC on constructed cases (SPEC §2)."""
+"""CCG-AUC on constructed cases (docs/method.md §2)."""
 
 import math
 

@@ -14,11 +14,11 @@ def test_help_lists_subcommands():
         assert cmd in out
 
 
-def test_answer_json(actor_dirs, tmp_path):
+def test_answer_readout_shapes(actor_dirs, tmp_path):
     img = tmp_path / "x.png"
     random_image(5).save(img)
     res = CliRunner().invoke(app, ["answer", "--actor", actor_dirs["qwen3_vl"], "--image",
-                                   str(img), "--question", "what color?", "--json",
+                                   str(img), "--question", "what color?", "--readout-shapes",
                                    "--max-new-tokens", "5"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])

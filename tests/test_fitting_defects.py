@@ -60,7 +60,10 @@ def test_fit_heads_refuses_a_reader_worse_than_the_prior():
     z = np.array([1] * 23 + [0] * 2)
     good = np.where(z == 1, 0.95, 0.3)
     scores = {"psr": good, "p_state": np.full(25, 0.5), "verbalized": np.full(25, 0.5)}
-    pc = prior_check(scores, z, rate=0.92)
+    # a reader split of rate 0.92 before the 25 defer-split items
+    reader = np.array([1] * 23 + [0] * 2)
+    pc = prior_check(scores, np.concatenate([reader, z]),
+                     {"reader": np.arange(25), "defer": np.arange(25, 50)})
     by_hand = -(0.92 * math.log(0.92) + 0.08 * math.log(0.08))
     assert pc["prior_bce"] == pytest.approx(by_hand, abs=1e-5)
     # P-State at 0.5 has BCE log 2 > prior; verbalized trains no reader: not judged

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.metrics import DEFER_REASONS, Metrics, MetricsHooks, defer_reasons
-from app.serving import AnswerResult, Confidences, NoveltyResult, StageTimes
+from app.metrics import DEFER_REASONS, Metrics, MetricsHooks
+from app.serving import AnswerResult, Confidences, StageTimes
+from clients.schemas import DeferCode
 from heads.monitor import FeedbackMonitor
 
 DOCKER = Path(__file__).resolve().parents[1] / "docker"
@@ -28,14 +29,9 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
             "or", "unless", "offset"}
 
 
-def _flag(f: bool | None) -> NoveltyResult | None:
-    return None if f is None else NoveltyResult(1.0, 0.001 if f else 0.5, f)
-
-
-def result(defer: bool, reason: str | None = None, novel: bool | None = None,
-           image: bool | None = None) -> AnswerResult:
+def result(defer: bool, codes: tuple[str, ...] = ()) -> AnswerResult:
     return AnswerResult("red", "red", "<answer>red</answer>", Confidences(0.4, 0.5, 0.6, 0.7),
-                        defer, reason, StageTimes(0.1, 0.01, 0.001), _flag(novel), _flag(image))
+                        defer, None, StageTimes(0.1, 0.01, 0.001), defer_codes=codes)
 
 
 def exported() -> set[str]:
@@ -140,23 +136,9 @@ def test_compose_provisions_the_dashboard():
 
 
 # ------------------------------------------------------------------ defer by reason
-@pytest.mark.parametrize("res, want", [
-    (result(False), []),
-    (result(True), ["confidence"]),
-    (result(True, "truncated"), ["response"]),
-    (result(True, "image unlike the fitting data (novelty p < 0.01)", novel=True),
-     ["novelty"]),
-    (result(True, "no answer tag; image unlike the fitting data (novelty p < 0.01); image "
-                  "quality unlike the fitting images (image-check p < 0.01)", True, True),
-     ["response", "novelty", "image_check"]),
-    (result(True, "image quality unlike the fitting images (image-check p < 0.01)",
-            novel=False, image=True), ["image_check"]),
-])
-def test_defer_reasons(res, want):
-    assert defer_reasons(res) == want
-
-
 def test_defer_reasons_counter():
+    """One series per defer code from the start; each deferred answer counts under each of
+    its codes; `dualread_defer_total` still counts answers."""
     metrics = Metrics()
     hooks = MetricsHooks(metrics, FeedbackMonitor(50))
 
@@ -164,9 +146,12 @@ def test_defer_reasons_counter():
         return metrics.registry.get_sample_value("dualread_defer_reasons_total",
                                                  {"reason": reason})
 
-    assert all(count(r) == 0 for r in DEFER_REASONS)   # every series exists from the start
-    hooks.answered("a", result(True), 0.0)
-    hooks.answered("b", result(True, "truncated; image unlike the fitting data", True), 0.0)
+    assert set(DEFER_REASONS) == {c.value for c in DeferCode}
+    assert all(count(r) == 0 for r in DEFER_REASONS)
+    hooks.answered("a", result(True, (DeferCode.low_confidence.value,)), 0.0)
+    hooks.answered("b", result(True, (DeferCode.truncated.value,
+                                      DeferCode.novel_states.value)), 0.0)
     hooks.answered("c", result(False), 0.0)
-    assert [count(r) for r in DEFER_REASONS] == [1, 1, 1, 0]
+    got = {r: count(r) for r in DEFER_REASONS if count(r)}
+    assert got == {"low_confidence": 1, "truncated": 1, "novel_states": 1}
     assert metrics.registry.get_sample_value("dualread_defer_total") == 2

@@ -1,4 +1,4 @@
-"""The image check as part of the defer rule (SPEC §8): decision, artefact, fitting stage,
+"""The image check as part of the defer rule (docs/method.md §8): decision, artefact, fitting stage,
 `/answer`'s `image_check` field and `evaluate`'s defer shares."""
 
 import copy
@@ -290,7 +290,7 @@ def test_the_shipped_check_reads_the_sample_image_as_it_did_when_measured():
     root = Path(__file__).resolve().parents[1]
     heads = Heads.load(root / "heads" / "embedded")
     assert heads.card["image_check"]["statistics"] == list(PIXEL_FEATURES)
-    r = heads.image_reading(Image.open(root / "docs" / "sample.png"))
+    r = heads.image_reading(Image.open(root / "tests" / "data" / "sample.png"))
     assert (round(r.score, 4), round(r.p_value, 4), r.novel) == (0.7972, 0.6529, False)
     white = heads.image_reading(Image.new("RGB", (64, 64), "white"))
     n = heads.card["image_check"]["n_calibration"]

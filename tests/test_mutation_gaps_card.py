@@ -24,7 +24,7 @@ from heads.fit import fit_novelty
 from heads.novelty import Novelty, features
 from tests.helpers import drop_fingerprint_scheme
 
-# the rule, reason and messages as SPEC §8 and the code state them, typed out here
+# the rule, reason and messages as docs/method.md §8 and the code state them, typed out here
 RULE_NOVELTY = ("defer if DualRead < tau or novelty p-value < alpha or the response does "
                 "not parse")
 RULE_OLD = "defer if DualRead < tau or the response does not parse"
@@ -196,7 +196,7 @@ def test_load_restores_the_detector_and_its_alpha(tmp_path):
     assert back.defer_rule == RULE_NOVELTY
     x = features("pre_img_mean_std", _feats(6, 9, shift=1.0))
     np.testing.assert_allclose(back.novelty.p_value(x), h.novelty.p_value(x))
-    # a card whose novelty entry lacks α falls back to SPEC's α = 0.01
+    # a card whose novelty entry lacks α falls back to docs/method.md's α = 0.01
     card = json.loads((tmp_path / "heads_card.json").read_text())
     del card["novelty"]["alpha"]
     (tmp_path / "heads_card.json").write_text(json.dumps(card))

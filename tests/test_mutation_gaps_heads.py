@@ -2,7 +2,7 @@
 the card's fields, loading cards that lack optional fields, the attribute views
 (temperatures, readers, Platt keys, τ) and their error messages.
 
-Expectations are written out by hand here (the card as JSON, the defaults SPEC states).
+Expectations are written out by hand here (the card as JSON, the defaults docs/method.md states).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_a_card_without_optional_fields_loads_with_the_defaults(tmp_path):
     back = Heads.load(tmp_path)
     assert set(back.readers) == {"state"}         # what the file holds, nothing more
     assert back.temperatures == {} and back.platt_maps == {} and back.offsets == {}
-    assert back.policy is None and back.kappa == 0.1      # SPEC §1's κ
+    assert back.policy is None and back.kappa == 0.1      # docs/method.md §1's κ
     assert back.temperature("p_state") == 1.0 and back.t_state == 1.0
     assert back.defer_threshold == DEFER_ALL_TAU and back.defer(0.99)
 

@@ -1,4 +1,4 @@
-"""Novelty scores and their conformal p-values (SPEC §8)."""
+"""Novelty scores and their conformal p-values (docs/method.md §8)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The novelty detector as part of the defer rule (SPEC §8): fitting stage, artefact,
+"""The novelty detector as part of the defer rule (docs/method.md §8): fitting stage, artefact,
 decision, and `/answer`'s `novelty` field."""
 
 import json

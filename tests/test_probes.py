@@ -39,7 +39,7 @@ def conf(x: float) -> dict:
     return {k: x for k in IFACES}
 
 
-# ---------------------------------------------------------------- CCG (SPEC §2)
+# ---------------------------------------------------------------- CCG (docs/method.md §2)
 def ccg_record(image: str, c_real: float, c_hn: float, z_real=True, z_hn=False,
                a_real="red", a_hn="red") -> dict:
     return {"eligible": True, "image_id": image, "donor": "d" + image, "donor_image": "D" + image,
@@ -71,7 +71,7 @@ def test_ccg_strict_needs_the_same_canonical_answer():
     assert s["n_strict"] == 1 and s["strict"] == pytest.approx(1.0)
 
 
-# ---------------------------------------------------------------- EMVR (SPEC §4)
+# ---------------------------------------------------------------- EMVR (docs/method.md §4)
 def test_emvr_tvr_by_hand():
     monotone = np.array([[0.9, 0.8, 0.8, 0.5, 0.1], [1, 1, 1, 1, 1]], float)
     assert stats.emvr(monotone) == 0.0 and stats.tvr(monotone) == 0.0
@@ -107,7 +107,7 @@ def test_emvr_summary_on_constructed_trajectories():
     assert s["actor"]["drop_difference"] == pytest.approx(0.0)
 
 
-# ---------------------------------------------------------------- TGS (SPEC §3)
+# ---------------------------------------------------------------- TGS (docs/method.md §3)
 def tgs_record(image: str, good: float, masked: float, bad: float, z: bool = True) -> dict:
     scores = {"good": conf(good), "vision": conf(bad), "reasoning": conf(bad),
               "answer": conf(bad)}
@@ -212,7 +212,7 @@ def test_novel_visual_claim():
     assert not text.novel_visual_claim("The answer follows from the question.", q)
 
 
-# ---------------------------------------------------------------- reliance (SPEC §5)
+# ---------------------------------------------------------------- reliance (docs/method.md §5)
 def test_reliance_metrics_by_hand():
     zr = [1, 1, 1, 0, 1]
     zb = [0, 1, 0, 0, 0]

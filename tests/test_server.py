@@ -275,3 +275,34 @@ def test_typed_client(server, tmp_path):
         assert c.feedback(a.request_id, True).accepted
         with pytest.raises(httpx.HTTPStatusError, match="422"):
             c.answer(b"garbage", Q)
+
+
+def test_oversized_header_is_refused_before_the_app_while_live_answers(server):
+    """The HTTP parser bounds a request's headers (h11, `max_header_bytes`, 16 KiB by
+    default): a header sent in 1 KiB pieces is answered with a 4xx once it passes the
+    bound, long before its end, and /health/live answers all the while. (httptools had no
+    bound: 96 MB in 16 KB pieces got a 200 after 17.8 s, stalling /health/live.)"""
+    import select
+
+    assert httpx.get(server.url + "/health/live", headers={"x-ok": "a" * 8000},
+                     timeout=10).status_code == 200          # under the bound: served
+    sent, reply = 0, b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            while sent < 1024 and not select.select([sock], [], [], 0.01)[0]:
+                sock.sendall(b"a" * 1024)
+                sent += 1
+                if sent % 8 == 0:
+                    assert httpx.get(server.url + "/health/live", timeout=5).status_code == 200
+            sock.sendall(b"\r\n\r\n")     # an unbounded parser answers the whole header
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    assert reply.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), reply[:200]
+    assert sent < 64, sent          # cut off near 16 KiB, not after the whole megabyte
+    assert httpx.get(server.url + "/health/live", timeout=5).status_code == 200

@@ -1,6 +1,6 @@
 """Definitions both sides of the API share: the blank counterfactual image and the
 confidence fields of `/answer`. Each has one home; the other call sites must agree with it
-and with the SPEC, written out here by hand."""
+and with docs/method.md, written out here by hand."""
 
 import dataclasses
 import io
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-# SPEC §5: blank = 224×224 RGB (128, 128, 128)
+# docs/method.md §5: blank = 224×224 RGB (128, 128, 128)
 SPEC_BLANK = np.full((224, 224, 3), 128, dtype=np.uint8)
 # `/answer`'s confidence object, in its JSON order, with its OpenAPI descriptions
 FIELDS = {
@@ -49,7 +49,7 @@ def test_the_blank_route_uses_the_one_definition():
 
 
 def test_bicr_black_image_is_not_the_blank_one():
-    """SPEC §7's blind image is black at the real image's size: a different condition."""
+    """docs/method.md §7's blind image is black at the real image's size: a different condition."""
     from models.counterfactuals import black_image
 
     np.testing.assert_array_equal(pixels(black_image((5, 3))), np.zeros((3, 5, 3), np.uint8))

@@ -84,7 +84,7 @@ def test_refit_uses_the_study_settings_not_the_shipped_ones(monkeypatch):
     monkeypatch.setitem(dm.FLIP_WEIGHTS, "visual", 1.0)
     refit = _fit(f, clean_defer)
     np.testing.assert_array_equal(refit.p(test), before)
-    # P-State is the plain SPEC fit with l2 1e-3 on the reader rows (no flips, no refit)
+    # P-State is the plain docs/method.md fit with l2 1e-3 on the reader rows (no flips, no refit)
     reader = split == "reader"
     expected = Reader(DIM)
     fit_linear(expected, f["h_close"][reader], f["z"][reader], l2=1e-3)

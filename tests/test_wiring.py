@@ -45,7 +45,7 @@ def np_phi(h_ans, v, kappa) -> np.ndarray:
 
 
 def ece_reference(c, z, bins):
-    """ECE with explicit edges [k/B, (k+1)/B), the last bin closed (SPEC §6)."""
+    """ECE with explicit edges [k/B, (k+1)/B), the last bin closed (docs/method.md §6)."""
     c, z = np.asarray(c, float), np.asarray(z, float)
     total = 0.0
     for k in range(bins):
@@ -315,7 +315,7 @@ def test_extract_builds_phi_from_the_answer_span_and_span_statistics():
     # over the answer span like the other sequence scores (was the whole response)
     assert float(f["mean_logprob"]) == pytest.approx((-0.5 - 1.0) / 2)
     assert float(f["entropy"]) == pytest.approx(0.5)
-    assert float(f["mu"]) == 0.5                      # no cue: μ kept at 0.5 (SPEC)
+    assert float(f["mu"]) == 0.5                      # no cue: μ kept at 0.5 (docs/method.md)
     for k in ("msp", "mean_logprob", "entropy", "mu"):
         assert f[k].shape == (1,), k
 

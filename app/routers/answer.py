@@ -24,17 +24,24 @@ from app.schemas import (
     Timings,
 )
 from app.serving import AnswerItem, AnswerResult, Serving
-from clients.schemas import ImageCheck, Novelty
+from clients.schemas import DeferCode, ImageCheck, Novelty
 
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
-MULTIPART_FIELDS = {"file", "question", "max_new_tokens"}
+# The image part may be named `image` (as in the JSON body) or `file`; one of them.
+IMAGE_PARTS = ("image", "file")
+MULTIPART_FIELDS = {*IMAGE_PARTS, "question", "max_new_tokens"}
+TWO_IMAGES = "multipart body has two image parts; send one, named 'image' or 'file'"
 _INT = re.compile(r"[0-9]{1,4}")    # fullmatch, ASCII: int() would take "٨" as 8
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
     "multipart/form-data": {"schema": {
-        "type": "object", "required": ["file", "question"], "additionalProperties": False,
-        "properties": {"file": {"type": "string", "format": "binary"},
+        "type": "object", "required": ["question"], "additionalProperties": False,
+        "oneOf": [{"required": ["image"]}, {"required": ["file"]}],
+        "properties": {"image": {"type": "string", "format": "binary",
+                                 "description": "the image file; or name the part 'file'"},
+                       "file": {"type": "string", "format": "binary",
+                                "description": "the image file, under its other name"},
                        "question": {"type": "string", "minLength": 1},
                        "max_new_tokens": {"type": "integer", "minimum": 1,
                                           "maximum": MAX_NEW_TOKENS}}}}}}}
@@ -57,6 +64,17 @@ class _TextParts(MultiPartParser):
     their own."""
 
     ended = False
+    image_parts = 0
+
+    def on_headers_finished(self) -> None:
+        # a second image part (`image` and `file`) is refused by name, before the parser's
+        # own one-file limit would call it a 400 "too many files"
+        _, options = parse_options_header(self._current_part.content_disposition)
+        if b"filename" in options and options.get(b"name") in (b"image", b"file"):
+            self.image_parts += 1
+            if self.image_parts > 1:
+                raise _Refused(TWO_IMAGES)
+        super().on_headers_finished()
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -64,7 +82,7 @@ class _TextParts(MultiPartParser):
             try:
                 bytes(part.data).decode(self._charset)
             except UnicodeDecodeError:
-                raise _NotText(f"multipart part 'question' is not valid {self._charset} text "
+                raise _Refused(f"multipart part 'question' is not valid {self._charset} text "
                                "(UTF-8 unless the body's content type names a charset)"
                                ) from None
         super().on_part_end()
@@ -74,8 +92,8 @@ class _TextParts(MultiPartParser):
         super().on_end()
 
 
-class _NotText(MultiPartException):
-    pass
+class _Refused(MultiPartException):
+    """A multipart body refused with a 422 (the parser's own errors are 400s)."""
 
 
 # Longest multipart Content-Type read: the parser walks it on the event loop (twice),
@@ -107,7 +125,7 @@ async def _form(request: Request) -> FormData:
         async with aclosing(request.stream()) as stream:
             parser = _TextParts(request.headers, stream, max_files=1, max_fields=2)
             form = await parser.parse()
-    except _NotText as e:
+    except _Refused as e:
         raise InvalidInput(e.message) from None
     except MultiPartException as e:
         raise HTTPException(status_code=400, detail=e.message) from None
@@ -132,15 +150,19 @@ async def _multipart(request: Request, serving: Serving) -> AnswerItem:
 async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     extra = set(form.keys()) - MULTIPART_FIELDS
     if extra:
-        raise InvalidInput("multipart body has unexpected parts; send file, question and "
-                           "optionally max_new_tokens")
+        raise InvalidInput("multipart body has unexpected parts; send image (or file), "
+                           "question and optionally max_new_tokens")
     if any(len(form.getlist(k)) > 1 for k in MULTIPART_FIELDS):
         # the last would win, and a proxy that checked the first judged another request
-        raise InvalidInput("multipart body repeats a part; send each of file, question and "
-                           "max_new_tokens at most once")
-    upload = form.get("file")
+        raise InvalidInput("multipart body repeats a part; send each of image (or file), "
+                           "question and max_new_tokens at most once")
+    given = [k for k in IMAGE_PARTS if k in form]
+    if len(given) > 1:
+        raise InvalidInput(TWO_IMAGES)
+    upload = form.get(given[0]) if given else None
     if upload is None or isinstance(upload, str):
-        raise InvalidInput("multipart body needs a 'file' part")
+        raise InvalidInput("multipart body needs a 'file' part or an 'image' part, holding "
+                           "a file (curl -F image=@x.png)")
     raw_mnt = form.get("max_new_tokens")
     mnt = None
     if raw_mnt is not None:
@@ -175,8 +197,10 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
     c, t = res.confidence, res.timings
     return AnswerResponse(
         answer=res.answer, response=res.response,
-        confidence=confidence(c),
-        defer=res.defer, defer_reason=res.defer_reason, defer_threshold=backend.threshold,
+        confidence=None if c is None else confidence(c),
+        defer=res.defer, defer_reason=res.defer_reason,
+        defer_reasons=[DeferCode(code) for code in res.defer_codes],
+        defer_threshold=backend.threshold,
         novelty=None if res.novelty is None else Novelty(
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         image_check=None if res.image_check is None else ImageCheck(

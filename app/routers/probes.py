@@ -1,10 +1,11 @@
-"""Probe endpoints: counterfactual pairs (SPEC §2, §5) and teacher-forced scoring (SPEC §3)."""
+"""Probe endpoints: counterfactual pairs (docs/method.md §2, §5) and teacher-forced scoring
+(docs/method.md §3)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from app.deps import get_serving, request_id, require_json, require_key
+from app.deps import get_serving, request_id, require_heads, require_json, require_key
 from app.errors import InvalidInput
 from app.routers.common import ERRORS, confidence
 from app.schemas import (
@@ -25,13 +26,14 @@ from models.canon import canon, is_correct
 from models.counterfactuals import blank_image
 from models.masking import MaskSpec
 
-router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json)])
+router = APIRouter(tags=["probes"], dependencies=[Depends(require_key), Depends(require_json),
+                                                  Depends(require_heads)])
 
 
 def run(r: AnswerResult, correct: bool | None) -> Run:
     return Run(answer=r.answer, canonical=r.canonical, response=r.response,
                confidence=confidence(r.confidence), correct=correct, defer=r.defer,
-               defer_reason=r.defer_reason)
+               defer_reason=r.defer_reason, defer_reasons=list(r.defer_codes))
 
 
 def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
@@ -66,7 +68,7 @@ def trajectory_score(r: ScoreResult) -> TrajectoryScore:
 @router.post("/probe/counterfactual", response_model=CounterfactualResponse, responses=ERRORS)
 async def counterfactual(request: Request, body: CounterfactualRequest,
                          serving: Serving = Depends(get_serving)) -> CounterfactualResponse:
-    """Run the same question on the real image and a counterfactual one (SPEC §2, §5)."""
+    """Run the same question on the real image and a counterfactual one (docs/method.md §2, §5)."""
     serving.admit(request)
     question = serving.question(body.question)
     limit = serving.max_new_tokens(body.max_new_tokens)
@@ -97,7 +99,7 @@ async def counterfactual(request: Request, body: CounterfactualRequest,
 @router.post("/probe/score", response_model=ScoreResponse, responses=ERRORS)
 async def score(request: Request, body: ScoreRequest, serving: Serving = Depends(get_serving)
                 ) -> ScoreResponse:
-    """Teacher-forced confidence of a supplied trajectory, optionally masked (SPEC §3)."""
+    """Teacher-forced confidence of a supplied trajectory, optionally masked (docs/method.md §3)."""
     serving.admit(request)
     question = serving.question(body.question)
     mask = mask_spec(body.mask, body.response)

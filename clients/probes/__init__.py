@@ -1,4 +1,4 @@
-"""Probe suites run against any dualread deployment over HTTP (SPEC §2–§5).
+"""Probe suites run against any dualread deployment over HTTP (docs/method.md §2–§5).
 
 `dualread probe NAME --url URL --data SPEC --out DIR` with NAME one of `PROBES` or `all`.
 Each probe module has `params`, `run_item`, `summarise`, `markdown` and `figures`; the

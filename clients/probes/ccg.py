@@ -1,4 +1,4 @@
-"""`dualread probe ccg` — SPEC §2. Donors are assigned (seeded) before anything is scored;
+"""`dualread probe ccg` — docs/method.md §2. Donors are assigned (seeded) before anything is scored;
 each eligible item is answered on its own image and on the donor's, and every confidence
 interface the service returns is read from those two answers. The CCG-AUC maths is the
 one in `clients.ccg` (not a second copy)."""

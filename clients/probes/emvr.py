@@ -1,4 +1,4 @@
-"""`dualread probe emvr` — SPEC §4. Each item with a question-critical box (the `box` of a
+"""`dualread probe emvr` — docs/method.md §4. Each item with a question-critical box (the `box` of a
 JSONL item; for easy-VQA the shape's box) is answered at five severities of a centred gray
 mask on the box, of a Gaussian blur inside it, and of the same mask on a matched
 non-critical box (control). For each confidence interface:

@@ -1,5 +1,5 @@
 """Image conditions the probes send: blank, region mask, region blur, matched control box
-(SPEC §4, §5). Boxes are [x0, y0, x1, y1) in pixels.
+(docs/method.md §4, §5). Boxes are [x0, y0, x1, y1) in pixels.
 
 Pillow is imported at the top: the probe suites read their datasets through `models.data`
 and so run with the `server` extra, unlike the bare HTTP client. The blank image itself is
@@ -19,7 +19,7 @@ from clients.counterfactual import BLANK_RGB, blank_image
 from clients.counterfactual import BLANK_SIZE as BLANK_SIZE  # re-exported: the old home
 
 Box = tuple[int, int, int, int]
-GRAY = BLANK_RGB      # the region-mask fill (SPEC §4) is the blank image's gray
+GRAY = BLANK_RGB      # the region-mask fill (docs/method.md §4) is the blank image's gray
 
 
 def png(img: Image.Image) -> bytes:
@@ -29,7 +29,7 @@ def png(img: Image.Image) -> bytes:
 
 
 def blank() -> Image.Image:
-    """SPEC §5 blank condition (`clients.counterfactual.blank_image`)."""
+    """docs/method.md §5 blank condition (`clients.counterfactual.blank_image`)."""
     return blank_image()
 
 

@@ -1,4 +1,4 @@
-"""EMVR's evidence-order head (SPEC §4), numpy only: a linear head on
+"""EMVR's evidence-order head (docs/method.md §4), numpy only: a linear head on
 [h ; sequence log-confidence ; entropy] trained with BCE plus a hinge on adjacent logits
 within a trajectory (a logit should not rise as evidence is removed), against the same
 head trained with BCE only. Folds are grouped by question; heads are trained on mask

@@ -1,4 +1,4 @@
-"""`dualread probe reliance` — SPEC §5. Each item is answered on its real image, a blank
+"""`dualread probe reliance` — docs/method.md §5. Each item is answered on its real image, a blank
 image (224×224 RGB 128) and a shuffled one (a different image of the same data, seeded).
 
 VRS = Acc_real − Acc_shuffle, BD = Acc_real − Acc_blank, IS = P[a_real ≠ a_shuffle],

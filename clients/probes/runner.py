@@ -129,7 +129,7 @@ class Context:
         self._image_ids = sorted(self.images)
 
     def assign_donors(self, items: Sequence[Item]) -> None:
-        """SPEC §2: donors are fixed (seeded) before anything is scored."""
+        """docs/method.md §2: donors are fixed (seeded) before anything is scored."""
         self._index = self._index or HardNegativeIndex(self.pool, self.cfg.seed)
         for it in items:
             self.donors[it.id] = self._index.assign(it)

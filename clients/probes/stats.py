@@ -1,4 +1,4 @@
-"""numpy-only statistics for the probes (SPEC §3–§5): evidence order, trajectory
+"""numpy-only statistics for the probes (docs/method.md §3–§5): evidence order, trajectory
 grounding, visual reliance, bootstrap intervals and permutation tests."""
 
 from __future__ import annotations

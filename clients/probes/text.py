@@ -1,5 +1,5 @@
-"""Rules on trajectory text: TGS bad variants (SPEC §3), hesitation cuts (TGS paper A.3)
-and novel visual claims (SPEC §5).
+"""Rules on trajectory text: TGS bad variants (docs/method.md §3), hesitation cuts (TGS paper A.3)
+and novel visual claims (docs/method.md §5).
 
 A trajectory is `<think>{observation}. {reasoning}</think><answer>{a}</answer>...`; the
 first sentence of the think block is the vision rationale v, the rest is the reasoning r.

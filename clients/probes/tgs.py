@@ -1,4 +1,4 @@
-"""`dualread probe tgs` — SPEC §3, for every confidence interface the service returns
+"""`dualread probe tgs` — docs/method.md §3, for every confidence interface the service returns
 (verbalized μ(C), and DualRead, PSR and PER, which no seed paper measures this way).
 
 Per item: the actor's own trajectory τ (its natural answer), then one `/probe/score_batch`

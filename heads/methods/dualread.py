@@ -1,4 +1,4 @@
-"""DualRead and its branches (SPEC §1): PSR, P-State, PER, and their log-odds fusion.
+"""DualRead and its branches (docs/method.md §1): PSR, P-State, PER, and their log-odds fusion.
 
 Fitted in this order (registration order): PSR alone; P-State, then frozen; PER's visual
 reader on P-State's residual; each branch's temperature on the temperature split; last,

@@ -1,4 +1,4 @@
-"""Baselines that pay for extra passes (SPEC §7): P(True), SC@K, semantic uncertainty."""
+"""Baselines that pay for extra passes (docs/method.md §7): P(True), SC@K, semantic uncertainty."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Baselines read off the natural pass's tokens (SPEC §7): μ(C), sequence likelihood,
+"""Baselines read off the natural pass's tokens (docs/method.md §7): μ(C), sequence likelihood,
 mean token log-prob and predictive entropy. Cost 0."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hidden-state baselines (SPEC §7): SAPLMA and blind-image contrast (BICR).
+"""Hidden-state baselines (docs/method.md §7): SAPLMA and blind-image contrast (BICR).
 
 Both are class-weighted MLPs with early stopping on held-out images, then temperature
 scaling on the temperature split: the same protocol as DualRead's PSR.

@@ -1,0 +1,29 @@
+"""The service's log lines: one JSON object each, with an ISO-8601 UTC time and a level."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+
+
+class JsonLines(logging.Formatter):
+    """`{"time", "level", "logger", ...}`: a message that is a JSON object (the service's
+    own events) keeps its fields; any other message becomes `"message"`. A traceback, when
+    there is one, is a field too, so every line stays one JSON object."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        try:
+            fields = json.loads(msg) if msg.startswith("{") else None
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            fields = {"message": msg}
+        when = datetime.fromtimestamp(record.created, UTC)
+        out = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+               "level": record.levelname, "logger": record.name}
+        out.update((k, v) for k, v in fields.items() if k not in out)
+        if record.exc_info:
+            out["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
