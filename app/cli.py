@@ -20,6 +20,29 @@ app = typer.Typer(help="DualRead: VQA answers from a frozen VLM with grounded co
                   no_args_is_help=True, add_completion=False)
 console = Console()
 
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, once installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dualread")
+    except PackageNotFoundError:     # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dualread {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print the version and exit.")] = False) -> None:
+    """DualRead: VQA answers from a frozen VLM with grounded confidence."""
+
 ActorOpt = Annotated[Path | None, typer.Option(
     "--actor", help="Actor folder (local). Default: the embedded tiny Qwen3-VL.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda")]

@@ -19,7 +19,7 @@ from app.logs import JsonLines
 from app.metrics import Metrics
 from app.middleware import RequestContext, body_paths
 from app.recertify import DriftCollector, RecertHooks, Recertification
-from app.routers import answer, calibration, ops, probes
+from app.routers import answer, calibration, openai, ops, probes
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
@@ -96,8 +96,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app.state.hooks = hooks
     app.state.recert = recert
     errors.install(app)
-    for router in (answer.router, probes.router, ops.router, ops.docs, ops.assets,
-                   calibration.router):
+    for router in (answer.router, probes.router, openai.router, ops.router, ops.docs,
+                   ops.assets, calibration.router):
         app.include_router(router)
     if settings.operator_key:      # without one, pin and rollback are not served at all
         app.include_router(calibration.operator)
@@ -106,4 +106,5 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                        draining=lambda: serving.draining,
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key,
                        body_paths=body_paths(app))
+    app.add_middleware(openai.OpenAIErrors)    # outside RequestContext: its errors too
     return app

@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from app.engine import BatcherHooks, Job
 from app.serving import AnswerResult, ServingHooks
+from clients.schemas import DeferCode
 from heads.monitor import FeedbackMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -26,6 +27,10 @@ FEEDBACK_GAUGES = {
     "defer_rate": ("dualread_feedback_defer_rate", "Defer rate on the feedback window."),
     "n": ("dualread_feedback_window", "Answers with feedback in the window."),
 }
+
+
+# the label values of dualread_defer_reasons_total: the response's defer_reasons codes
+DEFER_REASONS = tuple(c.value for c in DeferCode)
 
 
 class FeedbackCollector:
@@ -76,6 +81,12 @@ class Metrics:
         self.confidence = Histogram("dualread_confidence", "DualRead confidence of answers.",
                                     buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
         self.defer = Counter("dualread_defer", "Answers flagged for deferral.", registry=r)
+        self.defer_reasons = Counter(
+            "dualread_defer_reasons", "Deferred answers by reason (the defer_reasons codes; "
+            "an answer deferred for several reasons counts under each).",
+            ["reason"], registry=r)
+        for reason in DEFER_REASONS:     # every series exists from the start, at 0
+            self.defer_reasons.labels(reason)
         self.feedback = Counter("dualread_feedback", "Feedback received.", ["known"],
                                 registry=r)
         self.model_info = Info("dualread_model", "Loaded actor and heads.", registry=r)
@@ -105,6 +116,8 @@ class MetricsHooks(ServingHooks, BatcherHooks):
         m.stage_duration.labels("heads").observe(result.timings.heads)
         if result.defer:
             m.defer.inc()
+            for code in result.defer_codes:
+                m.defer_reasons.labels(code).inc()
         if result.confidence is None:   # answer-only: no confidence to watch or calibrate
             return
         m.confidence.observe(result.confidence.dualread)

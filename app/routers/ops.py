@@ -18,6 +18,7 @@ from app.deps import (
     require_key_for_metrics,
 )
 from app.errors import NotReady, error_response
+from app.routers import openai
 from app.routers.common import error_responses
 from app.serving import Serving
 
@@ -50,7 +51,9 @@ async def ready(request: Request, serving: Serving = Depends(get_serving)) -> JS
 async def models(serving: Serving = Depends(get_serving)) -> dict:
     if serving.backend is None:
         raise NotReady(serving.load_error or "loading model")
-    return serving.backend.cards()
+    # OpenAI's model list (`object`, `data`) beside the cards: the OpenAI SDK's
+    # `models.list()` reads it
+    return {**openai.model_list(), **serving.backend.cards()}
 
 
 @router.get("/metrics", include_in_schema=False,

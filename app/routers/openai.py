@@ -1,0 +1,341 @@
+"""POST /v1/chat/completions: the OpenAI chat API over `/answer`'s serving path.
+
+One user message with one image part (a data URI) and its text (the question) in; the
+answer as the assistant message out, with `/answer`'s whole response (confidence, `defer`,
+`defer_reason`, novelty, image check, ids, timings) in the extension field `dualread`.
+Decoding, limits and the model path are `/answer`'s (`Serving`); errors on this route
+leave in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (`OpenAIErrors`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.deps import get_serving, request_id, require_json, require_key
+from app.errors import REQUEST_ID, InvalidInput, detail_of, explain, status_of
+from app.routers.answer import response
+from app.schemas import MAX_NEW_TOKENS, AnswerResponse
+from app.serving import AnswerItem, Serving
+from models.images import ImageInvalid, ImageTooLarge
+
+PATH = "/v1/chat/completions"
+# The one model this service serves, by the name /v1/models lists; a request may name any
+# model (there is no other to route to), the response names this one.
+MODEL_ID = "dualread"
+MAX_MESSAGES = 8
+MAX_PARTS = 8
+MAX_DATA_URI_HEADER = 128     # "data:image/png;base64": the part before the comma
+
+
+# ---------------------------------------------------------------------------- request
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str = Field(..., description="a data URI, `data:image/png;base64,...`; the server "
+                                      "fetches no URL")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="accepted and ignored: the actor's processor sets the resolution")
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[Part], Field(max_length=MAX_PARTS)]
+    name: str | None = Field(None, max_length=64)
+
+
+class ChatRequest(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": MODEL_ID, "max_tokens": 64, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo..."}},
+            {"type": "text", "text": "what color is the shape?"}]}]}]})
+    model: str = Field(..., min_length=1, max_length=256,
+                       description=f"any name: the service serves one model ({MODEL_ID!r})")
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES,
+                                        description="exactly one user message: one image_url "
+                                                    "part and the question as text")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
+    n: int | None = Field(None, ge=1, le=1, strict=True, description="one choice only")
+    stream: bool | None = Field(None, strict=True, description="false only: no streaming")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="accepted and ignored: decoding is greedy, so the "
+                                      "confidence describes the answer that is returned")
+    user: str | None = Field(None, max_length=256, description="accepted and ignored")
+
+
+# ---------------------------------------------------------------------------- response
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop"] = "stop"
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(..., description="chatcmpl- and the request id (the key for /feedback "
+                                     "is `dualread.request_id`)")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    dualread: AnswerResponse = Field(..., description="DualRead's reading of the answer: "
+                                                      "the same object POST /answer returns "
+                                                      "(confidence, defer, defer_reason, ...)")
+
+
+class OpenAIErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorBody
+
+
+# OpenAI's error `type` and a short `code` per status this route can answer with
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               408: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error"}
+ERROR_CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found",
+               405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
+               415: "unsupported_media_type", 422: "invalid_value", 429: "queue_full",
+               500: "internal_error", 503: "not_ready", 504: "deadline_exceeded"}
+ERRORS = {code: {"model": OpenAIError} for code in (401, 413, 415, 422, 429, 500, 503, 504)}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message,
+                      "type": ERROR_TYPES.get(status, "server_error" if status >= 500
+                                              else "invalid_request_error"),
+                      "param": param, "code": ERROR_CODES.get(status)}}
+
+
+class _Refused(Exception):
+    """A client error on this route, with the request field it concerns."""
+
+    def __init__(self, status: int, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+# ---------------------------------------------------------------------------- decoding
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
+
+
+def _param(loc: tuple) -> str | None:
+    """A validation error's location as OpenAI writes `param` (`messages[0].content`); keys
+    that are not plain identifiers are client text and are left out."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif isinstance(x, str) and _IDENT.match(x) and x not in ("str", "list"):
+            out += f".{x}" if out else x
+        else:
+            break
+    return out or None
+
+
+def _parse(raw: bytes) -> ChatRequest:
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
+    try:
+        return ChatRequest.model_validate_json(raw)
+    except ValidationError as e:
+        errs = e.errors()
+        loc = tuple(errs[0].get("loc", ())) if errs else ()
+        if errs and errs[0].get("type") == "extra_forbidden":
+            loc = loc[:-1]           # the unknown key itself is client text
+        raise _Refused(422, explain(errs), _param(loc)) from None
+
+
+def _question_and_image(body: ChatRequest) -> tuple[str, str]:
+    """(question, base64 image) of the one user message."""
+    for k, m in enumerate(body.messages):
+        if m.role != "user":
+            raise _Refused(422, f"messages[{k}]: only one user message is served (the "
+                                "actor's prompt is fixed: no system, developer or assistant "
+                                "messages)", f"messages[{k}].role")
+    if len(body.messages) != 1:
+        raise _Refused(422, "send exactly one user message: one image and its question",
+                       "messages")
+    content = body.messages[0].content
+    parts = [TextPart(type="text", text=content)] if isinstance(content, str) else content
+    images = [p for p in parts if isinstance(p, ImagePart)]
+    if len(images) != 1:
+        raise _Refused(422, "the user message needs exactly one image_url part (a data URI)",
+                       "messages[0].content")
+    question = "\n".join(p.text for p in parts if isinstance(p, TextPart))
+    return question, _data_uri(images[0].image_url.url)
+
+
+def _data_uri(url: str) -> str:
+    """The base64 payload of `data:<type>;base64,<payload>`; the media type is not trusted
+    (the decoder reads the bytes)."""
+    param = "messages[0].content.image_url.url"
+    head, comma, _ = url[: MAX_DATA_URI_HEADER + 1].partition(",")
+    if not url.startswith("data:") or not comma or not head.lower().endswith(";base64"):
+        raise _Refused(422, "image_url.url must be a base64 data URI "
+                            "(data:image/png;base64,...): the server fetches no URL", param)
+    return url[len(head) + 1:]
+
+
+async def _item(request: Request, serving: Serving) -> AnswerItem:
+    """The answer job, checked as `/answer` checks its JSON body."""
+    body = _parse(await request.body())
+    if body.stream:
+        raise _Refused(422, "stream: streaming is not supported; the answer and its "
+                            "confidence come in one response", "stream")
+    if body.max_tokens is not None and body.max_completion_tokens is not None and \
+            body.max_tokens != body.max_completion_tokens:
+        raise _Refused(422, "max_tokens and max_completion_tokens differ; send one",
+                       "max_completion_tokens")
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    question, b64 = _question_and_image(body)
+    try:
+        question = serving.question(question)
+    except InvalidInput as e:
+        raise _Refused(e.status, e.detail, "messages[0].content") from None
+    limit = serving.max_new_tokens(asked)
+    try:
+        image = await serving.image_b64(b64)
+    except (InvalidInput, ImageInvalid, ImageTooLarge) as e:
+        raise _Refused(status_of(e), detail_of(e), "messages[0].content.image_url.url"
+                       ) from None
+    return AnswerItem(image, question, limit)
+
+
+# ---------------------------------------------------------------------------- route
+router = APIRouter(tags=["openai"], dependencies=[Depends(require_key)])
+
+
+def _inlined(schema: dict) -> dict:
+    """A model's JSON schema with its `$defs` written in place (the OpenAPI document
+    resolves `#/$defs/...` from its own root, where they are not)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "$ref" in x:
+                return walk(defs[x["$ref"].rsplit("/", 1)[-1]])
+            return {k: walk(v) for k, v in x.items()}
+        return [walk(v) for v in x] if isinstance(x, list) else x
+    return walk(schema)
+
+
+BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(ChatRequest.model_json_schema())}}}}
+
+
+@router.post(PATH, response_model=ChatCompletion, responses=ERRORS, openapi_extra=BODY,
+             dependencies=[Depends(require_json)])
+async def chat_completions(request: Request, serving: Serving = Depends(get_serving)
+                           ) -> ChatCompletion | JSONResponse:
+    """OpenAI's chat completion for one image and its question; DualRead's confidence and
+    defer flag in `dualread`."""
+    serving.admit(request)
+    rid = request_id(request)
+    try:
+        item = await _item(request, serving)
+    except _Refused as e:
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status,
+                            headers={REQUEST_ID: rid})
+    [served] = await serving.answer([item], request_id=rid, gone=request.is_disconnected)
+    request.scope["state"]["batch_size"] = served.batch
+    res = response(serving, rid, served.result, served.queued_s)
+    return ChatCompletion(id=f"chatcmpl-{rid}", created=int(time.time()), model=MODEL_ID,
+                          choices=[Choice(message=AssistantMessage(content=res.answer))],
+                          dualread=res)
+
+
+def model_list() -> dict:
+    """OpenAI's `GET /v1/models` fields, for the route that already answers there."""
+    return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0,
+                                        "owned_by": "dualread"}]}
+
+
+# ---------------------------------------------------------------------------- errors
+class OpenAIErrors:
+    """Every error answered on `PATH`, in OpenAI's shape: the service's own
+    `{"detail", "request_id"}` (from the middleware's pre-checks, auth, the queue, the
+    deadline) is rewritten; `_Refused` becomes it directly, with its `param`. The request
+    id stays in the `x-request-id` header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") != PATH:
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def rewrite(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                if message["status"] < 400:
+                    await send(message)
+                else:
+                    start = message          # held until the body is whole
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = _openai_error(start["status"], b"".join(chunks))
+            headers = MutableHeaders(scope=start)
+            headers["content-length"] = str(len(body))
+            headers["content-type"] = "application/json"
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
+
+
+def _openai_error(status: int, body: bytes) -> bytes:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        return body                                   # already in this shape
+    detail = doc.get("detail") if isinstance(doc, dict) else None
+    message = detail if isinstance(detail, str) else "error"
+    return json.dumps(error_body(status, message)).encode()
