@@ -216,7 +216,7 @@ def load(spec: str) -> list[Item]:
             return shift_items(load(base), *shift)
     kind, _, rest = spec.partition(":")
     if kind == "render" and rest:
-        from models.render import load_render   # imports this module
+        from models.render import load_render  # imports this module
 
         return load_render(rest)
     if kind not in LOADERS or not rest:
