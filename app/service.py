@@ -253,7 +253,9 @@ class Service:
             timings=StageTimes(timings.generate, timings.readout, heads_s),
             novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
             image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
-                                                               chk.novel))
+                                                               chk.novel),
+            calibrated=self.heads.calibrated(nov.p_value if nov else None,
+                                             chk.p_value if chk else None))
 
     def score_batch(self, items: list[ScoreItem], deadlines: list[float]
                     ) -> list[ScoreResult | Exception]:

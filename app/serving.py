@@ -99,6 +99,7 @@ class AnswerResult:
     timings: StageTimes
     novelty: NoveltyResult | None = None     # None: the heads have no novelty detector
     image_check: NoveltyResult | None = None  # None: the heads have no image check
+    calibrated: bool = True    # False: a detector flags the input (confidence uncalibrated)
 
 
 @dataclass(frozen=True)

@@ -319,6 +319,14 @@ class Heads:
                    image_check_reason(self.image_check_alpha) if why["image"] else None]
         return any(why.values()), "; ".join(r for r in reasons if r is not None) or None
 
+    def calibrated(self, novelty_p: float | None = None, image_p: float | None = None
+                   ) -> bool:
+        """Whether DualRead's confidence for an input is inside its calibrated range: no
+        detector of the defer rule flags it. Its calibration was measured on inputs like
+        the fitting data; on a flagged one the number is kept but not vouched for."""
+        why = self.defer_reasons([1.0], [novelty_p], None, [image_p])
+        return not (bool(why["novelty"][0]) or bool(why["image"][0]))
+
     def defer_reasons(self, p_dualread: Sequence[float] | np.ndarray,
                       novelty_p: Sequence[float | None] | np.ndarray | None = None,
                       problems: Sequence[str | None] | None = None,
