@@ -121,7 +121,8 @@ def test_fit_writes_a_check_fitted_on_clean_reader_images_only(actors, own_or_wr
     actor, per_family = actors["gemma3"], 2
     items = load(own_or_wrong_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
-                            target_risk=0.3, novelty=False, novelty_per_family=per_family)
+                            target_risk=0.3, novelty=False, novelty_per_family=per_family,
+                            image_check=True)
     assert heads.novelty is None and heads.image_check is not None
     reader = [it for it in items if image_split(it.image_id) == "reader"]
     # calibrated on every image it was not fitted on
