@@ -185,16 +185,26 @@ class Novelty:
         # the most unusual token; an item without any token gets -inf (never flags)
         return d.reshape(n, m).max(1).values.numpy()
 
+    def _bank32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bank in float32 and its squared norms, kept until the bank changes (a
+        conversion per call cost more than the distances of one item)."""
+        bank = self.t["bank"]
+        cached = getattr(self, "_b32", None)
+        if cached is None or cached[0] is not bank:
+            b = bank.float().contiguous()
+            cached = self._b32 = (bank, b, (b * b).sum(1))
+        return cached[1], cached[2]
+
     def _nearest(self, z: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
         """Distance of each row to its k-th nearest bank row (|a|² + |b|² − 2a·b, one
         matrix product per chunk; in float32, which halves the cost on CPUs)."""
-        bank = self.t["bank"].float()
-        b2 = (bank * bank).sum(1)
+        bank, b2 = self._bank32()
         out = []
         for s in range(0, len(z), chunk):
             a = z[s: s + chunk].float()
             d2 = (a * a).sum(1, keepdim=True) + b2 - 2.0 * (a @ bank.T)
-            out.append(d2.kthvalue(k, dim=1).values.clamp_min(0).sqrt().double())
+            best = d2.min(1).values if k == 1 else d2.kthvalue(k, dim=1).values
+            out.append(best.clamp_min(0).sqrt().double())
         return torch.cat(out) if out else torch.zeros(0, dtype=z.dtype)
 
     def p_value(self, x: torch.Tensor) -> np.ndarray:
