@@ -73,6 +73,30 @@ def suite_row(z: np.ndarray, confidence: np.ndarray, deferred: np.ndarray,
             if n else float("nan")}
 
 
+def pool_by_kind(rows: dict[str, dict]) -> dict[str, dict]:
+    """Counts of the suites of each kind added up (benign, harmful, novel): released share,
+    risk among released and its upper bound over all their items."""
+    out: dict[str, dict] = {}
+    for spec, r in rows.items():
+        kind = kind_of(spec)
+        if kind in ("clean", "other"):
+            continue
+        n, k = r["n"], round(r["released"] * r["n"])
+        acc = out.setdefault(kind, {"n": 0, "right": 0, "kept": 0, "errors": 0,
+                                    "right_kept": 0})
+        right = round(r["accuracy"] * n)
+        acc["n"] += n
+        acc["right"] += right
+        acc["kept"] += k
+        acc["errors"] += round(r["risk_released"] * k)
+        acc["right_kept"] += round(r["correct_released"] * right) if right else 0
+    return {kind: {"n": a["n"], "accuracy": a["right"] / a["n"], "released": a["kept"] / a["n"],
+                   "risk_released": a["errors"] / a["kept"] if a["kept"] else 0.0,
+                   "risk_released_ub95": clopper_pearson_upper(a["errors"], a["kept"], UB_LEVEL),
+                   "correct_released": a["right_kept"] / a["right"] if a["right"] else float("nan")}
+            for kind, a in out.items()}
+
+
 def suite_markdown(rows: dict[str, dict]) -> list[str]:
     """One table over the evaluated specs (rows by spec), and the clean deferral the
     detectors add."""
@@ -86,6 +110,15 @@ def suite_markdown(rows: dict[str, dict]) -> list[str]:
                      f"{r['released']:.3f} | {r['risk_released']:.3f} | "
                      f"{r['risk_released_ub95']:.3f} | {r['correct_released']:.3f} | "
                      f"{r['ece_released']:.3f} | {r['released_tau_only']:.3f} |")
+    pooled = pool_by_kind(rows)
+    if pooled:
+        lines += ["", "Pooled by kind (items of every suite of that kind together):", "",
+                  "| kind | n | accuracy | released | risk | UB 95% | correct released |",
+                  "|---|---|---|---|---|---|---|"]
+        for kind, r in pooled.items():
+            lines.append(f"| {kind} | {r['n']} | {r['accuracy']:.3f} | {r['released']:.3f} | "
+                         f"{r['risk_released']:.3f} | {r['risk_released_ub95']:.3f} | "
+                         f"{r['correct_released']:.3f} |")
     clean = [s for s in rows if kind_of(s) == "clean"]
     for s in clean:
         r = rows[s]

@@ -245,3 +245,15 @@ def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
     unseen = det.parts["image"].p_value(
         feats(scenes(40, 3, ("red", "green"), ("triangle",)))["img_tokens"])
     assert (unseen < 0.05).mean() >= (seen < 0.05).mean() + 0.3
+
+
+def test_pooled_rows_add_up_counts():
+    from heads.suites import pool_by_kind
+
+    a = suite_row(np.array([1, 0, 1, 1]), np.ones(4), np.array([0, 0, 1, 1], bool),
+                  np.zeros(4, bool))
+    b = suite_row(np.array([1, 1]), np.ones(2), np.array([0, 0], bool), np.zeros(2, bool))
+    pooled = pool_by_kind({"easyvqa:test~webp:1": a, "easyvqa:test~gamma:3": b})["benign"]
+    assert pooled["n"] == 6 and pooled["released"] == 4 / 6
+    assert pooled["risk_released"] == 1 / 4
+    assert pooled["risk_released_ub95"] == pytest.approx(clopper_pearson_upper(1, 4, 0.05))
