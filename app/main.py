@@ -33,7 +33,7 @@ DESCRIPTION = ("Visual question answering with a frozen VLM and DualRead confide
 
 
 def _json_logging() -> None:
-    for name in ("dualread.access", "dualread.errors", "dualread.service"):
+    for name in ("dualread.access", "dualread.errors", "dualread.service", "dualread.audit"):
         lg = logging.getLogger(name)
         if not lg.handlers:
             h = logging.StreamHandler(sys.stderr)
@@ -105,6 +105,6 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key,
-                       body_paths=body_paths(app))
+                       body_paths=body_paths(app), max_header_bytes=settings.max_header_bytes)
     app.add_middleware(openai.OpenAIErrors)    # outside RequestContext: its errors too
     return app

@@ -154,9 +154,12 @@ def body_paths(app: Any) -> frozenset[str]:
 class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int,
                  draining: Callable[[], bool], body_timeout_s: float = 30.0,
-                 api_key: str | None = None, body_paths: frozenset[str] | None = None
-                 ) -> None:
+                 api_key: str | None = None, body_paths: frozenset[str] | None = None,
+                 max_header_bytes: int | None = None) -> None:
         self.app = app
+        # h11 bounds headers that arrive in pieces; a whole header block in one read passes
+        # its check, so the parsed headers are measured again here
+        self.max_header_bytes = max_header_bytes
         self.metrics = metrics
         self.max_body = max_body_bytes
         self.draining = draining
@@ -258,7 +261,12 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            if scope.get("method") in BODY_METHODS and self.api_key and \
+            if self.max_header_bytes is not None and sum(
+                    len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+                precheck = True
+                await error_response(431, f"request headers over {self.max_header_bytes} "
+                                     "bytes", rid)(scope, receive, send_with_ids)
+            elif scope.get("method") in BODY_METHODS and self.api_key and \
                     (self.body_paths is None or scope.get("path") in self.body_paths) and \
                     not bearer_matches(headers.get("authorization", ""), self.api_key):
                 # every route that takes a body needs the key: refused before a byte of the

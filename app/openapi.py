@@ -5,17 +5,20 @@ the one definition of every field's constraints); this adds what depends on the 
 - the limits that are settings (`x-limit` fields get the configured `maxLength` or
   `maxItems`);
 - security only when an API key is configured, on the operations that check it, with
-  their 401; without a key no operation declares it (the server asks for none).
+  their 401 (in the shape of the operation's other errors: OpenAI's on the OpenAI route);
+  without a key no operation declares it (the server asks for none).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.routers.common import error_responses
+from app.routers.openai import DATA_URI_HEAD_CHARS
 from app.serving import b64_limit
 from app.settings import Settings
 from clients.schemas import LIMIT
@@ -29,6 +32,8 @@ def limits(settings: Settings) -> dict[str, int]:
     # characters are dropped, it is still over the limit: `Service.check_question`)
     return {"question": 4 * settings.max_question_chars,
             "image": b64_limit(settings.max_image_bytes),
+            # an image as a data URI (the OpenAI route): the longest head, then its base64
+            "data_uri": DATA_URI_HEAD_CHARS + b64_limit(settings.max_image_bytes),
             # a batch of trajectories is that many jobs, admitted together (413 above)
             "jobs": settings.queue_limit}
 
@@ -46,12 +51,16 @@ def _set_limits(node: Any, values: dict[str, int]) -> None:
             _set_limits(v, values)
 
 
-def _unauthorized() -> dict:
-    """The 401 response object, with the error shape (as the routes' other errors)."""
+def _unauthorized(op: dict) -> dict:
+    """The 401 response object, in the error shape of the operation's other errors (the
+    service's `ErrorResponse`; OpenAI's on the route that answers in it)."""
     entry = error_responses(401)[401]
+    schema = next((r["content"]["application/json"]["schema"]
+                   for code, r in sorted(op["responses"].items())
+                   if code.startswith(("4", "5")) and "application/json" in r.get("content", {})),
+                  {"$ref": "#/components/schemas/ErrorResponse"})
     return {"description": entry["description"], "headers": entry["headers"],
-            "content": {"application/json": {"schema": {
-                "$ref": "#/components/schemas/ErrorResponse"}}}}
+            "content": {"application/json": {"schema": copy.deepcopy(schema)}}}
 
 
 def build(app: FastAPI, settings: Settings) -> dict:
@@ -65,7 +74,7 @@ def build(app: FastAPI, settings: Settings) -> dict:
             if op is None or "security" not in op:
                 continue
             if keyed:
-                op["responses"]["401"] = _unauthorized()
+                op["responses"]["401"] = _unauthorized(op)
             else:
                 del op["security"]
     if not keyed:

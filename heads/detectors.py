@@ -21,8 +21,8 @@ from rich.console import Console
 
 from heads.collect import Collector
 from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
-from models.data import Item, sample
-from models.shift import SEVERITIES, shift_items
+from models.data import Item
+from models.shift import per_family as per_family_items
 
 console = Console(stderr=True)
 # benign re-encodings whose image tokens join the bank (models.benign's development
@@ -52,12 +52,7 @@ def augment_items(items: list[Item], per_family: int = AUGMENT_PER_FAMILY, seed:
                   ) -> list[Item]:
     """Benign re-encodings of `items`: for each family of AUGMENT_FAMILIES a deterministic
     sample of `per_family` of them, severities 1..5 in turn."""
-    out: list[Item] = []
-    for k, fam in enumerate(AUGMENT_FAMILIES):
-        base = sample(items, per_family, seed=seed + 200 + k)
-        out += [shift_items([it], fam, SEVERITIES[j % len(SEVERITIES)])[0]
-                for j, it in enumerate(base)]
-    return out
+    return per_family_items(items, AUGMENT_FAMILIES, per_family, seed + 200)
 
 
 def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,

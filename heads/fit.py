@@ -23,8 +23,9 @@ from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features_many
 from heads.metrics import METRICS
 from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
-from models.data import Item, normalise_question, sample
-from models.shift import FAMILIES, SEVERITIES, shift_items
+from models.data import Item, normalise_question
+from models.shift import FAMILIES
+from models.shift import per_family as per_family_items
 
 console = Console(stderr=True)
 SPLITS = {"reader": 0.6, "temperature": 0.8, "defer": 1.0}   # cumulative shares of images
@@ -162,12 +163,7 @@ def novelty_items(items: list[Item], per_family: int = NOVELTY_PER_FAMILY, seed:
     """Corrupted copies of `items`: for every family of `models.shift`, a deterministic
     sample of `per_family` of them (all when fewer), severities 1..5 in turn, as the shift
     study's pool was built."""
-    out: list[Item] = []
-    for k, fam in enumerate(FAMILIES):
-        base = sample(items, per_family, seed=seed + 100 + k)
-        out += [shift_items([it], fam, SEVERITIES[j % len(SEVERITIES)])[0]
-                for j, it in enumerate(base)]
-    return out
+    return per_family_items(items, FAMILIES, per_family, seed + 100)
 
 
 def fit_novelty(clean: dict, shifted: dict, calibration: dict) -> Novelty:

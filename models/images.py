@@ -282,11 +282,12 @@ def dicom_transfer_syntax(data: bytes) -> str | None:
     return uid
 
 
-def check_dicom_frame(ds, rows: int, cols: int, max_pixels: int) -> None:
+def check_dicom_frame(ds, rows: int, cols: int, max_pixels: int) -> bytes:
     """Before an encapsulated JPEG frame is decoded: exactly one frame (as pydicom will
     cut it: no extended offset table, one frame of the basic one), a JPEG that passes
     `check_jpeg` (scans, segments, coding), and a header that declares the dataset's own
-    rows × columns (a 64×64 dataset held a 9400² JPEG: 3.7 GB for four at once)."""
+    rows × columns (a 64×64 dataset held a 9400² JPEG: 3.7 GB for four at once). Returns
+    the frame, checked."""
     from pydicom.encaps import generate_frames
 
     if "ExtendedOffsetTable" in ds or "ExtendedOffsetTableLengths" in ds:
@@ -313,6 +314,7 @@ def check_dicom_frame(ds, rows: int, cols: int, max_pixels: int) -> None:
         raise ImageInvalid(f"DICOM JPEG frame of {width}x{height} pixels, not the "
                            f"{cols}x{rows} its Rows and Columns declare")
     check_geometry(width, height, max_pixels)
+    return frame
 
 
 def _dicom(data: bytes, max_pixels: int) -> Image.Image:
@@ -349,8 +351,7 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     if syntax is not None and syntax not in DICOM_NATIVE + DICOM_JPEG:
         raise ImageInvalid(f"DICOM transfer syntax {_syntax_name(syntax)} is not accepted: "
                            f"its decoding cannot be bounded; {DICOM_HINT}")
-    if syntax in DICOM_JPEG:
-        check_dicom_frame(ds, rows, cols, max_pixels)
+    frame = check_dicom_frame(ds, rows, cols, max_pixels) if syntax in DICOM_JPEG else None
     samples = _tag(ds, "SamplesPerPixel", 3 if photometric in DICOM_COLOUR else 1, int)
     bits = _tag(ds, "BitsAllocated", 8, int)
     stored = _tag(ds, "BitsStored", bits, int)
@@ -371,11 +372,20 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
                     ("WindowCenter", centre), ("WindowWidth", width)):
         if v is not None and not np.isfinite(v):   # nan/inf would make a blank image
             raise ImageInvalid(f"malformed DICOM tag {name}")
+    colour = photometric in DICOM_COLOUR
     try:
-        a = np.asarray(ds.pixel_array, dtype=np.float64)   # YBR arrives as RGB
+        if frame is not None:
+            # Pillow decodes the frame that was checked, to bytes (YBR arrives as RGB);
+            # pydicom's path converts colour in float64 copies: +1.1 GB for one 4096² frame
+            with Image.open(io.BytesIO(frame), formats=["JPEG"]) as img:
+                img.load()
+                if colour and stored == 8 and img.mode == "RGB":
+                    return img.copy()       # what the float path gives 8-bit colour
+                a = np.asarray(img, dtype=np.float32)
+        else:
+            a = np.asarray(ds.pixel_array, dtype=np.float64)   # YBR arrives as RGB
     except Exception as e:
         raise ImageInvalid(f"unreadable DICOM pixel data: {type(e).__name__}") from None
-    colour = photometric in DICOM_COLOUR
     if a.shape[:2] != (rows, cols) or (colour and a.shape[2:] != (3,)) or \
             (not colour and a.ndim != 2):
         raise ImageInvalid(f"DICOM pixel data of shape {a.shape} does not match "

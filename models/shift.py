@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from models.benign import BENIGN_FAMILIES, BENIGN_PARAMS, apply_benign
-from models.data import Item
+from models.data import Item, sample
 
 SEVERITIES = (1, 2, 3, 4, 5)
 REFERENCE_SIDE = 64
@@ -190,6 +190,19 @@ def shift_items(items: list[Item], family: str, severity: int) -> list[Item]:
         own = type(it).image is not Item.image      # drawn, not read from image_path
         out.append(ShiftedItem(**base, family=family, severity=severity, source_id=it.id,
                                source=it if own else None))
+    return out
+
+
+def per_family(items: list[Item], families: tuple[str, ...], per_family: int,
+               seed: int) -> list[Item]:
+    """For each of `families` in turn, shifted copies of a deterministic sample of
+    `per_family` of `items` (all when fewer), severities 1..5 in turn; family k's sample
+    is drawn with seed `seed + k`."""
+    out: list[Item] = []
+    for k, fam in enumerate(families):
+        base = sample(items, per_family, seed=seed + k)
+        out += [shift_items([it], fam, SEVERITIES[j % len(SEVERITIES)])[0]
+                for j, it in enumerate(base)]
     return out
 
 

@@ -4,10 +4,13 @@ The OpenAPI document states every constraint JSON Schema can express (types, len
 base64 alphabet, enums, ranges, item counts, no unknown fields). A few fields also have
 rules that depend on content a schema cannot read; their `format` names them and their
 descriptions state them:
-- an image (`image-base64`, the multipart `image` or `file` part): bytes of a PNG, JPEG or
-  DICOM file that decodes;
-- a question (`question`): no control character, a letter or digit, no letter of another
-  script posing as a Latin one, at most the service's token limit;
+- an image (`image-base64`, the multipart `image` or `file` part, the OpenAI route's
+  `image-data-uri`): bytes of a PNG, JPEG or DICOM file that decodes;
+- a question (`question`; on the OpenAI route the text parts, joined by newlines): no
+  control character, a letter or digit, no letter of another script posing as a Latin one,
+  at most the service's token limit;
+- the OpenAI route's `max_tokens` and `max_completion_tokens`: the same number when both
+  are sent;
 - a trajectory (`trajectory`): no reserved template token, at most the token limit;
 - a mask span: non-empty and inside the response before its confidence cue;
 - a reference answer: a letter or digit left once normalised.
@@ -16,7 +19,8 @@ A case generated as *positive* (valid per the document), in any phase, gets for 
 field whose value may break those rules a value that keeps them; the rest of the case is
 left as generated. A negative multipart case whose violation would not survive being sent
 as text gets one that does (`wire_negative`). The checks and expected statuses are
-untouched.
+untouched. Errors are in the service's shape, or OpenAI's on the OpenAI route
+(`one_error_shape`).
 
 Used by tests/test_openapi_conformance.py, and by hand:
     SCHEMATHESIS_HOOKS=tests.schemathesis_hooks schemathesis run URL/openapi.json --checks all
@@ -34,6 +38,7 @@ import schemathesis
 from PIL import Image
 from schemathesis.transport.serialization import Binary
 
+from app.routers.openai import PATH as OPENAI_PATH
 from models.actor import Actor
 from models.canon import canon
 from models.images import ImageError, open_image
@@ -90,6 +95,20 @@ def image_b64(value: object) -> str:
     return base64.b64encode(_pick(value, IMAGES)).decode()
 
 
+def data_uri(value: object) -> str:
+    """A base64 data URI of an image that decodes, under the media type of its bytes."""
+    if isinstance(value, str):
+        _, comma, payload = value.partition(",")
+        try:
+            if comma and _decodes(base64.b64decode(payload, validate=True)):
+                return value
+        except (binascii.Error, ValueError):
+            pass
+    data = _pick(value, IMAGES)
+    kind = "image/jpeg" if data.startswith(b"\xff\xd8") else "image/png"
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
 def image_file(value: object) -> object:
     data = _raw(value)
     # wrapped as schemathesis wraps a file: raw bytes fail the schema's `type: string`,
@@ -97,12 +116,13 @@ def image_file(value: object) -> object:
     return value if data is not None and _decodes(data) else Binary(_pick(value, IMAGES))
 
 
-def question(value: object) -> object:
-    if isinstance(value, str) and _QUESTION.fullmatch(value) and \
+def question(value: object, limit: int = 300) -> object:
+    """A question of at most `limit` characters (at least 25) that keeps the rules."""
+    if isinstance(value, str) and len(value) <= limit and _QUESTION.fullmatch(value) and \
             any(c.isalnum() for c in value):
         return value
     kept = "".join(c for c in str(value) if _QUESTION.fullmatch(c))[:200]
-    return f"what color is the shape? {kept}".strip()
+    return f"what color is the shape? {kept}"[:limit].strip()
 
 
 def response(value: object) -> object:
@@ -128,6 +148,32 @@ def mask(value: object, text: str) -> object:
 
 def reference(value: object) -> object:
     return value if not isinstance(value, str) or canon(value) else "red"
+
+
+def chat(body: dict) -> dict:
+    """An OpenAI chat request: each message's image part a data URI that decodes, its text
+    parts a question that keeps the rules once joined (together at most 300 characters, as
+    one `question`), both token limits the same when both are sent."""
+    body = dict(body)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        body["max_completion_tokens"] = body["max_tokens"]
+    messages = []
+    for m in body["messages"] if isinstance(body["messages"], list) else []:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            texts = [p for p in m["content"] if isinstance(p, dict) and p.get("type") == "text"]
+            share = (300 - len(texts)) // max(len(texts), 1)       # newlines join them
+            parts = []
+            for p in m["content"]:
+                if p in texts:
+                    p = {**p, "text": question(p.get("text"), share)}
+                elif isinstance(p, dict) and isinstance(p.get("image_url"), dict):
+                    p = {**p, "image_url": {**p["image_url"],
+                                            "url": data_uri(p["image_url"].get("url"))}}
+                parts.append(p)
+            m = {**m, "content": parts}
+        messages.append(m)
+    body["messages"] = messages
+    return body
 
 
 def repair(body: dict, multipart: bool = False) -> dict:
@@ -161,6 +207,8 @@ def repair(body: dict, multipart: bool = False) -> dict:
                     t["mask"] = mask(t["mask"], t["response"])
             items.append(t)
         body["trajectories"] = items
+    if "messages" in body:
+        body = chat(body)
     return body
 
 
@@ -203,14 +251,27 @@ def map_case(context, case):
 @schemathesis.check
 def one_error_shape(ctx, response, case):
     """Every error is `{"detail": str, "request_id": str}`, its id also in `x-request-id`
-    (405s included: they come from the router, before any route)."""
+    (405s included: they come from the router, before any route). On the OpenAI route it
+    is OpenAI's `{"error": {"message": str, "type": str, "param": str | null, "code": str |
+    null}}`, the id in `x-request-id` only."""
     if response.status_code < 400:
         return None
     body = response.json()
-    assert isinstance(body, dict) and set(body) == {"detail", "request_id"}, body
-    assert isinstance(body["detail"], str) and body["detail"], body
     rid = response.headers.get("x-request-id")
     rid = rid[0] if isinstance(rid, list) else rid      # schemathesis: a list per header
+    if case.operation.path == OPENAI_PATH:
+        assert isinstance(body, dict) and set(body) == {"error"}, body
+        error = body["error"]
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param",
+                                                          "code"}, body
+        assert isinstance(error["message"], str) and error["message"], body
+        assert isinstance(error["type"], str) and error["type"], body
+        assert all(error[k] is None or isinstance(error[k], str) and error[k]
+                   for k in ("param", "code")), body
+        assert isinstance(rid, str) and rid, (rid, body)
+        return None
+    assert isinstance(body, dict) and set(body) == {"detail", "request_id"}, body
+    assert isinstance(body["detail"], str) and body["detail"], body
     assert rid == body["request_id"], (rid, body)
     return None
 

@@ -135,13 +135,18 @@ def test_patch_score_reads_only_real_tokens_and_one_odd_token_is_enough():
     assert np.allclose(det.score(x), det.score(x[:, :4]))
 
 
-def test_composite_is_bonferroni_and_extends_its_bank():
+def _composite() -> CompositeNovelty:
+    """An image-token part and a question part, each fitted and calibrated."""
     img = Novelty("token_knn", "img_token_slots").fit(_tokens(100, 4, 3, 0))
     img.calibrate(_tokens(99, 4, 3, 1))
     q = Novelty("knn", "h_pre", k=1).fit(torch.randn(100, 5, generator=torch.Generator()
                                                         .manual_seed(5)))
     q.calibrate(torch.randn(99, 5, generator=torch.Generator().manual_seed(6)))
-    det = CompositeNovelty({"image": img, "question": q})
+    return CompositeNovelty({"image": img, "question": q})
+
+
+def test_composite_is_bonferroni_and_extends_its_bank():
+    det = _composite()
     feats = {"img_tokens": _tokens(20, 4, 3, 7, shift=6.0),
              "h_pre": torch.randn(20, 5, generator=torch.Generator().manual_seed(8))}
     parts = det.part_p_values(feats)
@@ -161,12 +166,7 @@ def test_composite_takes_a_recertified_streams_reference():
     from app.recertify import drift_reference
     from heads.recert import SHIPPED, DeferRule
 
-    img = Novelty("token_knn", "img_token_slots").fit(_tokens(100, 4, 3, 0))
-    img.calibrate(_tokens(99, 4, 3, 1))
-    q = Novelty("knn", "h_pre", k=1).fit(torch.randn(100, 5, generator=torch.Generator()
-                                                        .manual_seed(5)))
-    q.calibrate(torch.randn(99, 5, generator=torch.Generator().manual_seed(6)))
-    det = CompositeNovelty({"image": img, "question": q})
+    det = _composite()
     feats = {"img_tokens": _tokens(40, 4, 3, 7, shift=6.0),
              "h_pre": torch.randn(40, 5, generator=torch.Generator().manual_seed(8))}
     read = det.read(feats, 0.05)

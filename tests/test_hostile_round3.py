@@ -231,6 +231,20 @@ def test_a_small_jpeg_in_dicom_is_still_answered(api):
     assert r.status_code == 200, r.text
 
 
+def test_a_jpeg_frame_decodes_to_bytes_not_through_float_copies(monkeypatch):
+    """The frame that passed the checks is what Pillow decodes, to uint8: pydicom's path
+    converted a 4096² YBR frame in float64 copies (+1.1 GB) for a 263 KB request."""
+    photo = Image.merge("RGB", [GREY, GREY.transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+                                GREY.transpose(Image.Transpose.ROTATE_90)])
+    data = jpeg(photo, quality=95)
+    monkeypatch.setattr(pydicom.dataset.Dataset, "pixel_array",
+                        property(lambda self: pytest.fail("decoded through pydicom")))
+    colour = open_image(jpeg_in_dicom(data, 64, 64, "YBR_FULL_422"))
+    assert np.array_equal(np.asarray(colour), np.asarray(Image.open(io.BytesIO(data))))
+    mono = open_image(jpeg_in_dicom(jpeg(GREY, quality=95), 64, 64))
+    assert mono.size == (64, 64) and mono.mode == "RGB"
+
+
 def test_native_dicom_is_still_answered(api):
     raw = dicom(64, 64, np.asarray(GREY).tobytes())
     assert np.asarray(open_image(raw).convert("L")).std() > 10
@@ -329,7 +343,7 @@ def test_base64_over_the_bound_is_refused_before_decoding(service, monkeypatch):
     import app.serving
 
     limit = 200_000
-    bound = 4 * (limit // 3 + 1) + 4          # the encoded size of `limit` bytes, padded
+    bound = 266_668                           # 4 * ceil(limit / 3): `limit` bytes, padded
     decoded = []
     monkeypatch.setattr(app.serving.base64, "b64decode",
                         lambda *a, **k: decoded.append(1) or b"")
@@ -404,3 +418,26 @@ def test_serve_bounds_headers_with_h11_and_the_setting(monkeypatch):
     res = CliRunner().invoke(cli, ["serve", "--port", "1"])
     assert res.exit_code == 0, res.output
     assert seen["http"] == "h11" and seen["h11_max_incomplete_event_size"] == 4096
+
+
+def test_headers_over_the_bound_in_one_piece_are_431(service):
+    """h11 bounds a header block that arrives in pieces; one that arrives whole passes its
+    check, so the app measures the parsed headers again."""
+    with make(service, max_header_bytes=2048) as c:
+        assert c.get("/health/live", headers={"x-pad": "a" * 1500}).status_code == 200
+        assert_error(c.get("/health/live", headers={"x-pad": "a" * 2100}), 431,
+                     "headers over 2048 bytes")
+
+
+def test_the_audit_log_is_written_as_json_lines():
+    """Re-certification's audit events (heads.recert) must reach the log, not be dropped
+    at the root logger's WARNING level."""
+    import logging
+
+    from app.logs import JsonLines
+    from app.main import _json_logging
+
+    _json_logging()
+    audit = logging.getLogger("dualread.audit")
+    assert audit.isEnabledFor(logging.INFO) and not audit.propagate
+    assert any(isinstance(h.formatter, JsonLines) for h in audit.handlers)

@@ -120,6 +120,30 @@ def test_remote_url_is_refused_not_fetched(client):
     assert "data URI" in msg and exc.value.type == "invalid_request_error"
 
 
+@pytest.mark.parametrize("head", ["data:image/gif;base64", "data:image/png",
+                                  "data:image/PNG;base64", "data:;base64"])
+def test_a_data_uri_names_a_documented_media_type(client, head):
+    """The document's pattern: image/png, image/jpeg or application/dicom, base64."""
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.chat.completions.create(
+            model="dualread", messages=user(Q, f"{head}," + b64(png_bytes(random_image(0)))))
+    assert "data URI" in refusal(exc, 422, "messages[0].content.image_url.url")
+
+
+@pytest.mark.parametrize("media_type, fmt", [("image/jpeg", "JPEG"), ("image/png", "PNG")])
+def test_a_documented_media_type_is_served(client, media_type, fmt):
+    url = f"data:{media_type};base64," + b64(png_bytes(random_image(5), fmt))
+    got = client.chat.completions.create(model="dualread", messages=user(Q, url))
+    assert got.choices[0].message.content == got.model_extra["dualread"]["answer"]
+
+
+def test_base64_that_does_not_decode(client):
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.chat.completions.create(
+            model="dualread", messages=user(Q, "data:image/png;base64,iVBORw0KGgo..."))
+    assert "base64" in refusal(exc, 422, "messages[0].content.image_url.url")
+
+
 def test_bytes_that_are_not_an_image(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(

@@ -5,6 +5,11 @@ answer as the assistant message out, with `/answer`'s whole response (confidence
 `defer_reason`, novelty, image check, ids, timings) in the extension field `dualread`.
 Decoding, limits and the model path are `/answer`'s (`Serving`); errors on this route
 leave in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (`OpenAIErrors`).
+
+The request models read OpenAI's whole request (a system message or a string content get a
+422 that names them); the document states the request this route serves: one user message
+whose content holds exactly one image (a base64 data URI of a PNG, JPEG or DICOM file) and
+the question as text parts, with the limits `/answer` has (`app.openapi`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.deps import get_serving, request_id, require_json, require_key
 from app.errors import REQUEST_ID, InvalidInput, detail_of, explain, status_of
 from app.routers.answer import response
+from app.routers.common import BODY_ERRORS, MODEL_ERRORS, error_responses
 from app.schemas import MAX_NEW_TOKENS, AnswerResponse
 from app.serving import AnswerItem, Serving
+from clients.schemas import B64_EXAMPLE, LIMIT, integer
 from models.images import ImageInvalid, ImageTooLarge
 
 PATH = "/v1/chat/completions"
@@ -34,6 +41,18 @@ MODEL_ID = "dualread"
 MAX_MESSAGES = 8
 MAX_PARTS = 8
 MAX_DATA_URI_HEADER = 128     # "data:image/png;base64": the part before the comma
+# The files the decoder reads, by the media type a data URI names them with (the server
+# still reads the bytes, not the name).
+MEDIA_TYPES = ("image/png", "image/jpeg", "application/dicom")
+_HEAD = "data:(?:" + "|".join(re.escape(t) for t in MEDIA_TYPES) + ");base64"
+DATA_URI_HEAD = re.compile(_HEAD)
+# The whole URI as the document states it: one of those heads, then base64 as
+# `clients.schemas.B64_PATTERN` has it (standard alphabet, padded, one line), not empty.
+DATA_URI_PATTERN = ("^" + _HEAD + ",(?:[A-Za-z0-9+/]{4})*"
+                    "(?:[A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$")
+# The longest head with its comma: a URI is that and the image's base64 at most (the
+# `x-limit` "data_uri" of `app.openapi`).
+DATA_URI_HEAD_CHARS = len("data:;base64,") + max(len(t) for t in MEDIA_TYPES)
 
 
 # ---------------------------------------------------------------------------- request
@@ -43,12 +62,23 @@ class _Strict(BaseModel):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: str = Field(..., description="the question, or one line of it: the text parts, "
+                                       "joined by newlines, are the question, with "
+                                       "/answer's rules (at least one letter or digit, no "
+                                       "control character, within the length and token "
+                                       "limits; 422)",
+                      json_schema_extra={"format": "question", LIMIT: "question"})
 
 
 class ImageURL(_Strict):
-    url: str = Field(..., description="a data URI, `data:image/png;base64,...`; the server "
-                                      "fetches no URL")
+    url: str = Field(..., description="a base64 data URI of a PNG, JPEG or DICOM file "
+                                      "(`data:image/png;base64,...`; image/jpeg, "
+                                      "application/dicom); the server fetches no URL and "
+                                      "reads the bytes, not the media type. The bytes must "
+                                      "decode as an image (422) within the service's size "
+                                      "limits (413)",
+                      json_schema_extra={"pattern": DATA_URI_PATTERN,
+                                         "format": "image-data-uri", LIMIT: "data_uri"})
     detail: Literal["auto", "low", "high"] | None = Field(
         None, description="accepted and ignored: the actor's processor sets the resolution")
 
@@ -61,29 +91,60 @@ class ImagePart(_Strict):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+def _user_only(schema: dict) -> None:
+    """The one role served (the others are read, to be refused by name)."""
+    schema["enum"] = ["user"]
+
+
+def _one_image(schema: dict) -> None:
+    """Content as served: a list of parts, exactly one of them an image, one or more text
+    (a string content has no image; it is read, to be refused with that reason)."""
+    [parts] = [s for s in schema.pop("anyOf") if s.get("type") == "array"]
+    schema.update(parts)
+    schema["allOf"] = [
+        {"contains": {"type": "object", "properties": {"type": {"const": "image_url"}},
+                      "required": ["type"]}, "minContains": 1, "maxContains": 1},
+        {"contains": {"type": "object", "properties": {"type": {"const": "text"}},
+                      "required": ["type"]}, "minContains": 1}]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[Part], Field(max_length=MAX_PARTS)]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        ..., description="user: the actor's prompt is fixed (a system, developer or "
+                         "assistant message is refused, 422)",
+        json_schema_extra=_user_only)
+    content: str | Annotated[list[Part], Field(max_length=MAX_PARTS)] = Field(
+        ..., description="one image_url part and the question as one or more text parts",
+        json_schema_extra=_one_image)
     name: str | None = Field(None, max_length=64)
 
 
 class ChatRequest(_Strict):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "model": MODEL_ID, "max_tokens": 64, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo..."}},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64_EXAMPLE}},
             {"type": "text", "text": "what color is the shape?"}]}]}]})
     model: str = Field(..., min_length=1, max_length=256,
                        description=f"any name: the service serves one model ({MODEL_ID!r})")
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES,
                                         description="exactly one user message: one image_url "
-                                                    "part and the question as text")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, strict=True)
-    n: int | None = Field(None, ge=1, le=1, strict=True, description="one choice only")
-    stream: bool | None = Field(None, strict=True, description="false only: no streaming")
+                                                    "part and the question as text",
+                                        json_schema_extra={"maxItems": 1})
+    max_tokens: integer(1, MAX_NEW_TOKENS) | None = Field(
+        None, description="the generation limit (at most the service's); when "
+                          "max_completion_tokens is sent too, the same number (422)")
+    max_completion_tokens: integer(1, MAX_NEW_TOKENS) | None = Field(
+        None, description="max_tokens' newer name; when both are sent, the same number "
+                          "(422)")
+    n: integer(1, 1) | None = Field(None, description="one choice only")
+    stream: bool | None = Field(None, strict=True, description="false only: no streaming",
+                                json_schema_extra={"anyOf": [{"type": "boolean",
+                                                              "const": False},
+                                                             {"type": "null"}]})
     temperature: float | None = Field(
-        None, ge=0, le=2, description="accepted and ignored: decoding is greedy, so the "
-                                      "confidence describes the answer that is returned")
+        None, ge=0, le=2, strict=True,
+        description="accepted and ignored: decoding is greedy, so the confidence describes "
+                    "the answer that is returned")
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
 
 
@@ -134,7 +195,21 @@ ERROR_CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found",
                405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
                415: "unsupported_media_type", 422: "invalid_value", 429: "queue_full",
                500: "internal_error", 503: "not_ready", 504: "deadline_exceeded"}
-ERRORS = {code: {"model": OpenAIError} for code in (401, 413, 415, 422, 429, 500, 503, 504)}
+
+
+def _errors(*codes: int) -> dict[int | str, dict]:
+    """The route's `responses=`: the service's statuses, meanings and headers, in OpenAI's
+    error shape. 401 is the document's to add, when a key is configured (`app.openapi`)."""
+    out = error_responses(*codes)
+    for entry in out.values():
+        entry["model"] = OpenAIError
+        entry["description"] = entry["description"].replace("`detail`", "`error.message`")
+    return out
+
+
+# A JSON body read whole (no multipart parser: an unreadable body is a 422, never a 400)
+# and the model's statuses
+ERRORS = _errors(*(c for c in BODY_ERRORS if c != 400), *MODEL_ERRORS)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -203,13 +278,14 @@ def _question_and_image(body: ChatRequest) -> tuple[str, str]:
 
 
 def _data_uri(url: str) -> str:
-    """The base64 payload of `data:<type>;base64,<payload>`; the media type is not trusted
-    (the decoder reads the bytes)."""
+    """The base64 payload of `data:<type>;base64,<payload>`, `<type>` one the document
+    names (`MEDIA_TYPES`); it is not trusted past that (the decoder reads the bytes)."""
     param = "messages[0].content.image_url.url"
     head, comma, _ = url[: MAX_DATA_URI_HEADER + 1].partition(",")
-    if not url.startswith("data:") or not comma or not head.lower().endswith(";base64"):
-        raise _Refused(422, "image_url.url must be a base64 data URI "
-                            "(data:image/png;base64,...): the server fetches no URL", param)
+    if not comma or not DATA_URI_HEAD.fullmatch(head):
+        raise _Refused(422, "image_url.url must be a base64 data URI of a PNG, JPEG or "
+                            "DICOM file (data:image/png;base64,...; image/jpeg, "
+                            "application/dicom): the server fetches no URL", param)
     return url[len(head) + 1:]
 
 
@@ -245,14 +321,16 @@ router = APIRouter(tags=["openai"], dependencies=[Depends(require_key)])
 
 def _inlined(schema: dict) -> dict:
     """A model's JSON schema with its `$defs` written in place (the OpenAPI document
-    resolves `#/$defs/...` from its own root, where they are not)."""
+    resolves `#/$defs/...` from its own root, where they are not). A discriminator goes
+    too: its mapping names those `$defs`, and each part's `type` (a const) already tells
+    the parts apart."""
     defs = schema.pop("$defs", {})
 
     def walk(x):
         if isinstance(x, dict):
             if "$ref" in x:
                 return walk(defs[x["$ref"].rsplit("/", 1)[-1]])
-            return {k: walk(v) for k, v in x.items()}
+            return {k: walk(v) for k, v in x.items() if k != "discriminator"}
         return [walk(v) for v in x] if isinstance(x, list) else x
     return walk(schema)
 
