@@ -274,14 +274,14 @@ def fit_heads(
         "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
     novelty: Annotated[bool, typer.Option(
         "--novelty/--no-novelty", help="fit the novelty detector of the defer rule "
-        "(corrupted copies of reader-split items)")] = True,
+        "(image tokens and prompt state; clean data and benign re-encodings)")] = True,
     novelty_per_family: Annotated[int, typer.Option(
-        "--novelty-per-family", min=1, help="corrupted reader-split items per corruption "
-        "family for the novelty detector (and the image check's held-out flag rates)")
-    ] = 250,
+        "--novelty-per-family", min=1, help="benign re-encodings of reader-split images "
+        "per family for the novelty detector's bank (and the image check's held-out "
+        "flag rates)")] = 250,
     image_check: Annotated[bool, typer.Option(
-        "--image-check/--no-image-check", help="fit the image check of the defer rule "
-        "(image-quality statistics, clean images only)")] = True,
+        "--image-check/--no-image-check", help="also fit the earlier rule's pixel image "
+        "check (retired: it flagged benign re-encodings)")] = False,
     image_data: Annotated[str | None, typer.Option(
         "--image-data", help="data spec whose images the image check is fitted and "
         "calibrated on (pixels only, no actor pass; default: --data). More clean images "
@@ -323,7 +323,7 @@ def fit_heads(
     cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
     cmd += " --allow-dirty" if allow_dirty else ""
     cmd += "" if novelty else " --no-novelty"
-    cmd += "" if image_check else " --no-image-check"
+    cmd += " --image-check" if image_check else ""
     cmd += f" --novelty-per-family {novelty_per_family}" if novelty or image_check else ""
     cmd += f" --image-data {image_data}" if image_data and image_check else ""
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
@@ -334,6 +334,53 @@ def fit_heads(
                   f"{pol.empirical_risk:.3f} (bound {pol.risk_upper_bound:.3f} <= r="
                   f"{pol.target_risk} w.p. {1 - pol.delta:.2f}); feasible={pol.feasible}")
     console.print(f"defer rule: {heads.defer_rule}")
+
+
+@app.command("fit-detectors")
+def fit_detectors(
+    heads: Annotated[Path, typer.Option("--heads", help="heads folder to update in place")],
+    actor: ActorOpt = None,
+    data: Annotated[str, typer.Option("--data", help="the data the heads were fitted on")
+                    ] = "easyvqa:heldout",
+    limit: Annotated[int | None, typer.Option("--limit")] = None,
+    per_family: Annotated[int, typer.Option(
+        "--novelty-per-family", min=1, help="benign re-encodings per family in the bank")
+    ] = 250,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", "--cache-dir", help="readout cache folder")] = None,
+    device: DeviceOpt = "cpu",
+    allow_dirty: Annotated[bool, typer.Option(
+        "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
+) -> None:
+    """Refit only the defer rule's novelty detector of fitted heads (same data, same
+    splits); the readers and tau stay. The card records the command."""
+    from heads.detectors import refit_detectors
+    from heads.dualread import Heads
+    from heads.fit import DirtyTree, check_tree
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    try:
+        tree = check_tree(allow_dirty)
+    except DirtyTree as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from e
+    act = load_actor(actor, device=device)
+    hd = Heads.load(heads, act.fingerprint)
+    if hd.card.get("data") not in (None, data) or hd.card.get("limit") not in (None, limit):
+        console.print(f"[red]these heads were fitted on --data {hd.card.get('data')} "
+                      f"--limit {hd.card.get('limit')}; give the same[/red]")
+        raise typer.Exit(2)
+    log = refit_detectors(act, hd, sample(load(data), limit), cache, per_family)
+    cmd = f"dualread fit-detectors --heads {heads} --data {data}" + \
+        (f" --limit {limit}" if limit else "") + f" --novelty-per-family {per_family}"
+    card = {k: v for k, v in hd.card.items() if k not in ("novelty", "image_check")}
+    card.update({"novelty": log, "image_check": None, "detectors_command": cmd,
+                 "detectors_git_commit": tree["describe"], "detectors_git_dirty": tree["dirty"]})
+    for stale in ("image_check.json", "image_check.safetensors", "novelty.safetensors"):
+        (heads / stale).unlink(missing_ok=True)
+    hd.save(heads, card)
+    console.print(f"defer rule: {hd.defer_rule}")
 
 
 @app.command()
@@ -352,18 +399,31 @@ def evaluate(
         "--grounding/--no-grounding",
         help="CCG-AUC on donor runs (one extra answer per pair); off for a quick shift grid")
     ] = True,
+    suite: Annotated[str | None, typer.Option(
+        "--suite", help="add the defer rule's stress suites: dev or heldout "
+        "(docs/defer/suites.md)")] = None,
 ) -> None:
-    """The table of every confidence method next to DualRead, with CIs, costs and plots."""
+    """The table of every confidence method next to DualRead, with CIs, costs and plots;
+    with --suite, the defer rule per stress suite."""
     from heads.dualread import Heads
     from heads.evaluate import evaluate as run
     from models.loading import load_actor
 
     act = load_actor(actor, device=device)
     hd = Heads.load(heads, act.fingerprint)
-    specs = data or ["easyvqa:test"]
+    if suite is not None:
+        from heads.suites import suite_specs
+
+        try:
+            specs = list(data or []) + suite_specs(suite)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--suite") from None
+    else:
+        specs = data or ["easyvqa:test"]
     # None: every registered method (heads.registry)
     chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
-    cmd = "dualread evaluate " + " ".join(f"--data {s}" for s in specs) + \
+    cmd = "dualread evaluate " + (f"--suite {suite} " + " ".join(f"--data {s}" for s in data or [])
+                                  if suite else " ".join(f"--data {s}" for s in specs)) + \
         (f" --limit {limit}" if limit else "") + (f" --methods {methods}" if methods else "") + \
         (f" --bootstrap {bootstrap}" if bootstrap != 1000 else "") + \
         ("" if grounding else " --no-grounding") + f" --out {out}"

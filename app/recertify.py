@@ -38,8 +38,9 @@ def drift_reference(rule: DeferRule, base: Any) -> dict:
     """The fitting distribution drift is measured against while `rule` is active."""
     if rule.drift_reference:
         return rule.drift_reference
-    return {name: det.t["calibration"].numpy() for name, (det, _) in detectors_of(base).items()
-            if "calibration" in getattr(det, "t", {})}
+    clean = {name: getattr(det, "clean_scores", lambda: None)()
+             for name, (det, _) in detectors_of(base).items()}
+    return {name: scores for name, scores in clean.items() if scores is not None}
 
 
 class Recertification:

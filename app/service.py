@@ -306,7 +306,8 @@ class Service:
             novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
             image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
                                                                chk.novel),
-            served=served)
+            served=served,
+            calibrated=heads.calibrated(nov_p, chk_p))
 
     def _answer_only(self, r: Response, timings) -> AnswerResult:
         """No heads: the answer, deferred, with why the response is unusable if it is."""
@@ -315,7 +316,7 @@ class Service:
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=None,
             defer=True, defer_reason="; ".join(x for x in (NO_HEADS_REASON, problem) if x),
             defer_codes=tuple(answer_only_codes(problem)),
-            timings=StageTimes(timings.generate, timings.readout, 0.0))
+            timings=StageTimes(timings.generate, timings.readout, 0.0), calibrated=False)
 
     def score_batch(self, items: list[ScoreItem], deadlines: list[float]
                     ) -> list[ScoreResult | Exception]:

@@ -103,6 +103,7 @@ class AnswerResult:
     # what re-certification keeps of this answer (heads.recert.Served: the deciding rule's
     # version, branch log-odds, detector scores; no request content)
     served: Any = None
+    calibrated: bool = True    # False: a detector flags the input (confidence uncalibrated)
 
 
 @dataclass(frozen=True)

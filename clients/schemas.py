@@ -93,10 +93,12 @@ class Novelty(BaseModel):
     """How unlike the heads' fitting data the input is (a conformal novelty p-value)."""
 
     score: float = Field(..., description="novelty score on the actor's states (larger = "
-                                          "more unusual)")
+                                          "more unusual; for a composite detector "
+                                          "-log10 of p_value)")
     p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
                                             "over the clean calibration items (the "
-                                            "temperature and defer splits)")
+                                            "temperature and defer splits); for a composite "
+                                            "detector min(1, m * the smallest part's)")
     novel: bool = Field(..., description="p_value < alpha (the heads card's novelty.alpha, "
                                          "0.01): the answer is deferred")
 
@@ -190,6 +192,11 @@ class AnswerResponse(BaseModel):
         None, description="the novelty detector's reading; null when the heads have none")
     image_check: ImageCheck | None = Field(
         None, description="the image check's reading; null when the heads have none")
+    calibrated: bool = Field(
+        True, description="whether confidence.dualread is inside its calibrated range: "
+                          "false when a detector of the defer rule flags the input (novelty "
+                          "or image check), where the number stays but its calibration, "
+                          "measured on inputs like the fitting data, does not hold")
     model: str = Field(..., description="actor fingerprint")
     heads: str | None = Field(..., description="heads artefact id; null in answer-only mode")
     request_id: str = Field(..., description="server-generated; the key for /feedback")

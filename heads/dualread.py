@@ -21,21 +21,22 @@ from safetensors.torch import load_file, save_file
 import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
-from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
+from heads.features import FEATURE_SCHEMA, KAPPA, extract_many
 from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.modules import Reader
-from heads.novelty import ALPHA, Novelty, NoveltyReading
+from heads.novelty import ALPHA, CompositeNovelty, Novelty, NoveltyReading, load_detector
 from heads.recert import branch_logits
 from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
-# 3: the card carries the novelty detector and the defer rule. 4: the image check. A
+# 3: the card carries the novelty detector and the defer rule. 4: the image check. 5: the
+# novelty detector may be composite (heads.novelty.CompositeNovelty, its parts' files). A
 # server that predates a card's version could load it and silently drop a term of its
 # rule, so `Heads.load` refuses any version newer than this one.
-CARD_VERSION = 4
+CARD_VERSION = 5
 # the method whose confidence the defer policy thresholds
 DEFER_METHOD = "dualread"
 DUALREAD_READERS = ("psr", "state", "visual")
@@ -170,8 +171,9 @@ class Heads:
     kappa: float = KAPPA
     actor_fingerprint: str = ""
     card: dict = field(default_factory=dict)
-    # conformal novelty detector on the actor's states (None: the older rule, τ alone)
-    novelty: Novelty | None = None
+    # conformal novelty detector on the actor's states (None: the older rule, τ alone);
+    # since card version 5 a composite one (image tokens + prompt state)
+    novelty: Novelty | CompositeNovelty | None = None
     novelty_alpha: float = ALPHA
     # conformal one-class check on the image's quality statistics (heads.image_check)
     image_check: Novelty | None = None
@@ -289,10 +291,7 @@ class Heads:
         """Score, conformal p-value and flag of one readout; None without a detector."""
         if self.novelty is None:
             return None
-        mean, std = image_stats(readout.h_image)
-        f = {"h_pre": readout.h_pre.float()[None], "img_mean": mean[None],
-             "img_std": std[None]}
-        return self.novelty.read(f, self.novelty_alpha)[0]
+        return self.novelty.read(extract_many([readout], self.kappa), self.novelty_alpha)[0]
 
     def image_reading(self, image) -> NoveltyReading | None:
         """The image check's score, p-value and flag for one image; None without a check."""
@@ -327,6 +326,14 @@ class Heads:
                    novelty_reason(self.novelty_alpha) if why["novelty"] else None,
                    image_check_reason(self.image_check_alpha) if why["image"] else None]
         return any(why.values()), "; ".join(r for r in reasons if r is not None) or None
+
+    def calibrated(self, novelty_p: float | None = None, image_p: float | None = None
+                   ) -> bool:
+        """Whether DualRead's confidence for an input is inside its calibrated range: no
+        detector of the defer rule flags it. Its calibration was measured on inputs like
+        the fitting data; on a flagged one the number is kept but not vouched for."""
+        why = self.defer_reasons([1.0], [novelty_p], None, [image_p])
+        return not (bool(why["novelty"][0]) or bool(why["image"][0]))
 
     def defer_reasons(self, p_dualread: Sequence[float] | np.ndarray,
                       novelty_p: Sequence[float | None] | np.ndarray | None = None,
@@ -424,7 +431,7 @@ class Heads:
         heads.kappa = card.get("kappa", KAPPA)
         # older artefacts have no detector: novelty stays None, the rule is τ alone
         if card.get("novelty"):
-            heads.novelty = Novelty.load(folder)
+            heads.novelty = load_detector(folder)
             heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
         if card.get("image_check"):
             heads.image_check = Novelty.load(folder, "image_check")

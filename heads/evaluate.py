@@ -18,6 +18,7 @@ from heads.collect import Collector
 from heads.dualread import DEFER_METHOD, Heads
 from heads.fit import question_only
 from heads.metrics import METRICS, cluster_bootstrap, risk_coverage
+from heads.suites import suite_markdown, suite_row
 from models.data import load, sample
 from models.parse import parse_response
 from models.quality import response_problem, uses_answer_tag
@@ -133,6 +134,10 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
                 del why["problem"]
             entry["defer"] = grounding.defer_on(z, why, heads.policy.tau,
                                                 heads.policy.target_risk)
+            deferred = np.zeros(len(z), bool)
+            for flags in why.values():
+                deferred |= np.asarray(flags, bool)
+            entry["suite"] = suite_row(z, scores[DEFER_METHOD], deferred, why["tau"])
         report["datasets"][spec] = entry
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
@@ -216,6 +221,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Evaluation of `{Path(report['actor']).name}`", ""]
     if report.get("command"):
         lines += [f"Command: `{report['command']}`", ""]
+    rows = {spec: d["suite"] for spec, d in report["datasets"].items() if "suite" in d}
+    if rows:
+        lines += suite_markdown(rows)
     for spec, d in report["datasets"].items():
         lines += [f"## {spec}: n = {d['n']} ({d['images']} images), accuracy "
                   f"{d['accuracy']:.3f}", "",

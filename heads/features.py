@@ -18,7 +18,15 @@ KAPPA = 0.1
 # 3: μ in float64, mean log-prob over the answer span, SAPLMA's state
 # 4: `img_mean` / `img_std` (mean and std of the image-token states), the novelty
 #    detector's input beside h_pre
-FEATURE_SCHEMA = 4
+# 5: `img_tokens`: the image-token states themselves (a fixed number of slots), for the
+#    patch-level novelty detector
+FEATURE_SCHEMA = 5
+# Image-token slots kept per item in `img_tokens` [N, TOKEN_SLOTS, D]: an image with fewer
+# tokens is padded with NaN rows (no token), one with more keeps TOKEN_SLOTS of them
+# evenly spaced in reading order. 64 covers every image up to 128 × 128 px with the
+# embedded actor (16 px a token); a fixed width lets readouts of images of any size share
+# a batch and a cache shard, and serving and evaluation read the same slots.
+TOKEN_SLOTS = 64
 
 
 def evidence_pool(h_ans: torch.Tensor, v: torch.Tensor, kappa: float = KAPPA
@@ -57,6 +65,17 @@ def extract(ro: Readout, kappa: float = KAPPA) -> dict[str, torch.Tensor]:
     return {k: v[0] for k, v in extract_many([ro], kappa).items()}
 
 
+def token_slots(v: torch.Tensor, slots: int = TOKEN_SLOTS) -> torch.Tensor:
+    """[M, D] image-token states -> [slots, D]: all of them then NaN rows when M ≤ slots,
+    else `slots` of them evenly spaced (first and last included)."""
+    m, d = v.shape
+    if m > slots:
+        return v[torch.linspace(0, m - 1, slots).round().long()].float()
+    out = torch.full((slots, d), float("nan"))
+    out[:m] = v.float()
+    return out
+
+
 def _span_mean(values: list[torch.Tensor]) -> torch.Tensor:
     """[N] means of N 1-D tensors (0 for an empty one)."""
     return torch.stack([x.mean() if len(x) else torch.zeros(()) for x in values])
@@ -71,6 +90,7 @@ def extract_many(readouts: Sequence[Readout], kappa: float = KAPPA) -> dict[str,
     if len({ro.h_image.shape[0] for ro in readouts}) > 1:
         parts = [extract_many([ro], kappa) for ro in readouts]
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    tokens = torch.stack([token_slots(ro.h_image) for ro in readouts])
     v = torch.stack([ro.h_image for ro in readouts]).float()               # [N, M, D]
     h_ans = torch.stack([mean_answer_state(ro.h_answer) for ro in readouts]).float()
     img_mean, img_std = image_stats(v)
@@ -93,6 +113,8 @@ def extract_many(readouts: Sequence[Readout], kappa: float = KAPPA) -> dict[str,
         # the novelty detector reads [h_pre ; img_mean ; img_std] (heads.novelty)
         "img_mean": img_mean,
         "img_std": img_std,
+        # the patch-level novelty detector reads the image tokens themselves
+        "img_tokens": tokens,
         # sequence statistics over the answer span (docs/method.md §7)
         "msp": torch.where(has_lp, mean_lp.exp(), torch.zeros(())).reshape(-1, 1),
         # over the answer span, like the other sequence scores (docs/method.md §7)

@@ -17,6 +17,7 @@ from rich.progress import track
 from heads import registry
 from heads.collect import Collector
 from heads.defer import choose_threshold
+from heads.detectors import AUGMENT_PER_FAMILY, DETECTOR_ALPHA, detector_stage
 from heads.dualread import DEFER_METHOD, Heads
 from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features_many
 from heads.metrics import METRICS
@@ -77,11 +78,13 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64, novelty: bool = True,
-              novelty_per_family: int = NOVELTY_PER_FAMILY, image_check: bool = True,
+              novelty_per_family: int = AUGMENT_PER_FAMILY, image_check: bool = False,
               image_items: list[Item] | None = None) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
-    then (with `novelty`) the novelty detector and (with `image_check`) the image check
-    of the defer rule (docs/method.md §8).
+    then (with `novelty`) the novelty detector of the defer rule (docs/method.md §8,
+    heads.detectors: image tokens and prompt state, fitted on clean data and benign
+    re-encodings, `novelty_per_family` of each) and (with `image_check`, off by default:
+    the earlier rule's pixel check, retired) the image check.
 
     `image_items`: whose images the image check is fitted and calibrated on (default
     `items`). Pixels cost no actor pass, and the check's conformal reference needs many
@@ -122,9 +125,9 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         held[name]["bce"] = round(bce(c, z[df].numpy()), 5)
     novelty_log = None
     if novelty:
-        heads.novelty, novelty_log = novelty_stage(col, items, feats, splits,
-                                                   novelty_per_family, seed)
-        heads.novelty_alpha = ALPHA
+        heads.novelty, novelty_log = detector_stage(col, items, feats, splits,
+                                                    novelty_per_family, seed)
+        heads.novelty_alpha = DETECTOR_ALPHA
     image_log = None
     if image_check:
         heads.image_check, image_log = image_check_stage(

@@ -58,6 +58,9 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "pre_img_mean": lambda f: torch.cat([f["h_pre"], _img_mean(f)], -1),
     "pre_img_mean_std": lambda f: torch.cat([f["h_pre"], _img_mean(f), _img_std(f)], -1),
     "img_tokens": lambda f: f["h_image"].flatten(1),
+    # [N, TOKEN_SLOTS, D] image-token states, NaN rows where an image has fewer tokens
+    # (heads.features.extract_many), for `token_knn`
+    "img_token_slots": lambda f: f["img_tokens"],
     # not the actor's states: image-quality statistics of the pixels (heads.image_check)
     "pixels": lambda f: f["pixels"],
     "img_token_set": lambda f: f["h_image"],
@@ -102,6 +105,7 @@ class Novelty:
                              " features")
         self.n_fit = len(x)
         flat = x.reshape(-1, x.shape[-1])
+        flat = flat[~flat.isnan().any(-1)]          # empty token slots
         self.t["mean"] = flat.mean(0)
         self.t["scale"] = flat.std(0).clamp_min(1e-6)
         if min_scale is not None:
@@ -122,11 +126,29 @@ class Novelty:
                 torch.cat([z, zs]).numpy(), y)
             self.t["coef"] = torch.from_numpy(lr.coef_[0].copy())
             self.t["intercept"] = torch.from_numpy(lr.intercept_.copy())
-        elif self.kind == "token_knn" and len(z) > self.max_bank:
-            keep = np.random.default_rng(0).choice(len(z), self.max_bank, replace=False)
-            self.t["bank"] = z[np.sort(keep)]
         else:
-            self.t["bank"] = z
+            self.t["bank"] = self._capped(z)
+        return self
+
+    def _capped(self, z: torch.Tensor) -> torch.Tensor:
+        """A `token_knn` bank of at most `max_bank` rows (a deterministic subsample)."""
+        if self.kind != "token_knn" or len(z) <= self.max_bank:
+            return z
+        keep = np.random.default_rng(0).choice(len(z), self.max_bank, replace=False)
+        return z[np.sort(keep)]
+
+    def extend_bank(self, x: torch.Tensor) -> Novelty:
+        """Add in-distribution examples (features as `fit` takes them) to the reference
+        bank of a `knn` / `token_knn` detector, in place; the standardisation and the
+        conformal reference stay as they are. A larger bank can only lower a score, so
+        for inputs like the calibration split the p-value stays valid (conservative):
+        P[p ≤ α] ≤ α still holds. The bank stays within `max_bank` rows."""
+        if self.kind not in ("knn", "token_knn"):
+            raise ValueError(f"{self.kind} has no reference bank to extend")
+        x = torch.as_tensor(x).double()
+        flat = x.reshape(-1, x.shape[-1])
+        flat = flat[~flat.isnan().any(-1)]
+        self.t["bank"] = self._capped(torch.cat([self.t["bank"], self._std(flat)]))
         return self
 
     def calibrate(self, x_cal: torch.Tensor) -> Novelty:
@@ -144,6 +166,11 @@ class Novelty:
         """This detector with a second conformal reference: the scores of a stream that
         labelled feedback re-certified (`heads.recert`). This one is unchanged."""
         return ExtendedReference(self, scores)
+
+    def clean_scores(self) -> np.ndarray | None:
+        """The clean calibration split's scores (drift's reference for this detector)."""
+        cal = self.t.get("calibration")
+        return None if cal is None else cal.numpy()
 
     def p_values_of(self, scores: np.ndarray) -> np.ndarray:
         """Conformal p-values of scores already computed (by another process, say)."""
@@ -165,13 +192,33 @@ class Novelty:
         if self.kind == "logistic":
             return (z @ self.t["coef"] + self.t["intercept"]).numpy()
         n, m, dim = z.shape
-        return self._nearest(z.reshape(-1, dim), 1).reshape(n, m).max(1).values.numpy()
+        flat = z.reshape(-1, dim)
+        real = ~flat.isnan().any(-1)               # NaN rows: empty token slots
+        d = torch.full((len(flat),), -np.inf, dtype=flat.dtype)
+        d[real] = self._nearest(flat[real], 1)
+        # the most unusual token; an item without any token gets -inf (never flags)
+        return d.reshape(n, m).max(1).values.numpy()
+
+    def _bank32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bank in float32 and its squared norms, kept until the bank changes (a
+        conversion per call cost more than the distances of one item)."""
+        bank = self.t["bank"]
+        cached = getattr(self, "_b32", None)
+        if cached is None or cached[0] is not bank:
+            b = bank.float().contiguous()
+            cached = self._b32 = (bank, b, (b * b).sum(1))
+        return cached[1], cached[2]
 
     def _nearest(self, z: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
-        """Distance of each row to its k-th nearest bank row."""
-        bank = self.t["bank"]
-        out = [torch.cdist(z[s: s + chunk], bank).kthvalue(k, dim=1).values
-               for s in range(0, len(z), chunk)]
+        """Distance of each row to its k-th nearest bank row (|a|² + |b|² − 2a·b, one
+        matrix product per chunk; in float32, which halves the cost on CPUs)."""
+        bank, b2 = self._bank32()
+        out = []
+        for s in range(0, len(z), chunk):
+            a = z[s: s + chunk].float()
+            d2 = (a * a).sum(1, keepdim=True) + b2 - 2.0 * (a @ bank.T)
+            best = d2.min(1).values if k == 1 else d2.kthvalue(k, dim=1).values
+            out.append(best.clamp_min(0).sqrt().double())
         return torch.cat(out) if out else torch.zeros(0, dtype=z.dtype)
 
     def p_value(self, x: torch.Tensor) -> np.ndarray:
@@ -250,3 +297,107 @@ class ExtendedReference:
         s = np.array([r.score for r in self.base.read(feats, alpha)])
         return [NoveltyReading(float(a), float(b), bool(b < alpha))
                 for a, b in zip(s, self.p_values_of(s))]
+
+
+# ------------------------------------------------------------------ several detectors
+class CompositeNovelty:
+    """Several conformal detectors read as one (docs/method.md §8): each part has its own score and
+    clean calibration split; the combined p-value is the Bonferroni one,
+        p(x) = min(1, m · min_j p_j(x))     (m parts),
+    so for a clean input P[p ≤ α] ≤ Σ_j P[p_j ≤ α/m] ≤ α: the parts together add at most
+    α of clean deferral. The shipped parts (heads.fit) are `image` (patch-level: the
+    largest distance of any image token to its nearest token of the fitting images) and
+    `question` (the prompt state's distance to its nearest fitting prompt state)."""
+
+    kind = "composite"
+
+    def __init__(self, parts: dict[str, Novelty]) -> None:
+        if not parts:
+            raise ValueError("a composite detector needs at least one part")
+        self.parts = dict(parts)
+
+    @property
+    def feature(self) -> str:
+        return "+".join(p.feature for p in self.parts.values())
+
+    @property
+    def n_fit(self) -> int:
+        return max(p.n_fit for p in self.parts.values())
+
+    @property
+    def t(self) -> dict[str, torch.Tensor]:
+        # the calibration size callers read (`len(t["calibration"])`): the smallest part's
+        small = min(self.parts.values(), key=lambda p: len(p.t.get("calibration", ())))
+        return small.t
+
+    def part_p_values(self, feats: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Each part's own p-value of every row of a feature dict."""
+        out = {}
+        for name, part in self.parts.items():
+            if "calibration" not in part.t:
+                raise RuntimeError("calibrate on a clean split before asking for p-values")
+            out[name] = part.p_value(features(part.feature, feats))
+        return out
+
+    def p_values(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
+        each = self.part_p_values(feats)
+        return np.minimum(1.0, len(self.parts) * np.min(np.stack(list(each.values())), 0))
+
+    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA
+             ) -> list[NoveltyReading]:
+        """The combined reading of each row; its score is −log10 of the combined p-value
+        (larger = more unusual)."""
+        p = self.p_values(feats)
+        return [NoveltyReading(float(-np.log10(v)), float(v), bool(v < alpha)) for v in p]
+
+    def extend_bank(self, feats: dict[str, torch.Tensor],
+                    parts: tuple[str, ...] | None = None) -> CompositeNovelty:
+        """Add in-distribution rows (a feature dict, `extract`'s keys) to the reference
+        bank of the named parts (default: every part), in place (`Novelty.extend_bank`).
+        Re-certification adds a window's accepted images this way; `save` persists it."""
+        for name in parts if parts is not None else tuple(self.parts):
+            part = self.parts[name]
+            part.extend_bank(features(part.feature, feats))
+        return self
+
+    def p_values_of(self, scores: np.ndarray) -> np.ndarray:
+        """The combined p-values of scores already read (a reading's score is −log10 p)."""
+        return np.minimum(1.0, 10.0 ** -np.asarray(scores, float))
+
+    def extend_reference(self, scores: np.ndarray) -> ExtendedReference:
+        """This detector with a second conformal reference, the combined scores of a stream
+        that labelled feedback re-certified (`heads.recert`); this one is unchanged."""
+        return ExtendedReference(self, scores)
+
+    def clean_scores(self) -> np.ndarray | None:
+        """No stored clean sample of the combined score (each part keeps its own), so drift
+        has no reference for it until a re-certified window supplies one."""
+        return None
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "feature": self.feature, "k": None, "n_fit": self.n_fit,
+                "n_calibration": min(len(p.t.get("calibration", ()))
+                                     for p in self.parts.values()),
+                "C": None, "p_value": "min(1, m * min_j p_j), p_j = (1 + #{i : s_i >= s(x)})"
+                                      " / (n_j + 1)",
+                "parts": {name: p.to_dict() for name, p in self.parts.items()}}
+
+    def save(self, folder: str | Path, prefix: str = "novelty") -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, part in self.parts.items():
+            part.save(folder, f"{prefix}.{name}")
+        (folder / f"{prefix}.json").write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load_parts(cls, folder: Path, prefix: str, names: list[str]) -> CompositeNovelty:
+        return cls({n: Novelty.load(folder, f"{prefix}.{n}") for n in names})
+
+
+def load_detector(folder: str | Path, prefix: str = "novelty") -> Novelty | CompositeNovelty:
+    """A detector saved by `Novelty.save` or `CompositeNovelty.save`."""
+    folder = Path(folder)
+    d = json.loads((folder / f"{prefix}.json").read_text())
+    if d["kind"] == CompositeNovelty.kind:
+        return CompositeNovelty.load_parts(folder, prefix, list(d["parts"]))
+    return Novelty.load(folder, prefix)

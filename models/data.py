@@ -8,7 +8,9 @@
     vqarad:DIR                       (VQA-RAD: the public JSON + its image folder)
     pathvqa:DIR[:split]              (PathVQA: qas/{split}/{split}_qa.pkl + images/{split}/)
     pmcvqa:DIR[:split]               (PMC-VQA: {split}.csv + figures/ or images/)
-    SPEC~FAMILY:SEVERITY             (any of the above, images corrupted: models.shift)
+    render:KIND[:N[:SEED]]           (scenes drawn with easy-VQA's recipe: models.render)
+    SPEC~FAMILY:SEVERITY             (any of the above, images corrupted or changed
+                                      benignly: models.shift, models.benign)
 """
 
 from __future__ import annotations
@@ -213,6 +215,10 @@ def load(spec: str) -> list[Item]:
         if shift is not None:
             return shift_items(load(base), *shift)
     kind, _, rest = spec.partition(":")
+    if kind == "render" and rest:
+        from models.render import load_render  # imports this module
+
+        return load_render(rest)
     if kind not in LOADERS or not rest:
         raise ValueError(f"bad data spec {spec!r}; kinds: {', '.join(LOADERS)} (KIND:ARGS)")
     if kind in ("easyvqa", "jsonl", "vqarad"):

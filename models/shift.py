@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 from PIL import Image, ImageFilter
 
+from models.benign import BENIGN_FAMILIES, BENIGN_PARAMS, apply_benign
 from models.data import Item
 
 SEVERITIES = (1, 2, 3, 4, 5)
@@ -46,6 +47,8 @@ PARAMS: dict[str, tuple[float, ...]] = {
 FAMILIES = ("noise", "blur", "jpeg", "contrast", "brightness", "resolution", "background",
             "occlusion")
 EXTRA_FAMILIES = ("rotate",)
+# benign changes (models.benign): addressable the same way, never part of the suite above
+PARAMS.update(BENIGN_PARAMS)
 SUFFIX = re.compile(r"~([\w-]*)(?::([^~/\\]*))?$")
 
 
@@ -142,6 +145,8 @@ def corrupt(image: Image.Image, family: str, severity: int, seed: int | str = 0
             ) -> Image.Image:
     """`image` under one corruption at severity 1–5; deterministic in (family, seed)."""
     check(family, severity)
+    if family in BENIGN_FAMILIES:
+        return apply_benign(image.convert("RGB"), family, severity, _rng(seed, family))
     x = np.asarray(image.convert("RGB"), np.float64) / 255
     side = min(x.shape[:2])
     y = CORRUPT[family](x, PARAMS[family][severity - 1], _rng(seed, family), side)
@@ -164,9 +169,11 @@ class ShiftedItem(Item):
     family: str = ""
     severity: int = 0
     source_id: str = ""
+    source: Item | None = None     # the clean item when its image is not a file (rendered)
 
     def image(self) -> Image.Image:
-        return corrupt(super().image(), self.family, self.severity, self.source_id)
+        clean = self.source.image() if self.source is not None else super().image()
+        return corrupt(clean, self.family, self.severity, self.source_id)
 
 
 def shift_items(items: list[Item], family: str, severity: int) -> list[Item]:
@@ -180,7 +187,9 @@ def shift_items(items: list[Item], family: str, severity: int) -> list[Item]:
             raise ValueError("one corruption per item: a shifted item cannot be shifted again")
         base = {f.name: getattr(it, f.name) for f in fields(Item)}
         base["id"] = f"{it.id}~{family}:{severity}"
-        out.append(ShiftedItem(**base, family=family, severity=severity, source_id=it.id))
+        own = type(it).image is not Item.image      # drawn, not read from image_path
+        out.append(ShiftedItem(**base, family=family, severity=severity, source_id=it.id,
+                               source=it if own else None))
     return out
 
 

@@ -89,7 +89,8 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
                                    "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
                                    "--cache", str(tmp_path / "cache"), "--allow-dirty",
-                                   "--novelty-per-family", "2", "--image-data", pixels])
+                                   "--novelty-per-family", "2", "--image-check",
+                                   "--image-data", pixels])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())

@@ -18,7 +18,7 @@ from heads.collect import Collector
 from heads.defer import DeferPolicy
 from heads.dualread import Heads
 from heads.features import extract
-from heads.fit import fit_heads, fit_novelty, image_split, novelty_items, splits_of
+from heads.fit import fit_heads, fit_novelty, novelty_items, splits_of
 from heads.novelty import Novelty, features, p_values
 from models.actor import Answers, StageTimings
 from models.data import Item, load
@@ -238,81 +238,52 @@ def test_the_shipped_heads_carry_a_detector_in_their_rule():
     assert heads.defer_rule == heads.card["defer_rule"]
 
 
-def test_the_shipped_detector_gives_the_conformal_p_value_of_a_fixed_input():
-    # The fixed input is the detector's own feature mean: standardised it is 0, so the
-    # logistic score is the stored intercept, and the p-value is counted by hand from the
-    # stored calibration scores (valid whatever the shipped heads were refitted to).
-    nov = Heads.load().novelty
-    assert nov.kind == "logistic"
-    x = nov.t["mean"][None, :].clone()
-    s = float(nov.t["intercept"][0])
-    cal = nov.t["calibration"].numpy()
-    expected = (1 + sum(1 for c in cal if c >= s)) / (len(cal) + 1)
-    assert float(nov.p_value(x)[0]) == pytest.approx(expected, abs=1e-12)
-    # and a second load reads the same bytes: the same p-value exactly
-    assert float(Heads.load().novelty.p_value(x)[0]) == float(nov.p_value(x)[0])
-
-
 # ------------------------------------------------------------------ end to end
 def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_data, tmp_path):
+    """`fit-heads` fits the composite detector (heads.detectors): image tokens of reader
+    images and benign re-encodings, prompt states of reader questions, each calibrated on
+    the temperature and defer splits."""
+    from heads.detectors import AUGMENT_FAMILIES, first_per_image
+
     actor, per_family = actors["gemma3"], 3
     items = load(own_or_wrong_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
-                            target_risk=0.3, novelty_per_family=per_family, image_check=False)
+                            target_risk=0.3, novelty_per_family=per_family)
+    assert heads.image_check is None                       # retired by default
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
-    assert (folder / "novelty.safetensors").exists() and (folder / "novelty.json").exists()
+    for part in ("image", "question"):
+        assert (folder / f"novelty.{part}.safetensors").exists()
     card = json.loads((folder / "heads_card.json").read_text())
-    n_defer = sum(image_split(it.image_id) == "defer" for it in items)
     nov = card["novelty"]
-    assert card["defer_rule"] == RULE_NOVELTY
-    assert (nov["kind"], nov["feature"], nov["alpha"], nov["C"]) == \
-        ("logistic", "pre_img_mean_std", 0.01, 0.1)
-    # calibrated on every clean item it was not fitted on: temperature and defer splits
-    n_cal = n_defer + sum(image_split(it.image_id) == "temperature" for it in items)
-    assert n_defer == card["splits"]["defer_calibration"]
-    assert nov["n_calibration"] == n_cal == len(items) - card["splits"]["reader"]
-    assert nov["smallest_p_value"] == pytest.approx(1 / (n_cal + 1), abs=1e-6)
-    n_reader = sum(image_split(it.image_id) == "reader" for it in items)
-    assert nov["n_shifted"] == 8 * min(per_family, n_reader)
-    assert nov["n_fit"] == n_reader
-    # the detector is the logistic fit of clean reader vs corrupted reader copies: refit
-    # with sklearn from the collector's (cached) readouts
+    assert card["defer_rule"] == RULE_NOVELTY and card["image_check"] is None
+    assert (nov["kind"], nov["alpha"]) == ("composite", 0.02)
     col = Collector(actor, tmp_path / "cache", 4)
     clean, meta = col.run(items)
-    reader = splits_of(meta)["reader"]
-    shifted, _ = col.run(novelty_items([items[i] for i in reader.tolist()], per_family))
-
-    def stack(f, idx=None):
-        x = torch.cat([f["h_pre"], f["img_mean"], f["img_std"]], 1).double().numpy()
-        return x if idx is None else x[idx.numpy()]
-
-    xc, xs = stack(clean, reader), stack(shifted)
-    mean, sd = xc.mean(0), np.clip(xc.std(0, ddof=1), 1e-6, None)
-    lr = LogisticRegression(C=0.1, max_iter=5000).fit(
-        (np.r_[xc, xs] - mean) / sd, np.r_[np.zeros(len(xc)), np.ones(len(xs))])
-    back = Heads.load(folder, actor.fingerprint)
-    coef = back.novelty.t["coef"].numpy()
-    assert np.allclose(coef, lr.coef_[0], rtol=1e-2, atol=1e-3 * np.abs(coef).max())
-    # calibrated on the clean temperature and defer splits: their sorted scores are the
-    # reference
     sp = splits_of(meta)
-
-    def scores(idx):
-        return ((stack(clean)[idx.numpy()] - mean) / sd) @ coef + \
-            float(back.novelty.t["intercept"][0])
-
-    s_cal = scores(torch.cat([sp["temperature"], sp["defer"]]))
-    assert np.allclose(back.novelty.t["calibration"].numpy(), np.sort(s_cal), rtol=1e-6,
-                       atol=1e-8)
-    # the out-of-sample clean rate: calibrated on one split, read on the other
-    s_t, s_d = scores(sp["temperature"]), scores(sp["defer"])
-
-    def flagged(ref, s):
-        return float(np.mean([(1 + (ref >= v).sum()) / (len(ref) + 1) < 0.01 for v in s]))
-
-    assert nov["cross_flag_rate"] == pytest.approx(
-        (flagged(s_t, s_d) + flagged(s_d, s_t)) / 2, abs=1e-4)
+    ids = meta["image_ids"]
+    reader_img = first_per_image(sp["reader"], ids)
+    cal = torch.cat([sp["temperature"], sp["defer"]])
+    parts = nov["parts"]
+    assert parts["image"]["n_images"] == len(reader_img)
+    assert parts["image"]["n_augmented"] == len(AUGMENT_FAMILIES) * min(per_family,
+                                                                         len(reader_img))
+    assert parts["image"]["n_calibration"] == len(first_per_image(cal, ids))
+    assert parts["question"]["n_calibration"] == len(cal)
+    back = Heads.load(folder, actor.fingerprint)
+    q = back.novelty.parts["question"]
+    # the question part: 1-NN distance to the standardised reader prompt states
+    x = clean["h_pre"][sp["reader"]].double()
+    z = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)
+    assert torch.allclose(q.t["bank"], z, atol=1e-6)
+    s_cal = torch.cdist((clean["h_pre"][cal].double() - x.mean(0)) /
+                        x.std(0).clamp_min(1e-6), z).min(1).values.numpy()
+    assert np.allclose(q.t["calibration"].numpy(), np.sort(s_cal), atol=1e-4)
+    # the combined p-value of a row is Bonferroni over the parts
+    row = {k: v[:3] for k, v in clean.items()}
+    each = back.novelty.part_p_values(row)
+    assert np.allclose(back.novelty.p_values(row),
+                       np.minimum(1, 2 * np.minimum(each["image"], each["question"])))
 
 
 def test_the_novelty_stage_logs_its_flag_rates_out_of_sample(actors, own_or_wrong_data,
@@ -360,7 +331,7 @@ def test_fit_heads_flags_reach_the_fit(actor_dirs, own_or_wrong_data, tmp_path, 
         res = CliRunner().invoke(app, base + extra)
         assert isinstance(res.exception, Stop), res.output
     assert [(k["novelty"], k["novelty_per_family"], k["image_check"]) for k in seen] == \
-        [(True, 250, True), (False, 250, True), (True, 7, True), (True, 250, False)]
+        [(True, 250, False), (False, 250, False), (True, 7, False), (True, 250, False)]
 
 
 def test_fit_without_novelty_keeps_the_old_rule(tmp_path):
@@ -380,16 +351,16 @@ def test_a_card_newer_than_the_code_is_refused(tmp_path, delta):
     h.save(tmp_path / "h", {"command": "test"})
     card_path = tmp_path / "h" / "heads_card.json"
     card = json.loads(card_path.read_text())
-    assert card["card_version"] == CARD_VERSION == 4
-    assert Heads.load(tmp_path / "h").card["card_version"] == 4    # its own version loads
-    for older in (3, 2, None):      # cards before the bump, and before versions were written
+    assert card["card_version"] == CARD_VERSION == 5
+    assert Heads.load(tmp_path / "h").card["card_version"] == 5    # its own version loads
+    for older in (4, 3, 2, None):   # cards before the bump, and before versions were written
         if older is None:
             card.pop("card_version")
         else:
             card["card_version"] = older
         card_path.write_text(json.dumps(card))
         assert Heads.load(tmp_path / "h").actor_fingerprint == "fp"
-    card["card_version"] = 4 + delta
+    card["card_version"] = 5 + delta
     card_path.write_text(json.dumps(card))
-    with pytest.raises(CardTooNew, match=f"card version {4 + delta}, newer"):
+    with pytest.raises(CardTooNew, match=f"card version {5 + delta}, newer"):
         Heads.load(tmp_path / "h")

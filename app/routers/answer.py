@@ -222,6 +222,7 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
         image_check=None if res.image_check is None else ImageCheck(
             score=res.image_check.score, p_value=res.image_check.p_value,
             flagged=res.image_check.novel),
+        calibrated=res.calibrated,
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
         timings_ms=Timings(queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),

@@ -1,0 +1,154 @@
+"""The defer rule's novelty detectors (SPEC §8): fitted on clean training data and benign
+re-encodings of it, calibrated on a disjoint clean split, nothing else.
+
+Two one-class parts, read as one conformal detector (`CompositeNovelty`, Bonferroni):
+- `image`: patch-level (PatchCore-style). Each image token's state (the actor's final
+  layer, which the readout captures anyway) is compared with a bank of image-token states
+  of the fitting images and of benign re-encodings of them (JPEG, resampling, mild noise,
+  small crops); the score is the largest distance of any token to its nearest bank
+  token, so one region showing something the actor never saw is enough.
+- `question`: the prompt state's distance to the nearest prompt state of the fitting
+  questions: a question of a kind never asked lands far from all of them.
+No corrupted or novel input is used for fitting: what the detectors flag is whatever is
+far from the training data, not a list of named shifts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from heads.collect import Collector
+from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
+from models.data import Item, sample
+from models.shift import SEVERITIES, shift_items
+
+console = Console(stderr=True)
+# benign re-encodings whose image tokens join the bank (models.benign's development
+# families: the held-out benign families stay out of every fit)
+AUGMENT_FAMILIES = ("jpeg-q", "upscale", "noise-mild", "crop")
+AUGMENT_PER_FAMILY = 250
+# image tokens kept in the bank (a deterministic subsample): the cost of one item's
+# score is M tokens × BANK distances; at 8000 it is a small share of a readout
+IMAGE_BANK = 8000
+IMAGE_FEATURE, QUESTION_FEATURE = "img_token_slots", "h_pre"
+DETECTOR_ALPHA = 2 * ALPHA     # the combined flag rate on clean input; α/2 a part
+
+
+def first_per_image(idx: torch.Tensor, image_ids: list[str]) -> torch.Tensor:
+    """The first row of each image among rows `idx` (an image's tokens do not depend on
+    the question: one row per image in the bank and in the conformal reference)."""
+    seen: set[str] = set()
+    keep = []
+    for i in idx.tolist():
+        if image_ids[i] not in seen:
+            seen.add(image_ids[i])
+            keep.append(i)
+    return torch.tensor(keep, dtype=torch.long)
+
+
+def augment_items(items: list[Item], per_family: int = AUGMENT_PER_FAMILY, seed: int = 0
+                  ) -> list[Item]:
+    """Benign re-encodings of `items`: for each family of AUGMENT_FAMILIES a deterministic
+    sample of `per_family` of them, severities 1..5 in turn."""
+    out: list[Item] = []
+    for k, fam in enumerate(AUGMENT_FAMILIES):
+        base = sample(items, per_family, seed=seed + 200 + k)
+        out += [shift_items([it], fam, SEVERITIES[j % len(SEVERITIES)])[0]
+                for j, it in enumerate(base)]
+    return out
+
+
+def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
+                  calibration_questions: dict, bank: int = IMAGE_BANK) -> CompositeNovelty:
+    """The composite detector from feature dicts (`extract`'s keys): image tokens of the
+    fitting images (+ `augmented`), prompt states of the fitting questions; each part
+    calibrated on its own clean split."""
+    img = Novelty("token_knn", IMAGE_FEATURE, max_bank=bank)
+    x = features(IMAGE_FEATURE, fit)
+    if augmented is not None:
+        x = torch.cat([x, features(IMAGE_FEATURE, augmented)])
+    img.fit(x).calibrate(features(IMAGE_FEATURE, calibration_images))
+    q = Novelty("knn", QUESTION_FEATURE, k=1)
+    q.fit(features(QUESTION_FEATURE, fit)).calibrate(
+        features(QUESTION_FEATURE, calibration_questions))
+    return CompositeNovelty({"image": img, "question": q})
+
+
+def _rows(feats: dict, idx) -> dict:
+    idx = torch.as_tensor(idx, dtype=torch.long)
+    return {k: v[idx] for k, v in feats.items()}
+
+
+def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
+                   per_family: int = AUGMENT_PER_FAMILY, seed: int = 0,
+                   alpha: float = DETECTOR_ALPHA) -> tuple[CompositeNovelty, dict]:
+    """Readouts of benign re-encodings of reader-split images, the composite detector
+    fitted on the reader split and calibrated on the temperature and defer splits, and
+    what the card logs (clean flag rates out of sample, per part and combined)."""
+    reader = splits["reader"]
+    ids = [it.image_id for it in items]
+    reader_img = first_per_image(reader, ids)
+    aug_items = augment_items([items[i] for i in reader_img.tolist()], per_family, seed)
+    augmented = None
+    if aug_items:
+        augmented, _ = col.run(aug_items, label="readouts (benign re-encodings, reader images)")
+    cal = torch.cat([splits["temperature"], splits["defer"]])
+    cal_img = first_per_image(cal, ids)
+    fit_rows = _rows(feats, reader)
+    det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal))
+    log: dict = {
+        "parts": {
+            "image": {"kind": "token_knn", "feature": "final-layer image-token states",
+                      "fitted_on": "reader-split images, one row per image, and benign "
+                                   "re-encodings of them",
+                      "augment_families": list(AUGMENT_FAMILIES), "augment_per_family":
+                      per_family, "n_images": len(reader_img), "n_augmented": len(aug_items),
+                      "bank_tokens": int(det.parts["image"].t["bank"].shape[0]),
+                      "calibrated_on": "temperature and defer split images, one row per image",
+                      "n_calibration": len(cal_img)},
+            "question": {"kind": "knn (k = 1)", "feature": "prompt state h_pre",
+                         "fitted_on": "reader-split questions", "n_fit": len(reader),
+                         "calibrated_on": "temperature and defer split questions",
+                         "n_calibration": len(cal)}},
+        "combined": "p = min(1, 2 min(p_image, p_question)); flag when p < alpha",
+        "alpha": alpha,
+        "smallest_p_value": round(2 / (min(len(cal_img), len(cal)) + 1), 6)}
+    if log["smallest_p_value"] >= alpha:
+        console.log(f"[yellow]novelty detector: too few calibration items for a p-value "
+                    f"below alpha {alpha}; it will never flag[/yellow]")
+    # out of sample: calibrate on one of the two clean splits, read the other
+    rates = []
+    for a, b in (("temperature", "defer"), ("defer", "temperature")):
+        ia, ib = splits[a], splits[b]
+        if len(ia) == 0 or len(ib) == 0:
+            continue
+        probe = CompositeNovelty({
+            "image": det.parts["image"].recalibrated(
+                features(IMAGE_FEATURE, _rows(feats, first_per_image(ia, ids)))),
+            "question": det.parts["question"].recalibrated(
+                features(QUESTION_FEATURE, _rows(feats, ia)))})
+        rates.append(float((probe.p_values(_rows(feats, ib)) < alpha).mean()))
+    if rates:
+        log["cross_flag_rate"] = round(float(np.mean(rates)), 4)
+    console.log(f"novelty detector: bank {log['parts']['image']['bank_tokens']} image tokens, "
+                f"clean flag rate (cross-calibrated) {log.get('cross_flag_rate')} at alpha "
+                f"{alpha}")
+    return det, log
+
+
+def refit_detectors(actor, heads, items: list[Item], cache_dir=None,
+                    per_family: int = AUGMENT_PER_FAMILY, seed: int = 0,
+                    max_new_tokens: int = 64) -> dict:
+    """Fit the defer rule's detector onto heads already fitted on `items` (same image-hash
+    splits as `fit-heads`), replacing their novelty detector and dropping the retired
+    image check; the readers and τ stay. Returns the detector's card log."""
+    from heads.fit import splits_of
+
+    col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
+    feats, meta = col.run(items, label="readouts (fit)")
+    det, log = detector_stage(col, items, feats, splits_of(meta), per_family, seed)
+    heads.novelty, heads.novelty_alpha = det, DETECTOR_ALPHA
+    heads.image_check = None
+    return log

@@ -1,0 +1,76 @@
+"""Benign image changes for the stress suites (SPEC §8): the answer stays the same.
+
+Re-encodings, resampling, mild noise, small crops and pads, exposure: what a picture goes
+through between a scanner and a service without anyone changing what it shows. Addressed
+like the corruptions (`SPEC~FAMILY:SEVERITY`, models.shift); a severity is how much, 1..5,
+all of them mild. Families are split into development and held-out ones
+(docs/defer/suites.md): the defer rule's design only looked at the development ones.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+# one row per family, severities 1..5
+BENIGN_PARAMS: dict[str, tuple[float, ...]] = {
+    # development
+    "jpeg-q": (95, 90, 85, 80, 75),            # JPEG quality
+    "upscale": (1.25, 1.5, 2.0, 3.0, 4.0),     # bicubic enlargement factor
+    "noise-mild": (1, 2, 3, 4, 5),             # Gaussian σ in grey levels (of 255)
+    "crop": (1, 2, 3, 4, 5),                   # pixels cut from every side
+    # held out
+    "webp": (95, 90, 85, 80, 70),              # WebP quality
+    "gamma": (1.05, 1.1, 1.15, 1.2, 1.3),      # exponent on [0, 1] intensities
+    "pad": (1, 2, 3, 4, 6),                    # pixels of edge colour added on every side
+    "downup": (0.9, 0.8, 0.75, 0.7, 0.6),      # bicubic down by this factor, then back up
+    "sharpen": (50, 80, 110, 140, 180),        # unsharp-mask percent (radius 1)
+}
+BENIGN_SPLIT = {"dev": ("jpeg-q", "upscale", "noise-mild", "crop"),
+                "heldout": ("webp", "gamma", "pad", "downup", "sharpen")}
+BENIGN_FAMILIES = BENIGN_SPLIT["dev"] + BENIGN_SPLIT["heldout"]
+
+
+def _u8(im: Image.Image) -> np.ndarray:
+    return np.asarray(im.convert("RGB"), np.float64)
+
+
+def _reencode(im: Image.Image, fmt: str, quality: int) -> Image.Image:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, quality=int(quality))
+    buf.seek(0)
+    with Image.open(buf) as out:
+        return out.convert("RGB")
+
+
+def apply_benign(im: Image.Image, family: str, severity: int, rng: np.random.Generator
+                 ) -> Image.Image:
+    p = BENIGN_PARAMS[family][severity - 1]
+    w, h = im.size
+    if family == "jpeg-q":
+        return _reencode(im, "JPEG", int(p))
+    if family == "webp":
+        return _reencode(im, "WEBP", int(p))
+    if family == "upscale":
+        return im.resize((round(w * p), round(h * p)), Image.BICUBIC)
+    if family == "downup":
+        small = im.resize((max(1, round(w * p)), max(1, round(h * p))), Image.BICUBIC)
+        return small.resize((w, h), Image.BICUBIC)
+    if family == "noise-mild":
+        x = _u8(im) + rng.normal(size=(h, w, 3)) * p
+        return Image.fromarray(np.clip(x + 0.5, 0, 255).astype(np.uint8))
+    if family == "gamma":
+        x = (_u8(im) / 255) ** p
+        return Image.fromarray(np.clip(x * 255 + 0.5, 0, 255).astype(np.uint8))
+    if family == "crop":
+        k = int(p)
+        return im.crop((k, k, w - k, h - k))
+    if family == "pad":
+        k = int(p)
+        x = np.pad(_u8(im), ((k, k), (k, k), (0, 0)), mode="edge")
+        return Image.fromarray(x.astype(np.uint8))
+    if family == "sharpen":
+        return im.filter(ImageFilter.UnsharpMask(radius=1, percent=int(p), threshold=0))
+    raise ValueError(f"unknown benign family {family!r}")
