@@ -1,4 +1,4 @@
-"""Re-certification measured on the shipped actor and heads (docs/pending/28-recert.md).
+"""Re-certification measured on the shipped actor and heads (docs/operations.md).
 
 Serves every item of a clean, a benign and a harmful stream through `Service` (what
 `/answer` runs), grades the answers with the one grader (`models.canon.is_correct`), and
