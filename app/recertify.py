@@ -11,7 +11,6 @@ never written.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -65,11 +64,20 @@ class Recertification:
             s = self.settings
             path = Path(s.recert_state) if s.recert_state else \
                 Path(s.heads or _embedded()) / STATE_FILE
-            if not self._lock(path):
+            try:
+                if not self._lock(path):
+                    return
+                self.store = RuleStore(path, base, service.heads_id, RecertSettings(
+                    window=s.recert_window, min_per_class=s.recert_min_per_class),
+                    on_switch=self._switched)
+            except OSError as e:
+                # a state file this process cannot write (read-only heads folder, say)
+                # stops re-certification, not the service
+                self.blocked = f"the state file {path.name} cannot be used " \
+                               f"({type(e).__name__}); set DUALREAD_RECERT_STATE to a " \
+                               "writable path"
+                log.warning(json.dumps({"event": "recert_disabled", "why": self.blocked}))
                 return
-            self.store = RuleStore(path, base, service.heads_id, RecertSettings(
-                window=s.recert_window, min_per_class=s.recert_min_per_class),
-                on_switch=self._switched)
             if self.store.active.version != SHIPPED:
                 service.use_rule(self.store.active)
                 log.info(json.dumps({"event": "defer_rule_restored",
@@ -114,7 +122,9 @@ class Recertification:
             return None
         if not key_matches(given, self.settings.operator_key):
             raise Unauthorized("wrong operator key")
-        return "operator:" + hashlib.sha256(given.encode()).hexdigest()[:8]
+        # one shared key: "operator" is all it can say (a hash of the key, shown on
+        # /calibration, would let any API client test guesses of it offline)
+        return "operator"
 
     # ---------------------------------------------------------------- verdicts
     def count(self, request_id: str, served: Served, correct: bool, who: str) -> dict:

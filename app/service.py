@@ -307,7 +307,7 @@ class Service:
             image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
                                                                chk.novel),
             served=served,
-            calibrated=heads.calibrated(nov_p, chk_p))
+            calibrated=heads.calibrated(nov_p, chk_p), threshold=heads.defer_threshold)
 
     def _answer_only(self, r: Response, timings) -> AnswerResult:
         """No heads: the answer, deferred, with why the response is unusable if it is."""

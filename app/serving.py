@@ -104,6 +104,7 @@ class AnswerResult:
     # version, branch log-odds, detector scores; no request content)
     served: Any = None
     calibrated: bool = True    # False: a detector flags the input (confidence uncalibrated)
+    threshold: float | None = None   # τ of the rule that decided (None: the backend's)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,9 @@ class Novelty(BaseModel):
                                             "over the clean calibration items (the "
                                             "temperature and defer splits); for a composite "
                                             "detector min(1, m * the smallest part's)")
-    novel: bool = Field(..., description="p_value < alpha (the heads card's novelty.alpha, "
-                                         "0.01): the answer is deferred")
+    novel: bool = Field(..., description="p_value < alpha (the heads card's novelty.alpha: "
+                                         "0.02 for the embedded heads): the answer is "
+                                         "deferred")
 
 
 class ImageCheck(BaseModel):

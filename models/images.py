@@ -223,7 +223,11 @@ def check_jpeg(data: bytes) -> None:
 
 def _tag(ds, name: str, default, cast=float):
     """A DICOM attribute as a number (first value if multi-valued), or ImageInvalid."""
-    value = ds.get(name, None)
+    try:
+        # pydicom converts the value as it reads it: an IS of 5,000 digits overflows here
+        value = ds.get(name, None)
+    except Exception:
+        raise ImageInvalid(f"malformed DICOM tag {name}") from None
     if value is None or value == "":
         return default
     try:
@@ -341,7 +345,10 @@ def _dicom(data: bytes, max_pixels: int) -> Image.Image:
     if frames != 1:
         raise ImageInvalid(f"multi-frame DICOM ({frames} frames) is not supported; "
                            "send the one frame you mean")
-    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
+    try:
+        photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
+    except Exception:          # a value written with a numeric VR, converted as it is read
+        raise ImageInvalid("malformed DICOM tag PhotometricInterpretation") from None
     if photometric not in DICOM_MONO + DICOM_COLOUR:
         # not quoted: a tag's text is the client's (it could be anything, a name too)
         raise ImageInvalid(f"DICOM photometric interpretation not supported (accepted: "

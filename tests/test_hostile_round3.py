@@ -441,3 +441,17 @@ def test_the_audit_log_is_written_as_json_lines():
     audit = logging.getLogger("dualread.audit")
     assert audit.isEnabledFor(logging.INFO) and not audit.propagate
     assert any(isinstance(h.formatter, JsonLines) for h in audit.handlers)
+
+
+@pytest.mark.parametrize("tag", ["NumberOfFrames", "PhotometricInterpretation"])
+def test_a_dicom_number_over_the_int_digit_limit_is_422(api, tag):
+    """pydicom converts an IS value as it reads it: 5,000 digits raised OverflowError (500)
+    from the attribute lookup itself, before any check could catch it."""
+    ds = pydicom.dcmread(io.BytesIO(dicom(64, 64, bytes(64 * 64))))
+    ds.add_new(pydicom.datadict.tag_for_keyword(tag), "IS", "7777")
+    raw = _write(ds)
+    raw = raw.replace(b"IS\x04\x007777", b"IS" + (5000).to_bytes(2, "little") + b"9" * 5000)
+    with pytest.raises(ImageInvalid, match=f"malformed DICOM tag {tag}"):
+        open_image(raw)
+    assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 422,
+                 f"malformed DICOM tag {tag}")

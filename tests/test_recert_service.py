@@ -165,7 +165,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert cert["holds"] and cert["risk_upper_bound"] <= 0.3
         assert cert["detector_references"]["image_check"].startswith("extended")
         [switch] = [e for e in cal["history"] if e["event"] == "switch"]
-        assert switch["who"].startswith("operator:") and switch["at"]
+        assert switch["who"] == "operator" and switch["at"]     # the key itself never shows
         assert switch["old"]["version"] == "shipped" and switch["new"]["version"] == new
         assert switch["window"]["n"] == WINDOW
         # the next answers of the stream: decided by the new rule, and released
@@ -267,3 +267,18 @@ def test_a_second_process_on_one_state_file_counts_nothing(actor_dirs, heads_dir
         assert a.get("/calibration").json()["counting"] is True
         cal = b.get("/calibration").json()
         assert cal["counting"] is False and "held by another process" in cal["reason"]
+
+
+def test_an_unwritable_state_file_stops_recertification_not_the_service(
+        actor_dirs, heads_dir, tmp_path, monkeypatch):
+    """A state path this process cannot write (a read-only heads folder in a container)
+    must leave /answer serving, with /calibration saying why nothing counts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    state = blocker / "rules.json"            # its parent is a file: mkdir fails
+    with TestClient(create_app(_settings(heads_dir, state),
+                               _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch))) as c:
+        assert c.get("/health/ready").status_code == 200
+        assert _answers(c, [benign(0)])[0]["answer"] is not None
+        cal = c.get("/calibration").json()
+        assert cal["counting"] is False and "DUALREAD_RECERT_STATE" in cal["reason"]

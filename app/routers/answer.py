@@ -215,7 +215,8 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
         confidence=None if c is None else confidence(c),
         defer=res.defer, defer_reason=res.defer_reason,
         defer_reasons=[DeferCode(code) for code in res.defer_codes],
-        defer_threshold=backend.threshold,
+        # τ and version of the rule that decided, not of one switched in since
+        defer_threshold=backend.threshold if res.threshold is None else res.threshold,
         defer_rule_version=None if res.served is None else res.served.version,
         novelty=None if res.novelty is None else Novelty(
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
