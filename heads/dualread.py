@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
-from heads.features import FEATURE_SCHEMA, KAPPA, extract_many
+from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
 from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
@@ -291,7 +291,14 @@ class Heads:
         """Score, conformal p-value and flag of one readout; None without a detector."""
         if self.novelty is None:
             return None
-        return self.novelty.read(extract_many([readout], self.kappa), self.novelty_alpha)[0]
+        mean, std = image_stats(readout.h_image)
+        light = {"h_pre": readout.h_pre.float()[None], "img_mean": mean[None],
+                 "img_std": std[None]}
+        try:      # most detectors read only these: no need for every feature
+            return self.novelty.read(light, self.novelty_alpha)[0]
+        except KeyError:          # one that reads more (the image tokens): all of them
+            return self.novelty.read(extract_many([readout], self.kappa),
+                                     self.novelty_alpha)[0]
 
     def image_reading(self, image) -> NoveltyReading | None:
         """The image check's score, p-value and flag for one image; None without a check."""

@@ -38,7 +38,11 @@ def test_features_of_readouts_with_different_image_sizes(actors):
         one = extract(r.readout)
         assert got.keys() == one.keys()
         for key, value in one.items():
-            assert torch.equal(got[key][b], value), key
+            row = got[key][b]
+            if key == "img_tokens":   # padded to the batch's widest image with NaN rows
+                assert row[len(value):].isnan().all(), key
+                row = row[:len(value)]
+            torch.testing.assert_close(row, value, rtol=0, atol=0, equal_nan=True, msg=key)
 
 
 def test_digit_distribution_when_a_level_is_not_one_token(actors, monkeypatch):

@@ -211,7 +211,7 @@ def test_load_renames_legacy_temperature_keys(tmp_path):
     assert Heads.load(tmp_path).temperatures == {"psr": 1.5, "per": 0.5, "per_new": 2.0}
 
 
-@pytest.mark.parametrize("version", [5, 9])
+@pytest.mark.parametrize("version", [6, 9])
 def test_a_newer_card_is_refused_with_the_fix(tmp_path, version):
     Heads.new(DIM).save(tmp_path, {})
     card = json.loads((tmp_path / "heads_card.json").read_text())
@@ -221,7 +221,7 @@ def test_a_newer_card_is_refused_with_the_fix(tmp_path, version):
         Heads.load(tmp_path)
     assert str(e.value) == (
         f"heads in {tmp_path} have card version {version}, newer than this code reads "
-        "(up to 4): it could drop parts of their defer rule; upgrade dualread or load heads "
+        "(up to 5): it could drop parts of their defer rule; upgrade dualread or load heads "
         "fitted by this version")
 
 
