@@ -139,3 +139,16 @@ def drop_fingerprint_scheme(folder) -> None:
     card = json.loads(path.read_text())
     del card["fingerprint_scheme"]
     path.write_text(json.dumps(card))
+
+
+def small_limits_client(service, **settings):
+    """A test client of the app on `service` with small limits (8 new tokens, 200 KB and
+    1 M pixels an image); `settings` override them."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    base = dict(max_new_tokens=8, batch_wait_ms=5, max_image_bytes=200_000,
+                max_image_pixels=1_000_000)
+    return TestClient(create_app(Settings(**{**base, **settings}), service))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +45,7 @@ from models.images import (
 from models.parse import parse_response
 from models.quality import TRUNCATED, repeated_run, response_problem, uses_answer_tag
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads
+from tests.helpers import b64, png_bytes, random_heads, small_limits_client
 
 Q = "what color is the shape?"
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +58,7 @@ def service(actor_dirs, actors, tmp_path_factory):
     return Service(actor_dirs["qwen3_vl"], heads)
 
 
-def make(service, **kw) -> TestClient:
-    base = dict(max_new_tokens=8, batch_wait_ms=5, max_image_bytes=200_000,
-                max_image_pixels=1_000_000)
-    return TestClient(create_app(Settings(**{**base, **kw}), service))
+make = small_limits_client
 
 
 @pytest.fixture(scope="module")

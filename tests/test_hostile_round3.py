@@ -17,15 +17,12 @@ import zlib
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
 
-from app.main import create_app
 from app.service import Service
-from app.settings import Settings
 from models.images import ImageInvalid, log_warning, log_warnings, open_image
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads
+from tests.helpers import b64, png_bytes, random_heads, small_limits_client
 
 pydicom = pytest.importorskip("pydicom")
 
@@ -116,10 +113,7 @@ def service(actor_dirs, actors, tmp_path_factory):
     return Service(actor_dirs["qwen3_vl"], heads)
 
 
-def make(service, **kw) -> TestClient:
-    base = dict(max_new_tokens=8, batch_wait_ms=5, max_image_bytes=200_000,
-                max_image_pixels=1_000_000)
-    return TestClient(create_app(Settings(**{**base, **kw}), service))
+make = small_limits_client
 
 
 @pytest.fixture(scope="module")
