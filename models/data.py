@@ -1,7 +1,8 @@
 """VQA data behind one interface, addressed by a spec string.
 
     easyvqa:train | easyvqa:test     (PyPI easy-vqa, ships its images; also easyvqa:actor
-                                      and easyvqa:heldout, the image-disjoint parts of train)
+                                      and easyvqa:heldout, the image-disjoint parts of train,
+                                      and heldout's parts easyvqa:dev and easyvqa:fit)
     jsonl:PATH                       (id, image, question, answer[, image_id, box, domain,
                                       answer_type]; image relative to the file)
     slake:DIR[:split]                (SLAKE: {split}.json + imgs/, English questions)
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -64,6 +66,7 @@ def easyvqa_answer_type(question: str, answer: str) -> str:
     return "color" if answer in COLOURS else "shape"
 
 
+@functools.cache    # easy-VQA's parts all read train's 4,000 images
 def shape_box(path: str, tol: int = 40) -> tuple[int, int, int, int]:
     """Bounding box [x0, y0, x1, y1) of the one shape: pixels far from the background.
 
@@ -80,24 +83,36 @@ def shape_box(path: str, tol: int = 40) -> tuple[int, int, int, int]:
 
 
 HEADS_SLICE_MOD = 5
+# `easyvqa:dev`: one heldout image in five ((number // 5) % 5 == DEV_BIN), for design
+# choices only (docs/method.md, "Development split"); `easyvqa:fit` is the rest of heldout.
+DEV_BIN = 4
 
 
 def image_number(item: Item) -> int:
     return int(item.image_id.rsplit("img", 1)[1])
 
 
+def easyvqa_part(number: int) -> str:
+    """Which image-disjoint part of easy-VQA train an image number belongs to: `actor`
+    (number % 5 != 0, what the embedded actor trains on), else `dev` (one in five of the
+    rest) or `fit` (the heads' fitting pool); `heldout` = `fit` + `dev`."""
+    if number % HEADS_SLICE_MOD != 0:
+        return "actor"
+    return "dev" if (number // HEADS_SLICE_MOD) % HEADS_SLICE_MOD == DEV_BIN else "fit"
+
+
 def load_easyvqa(split: str) -> list[Item]:
-    """`train`, `test`, or the two image-disjoint parts of train: `actor` (image number
-    % 5 != 0, what the embedded actor trains on) and `heldout` (% 5 == 0, for the heads)."""
+    """`train`, `test`, or image-disjoint parts of train: `actor` (image number % 5 != 0,
+    what the embedded actor trains on), `heldout` (% 5 == 0, for the heads), and heldout's
+    two parts, `dev` (design choices only) and `fit` (the rest: the heads' fitting pool)."""
     import easy_vqa
 
-    if split in ("actor", "heldout"):
+    if split in ("actor", "heldout", "dev", "fit"):
         items = load_easyvqa("train")
-        keep = (lambda n: n % HEADS_SLICE_MOD != 0) if split == "actor" else \
-            (lambda n: n % HEADS_SLICE_MOD == 0)
-        return [it for it in items if keep(image_number(it))]
+        parts = {"heldout": ("dev", "fit")}.get(split, (split,))
+        return [it for it in items if easyvqa_part(image_number(it)) in parts]
     if split not in ("train", "test"):
-        raise ValueError("easyvqa split must be train, test, actor or heldout")
+        raise ValueError("easyvqa split must be train, test, actor, heldout, dev or fit")
     qs, ans, img_ids = getattr(easy_vqa, f"get_{split}_questions")()
     paths = getattr(easy_vqa, f"get_{split}_image_paths")()
     boxes: dict[int, tuple[int, int, int, int]] = {}

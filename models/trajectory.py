@@ -83,3 +83,12 @@ def image_facts(items: list[Item]) -> dict[str, tuple[str, str]]:
         elif it.answer == ("no" if q.negated else "yes"):   # the attribute is present
             (colour if q.attribute in COLOURS else shape)[it.image_id] = q.attribute
     return {i: (colour[i], shape[i]) for i in colour if i in shape}
+
+
+def describe_images(items: list[Item]) -> dict[str, str]:
+    """What each easy-VQA image shows ("a red circle"), from the gold answers of its own
+    questions (`image_facts`): the observation of the TGS probe's gold-conditioned good
+    trajectory. Images of other data sets, or whose colour or shape no question settles,
+    are left out."""
+    facts = image_facts([it for it in items if it.domain == "easyvqa"])
+    return {i: f"a {c} {s}" for i, (c, s) in facts.items()}

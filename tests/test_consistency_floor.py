@@ -40,3 +40,38 @@ def test_dualread_drop_from_the_term_is_bounded():
     drop = torch.logit(before) - torch.logit(after)
     assert bool((drop <= CONSISTENCY_FLOOR / 2 + 1e-9).all()) and bool((drop > 0).all())
     assert float(after[0]) >= 0.719
+
+
+def test_the_bound_holds_for_any_reader_output_and_any_calibrated_per():
+    """Random PER log-odds, PSR and reader logits (hinge offsets too): the term never
+    takes more than the floor, never adds, and DualRead's log-odds fall by at most half."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    phi = torch.randn(n, 1, generator=g, dtype=torch.float64) * 30
+    pre = torch.sigmoid(torch.randn(n, generator=g, dtype=torch.float64) * 4)
+    per = torch.randn(n, generator=g, dtype=torch.float64) * 6
+    for q in (-5.0, -0.7, 0.0):
+        term = consistency_log_prob(_heads(q=q), {"phi": phi})
+        assert bool((term <= 0).all()) and bool((term >= -CONSISTENCY_FLOOR).all())
+        drop = torch.logit(fuse(pre, torch.sigmoid(per))) - torch.logit(
+            fuse(pre, torch.sigmoid(per + term)))
+        assert bool((drop >= -1e-9).all())
+        assert bool((drop <= CONSISTENCY_FLOOR / 2 + 1e-6).all())
+        assert float(drop.max()) > CONSISTENCY_FLOOR / 2 - 0.01     # the bound is reached
+
+
+def test_penalty_summary_on_own_answers_by_hand():
+    """`heads.consistency_check.penalty_summary`: what the report says about the term on a
+    group of answers (the actor's own wrong ones in the report)."""
+    from heads.consistency_check import penalty_summary
+
+    term = [0.0, 0.0, -1.0, -CONSISTENCY_FLOOR]
+    p = [0.9, 0.6, 0.75, 0.5]
+    free = [0.9, 0.6, 0.8, 0.74]
+    s = penalty_summary(term, p, free, tau=0.7)
+    assert s["n"] == 4 and s["share_zero"] == 0.5 and s["share_at_floor"] == 0.25
+    assert s["share_ge_tau"] == 0.5 and s["share_ge_tau_without_term"] == 0.75
+    assert s["mean"] == round(-(1 + CONSISTENCY_FLOOR) / 4, 4)
+    assert s["quantiles"]["0.5"] == -0.5
+    assert s["mean_dualread_drop"] == round((0.05 + 0.24) / 4, 4)
+    assert penalty_summary([], [], [], tau=0.7) == {"n": 0}

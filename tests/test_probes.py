@@ -294,7 +294,8 @@ def test_run_parameters_of_every_probe():
     assert emvr_probe.params(cfg) == {"probe": "emvr", "severities": [0.0, 1.0],
                                       "fill": "background", **common}
     assert tgs_probe.params(cfg) == {"probe": "tgs", "seed": 3, "ratios": [0.0, 0.5],
-                                     "seeds": [0, 1], "alternatives": 5, **common}
+                                     "seeds": [0, 1], "alternatives": 5, "external": 1,
+                                     **common}
 
 
 def test_store_resumes_and_drops_a_half_written_line(tmp_path):
@@ -537,8 +538,16 @@ def test_every_probe_against_a_live_service(service, tmp_path):
     assert {f"n_jsd11_pairs_{a}" for a in ("vision", "reasoning", "answer")} <= set(
         rep["tgs"]["verbalized"])
     for line in (out / "tgs.jsonl").read_text().splitlines():
-        for d in json.loads(line)["record"].get("digits", {}).values():
+        rec = json.loads(line)["record"]
+        for d in rec.get("digits", {}).values():
             assert len(d) == 11 and abs(sum(d) - 1) < 1e-3
+        # the gold-conditioned trajectory and its variants are scored for every item
+        assert {"gold", "gold:reasoning", "gold:answer"} <= set(rec["scores"])
+        assert rec["tau"] is not None and set(rec["real_c"]) == set(IFACES)
+    assert rep["tgs"]["n_gold"] == 5
+    assert {"gold_pair", "heldout_pair_own", "heldout_pair_gold", "heldout"} <= set(
+        rep["tgs"]["dualread"])
+    assert 0 <= rep["tgs"]["deferral"]["own_wrong"]["n"] <= 5
     r = rep["reliance"]
     assert {"vrs", "bd", "is", "vbr", "vhr", "nvcr", "hvrr"} <= set(r) and r["n"] == 5
     assert -1 <= r["vrs"] <= 1 and 0 <= r["is"] <= 1

@@ -176,7 +176,8 @@ class Memo:
     async def _call(self, image: Callable[[], bytes | str | Path]) -> dict:
         r = await self.ctx.client.answer(image(), self.item.question, self.ctx.cfg.max_new_tokens)
         return {"answer": r.answer, "response": r.response,
-                "confidence": r.confidence.model_dump()}
+                "confidence": r.confidence.model_dump(),
+                "defer_threshold": getattr(r, "defer_threshold", None)}
 
     async def real(self) -> dict:
         return await self.answer("real", pixels(self.item))
