@@ -19,16 +19,18 @@ def mean(x: Sequence[float] | np.ndarray) -> float:
 
 
 # ---------------------------------------------------------------- evidence order (§4)
-def violations(r: np.ndarray) -> np.ndarray:
-    """[n, K] reliabilities ordered by severity → [n, K-1] booleans R_{k+1} > R_k."""
+def violations(r: np.ndarray, tol: float = 0.0) -> np.ndarray:
+    """[n, K] reliabilities ordered by severity → [n, K-1] booleans R_{k+1} > R_k + tol
+    (tol = 0: the EMVR paper's definition)."""
     r = np.asarray(r, float)
-    return r[:, 1:] > r[:, :-1]
+    return r[:, 1:] > r[:, :-1] + tol
 
 
-def emvr(r: np.ndarray) -> float:
+def emvr(r: np.ndarray, tol: float = 0.0) -> float:
     """Fraction of all adjacent pairs (pooled over trajectories) where reliability rises
-    as evidence is removed. Ties are not violations."""
-    v = violations(r)
+    as evidence is removed. Ties are not violations. `tol` > 0 counts only rises larger
+    than it: a diagnostic beside EMVR, never EMVR itself (docs/probes.md)."""
+    v = violations(r, tol)
     return float(v.mean()) if v.size else float("nan")
 
 
