@@ -193,3 +193,15 @@ def test_summary_without_external_scores_or_threshold():
     assert math.isnan(s["dualread"]["heldout_pair_gold"])
     assert isinstance(s["deferral"], str)
     assert np.isfinite(s["dualread"]["pair"])
+
+
+def test_one_page_summary_shows_the_gold_and_held_out_pairs():
+    from clients.probes.runner import fmt
+    from clients.probes.summary import summary
+
+    cfg = Config(data="t", bootstrap=20, mask_ratios=(0.0, 1.0), mask_seeds=(0,))
+    s = tgs_probe.summarise([_record("a", True, 0.9, 0.5, 0.8, 0.3, 0.7, 0.65),
+                             _record("b", False, 0.9, 0.5, 0.8, 0.3, 0.7, 0.65)], cfg)
+    row = next(x for x in summary({"tgs": s}).splitlines() if x.startswith("| dualread"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4:7] == [fmt(0.4), fmt(0.5), fmt(0.05)]     # own, gold, held-out own

@@ -16,12 +16,14 @@ def summary(report: dict) -> str:
              + ", ".join(f"{k} `{v}`" for k, v in dep.items()) + ".", "",
              "Grounding of each confidence interface (↑ better for CCG-AUC and TGS, "
              "↓ better for EMVR):", "",
-             "| interface | CCG-AUC | CCG-AUC strict | TGS-self | TGS-pair | EMVR mask | "
-             "EMVR blur | EMVR control |", "|---|---|---|---|---|---|---|---|"]
+             "| interface | CCG-AUC | CCG-AUC strict | TGS-self | TGS-pair own | TGS-pair gold "
+             "| TGS-pair held-out (own) | EMVR mask | EMVR blur | EMVR control |",
+             "|---" * 10 + "|"]
     for k in ifaces:
         c, t, e = ccg.get(k, {}), tgs.get(k, {}), emvr.get(k, {})
         lines.append(f"| {k} | {fmt(c.get('natural'))} | {fmt(c.get('strict'))} | "
-                     f"{fmt(t.get('self'))} | {fmt(t.get('pair'))} | {fmt(e.get('mask'))} | "
+                     f"{fmt(t.get('self'))} | {fmt(t.get('pair'))} | {fmt(t.get('gold_pair'))} "
+                     f"| {fmt(t.get('heldout_pair_own'))} | {fmt(e.get('mask'))} | "
                      f"{fmt(e.get('blur'))} | {fmt(e.get('control'))} |")
     first = ccg.get(ifaces[0], {}) if ifaces else {}
     lines += ["", f"CCG: \\|P\\| {fmt(first.get('n_eligible'))}, \\|E\\| "

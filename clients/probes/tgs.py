@@ -380,14 +380,15 @@ def _external_markdown(s: dict) -> list[str]:
     lines += ["", "Per held-out family: TGS-pair (mean of the axes) and the wording cost "
               "c(good) − c(good reworded), 0 when confidence reads content, not form. "
               "Own − gold: mean c(own) − c(gold) on correctly answered items.", "",
-              "| interface | family | own TGS-pair | own wording cost | gold TGS-pair | "
-              "gold wording cost |", "|---|---|---|---|---|---|"]
+              "| interface | family | own TGS-pair | own answer axis | own wording cost | "
+              "gold TGS-pair | gold answer axis | gold wording cost |", "|---" * 8 + "|"]
     for k in names:
         for fam in external.FAMILIES:
             h = s[k]["heldout"][fam]
-            lines.append(f"| {k} | {fam} | {fmt(h['own']['pair'])} | "
-                         f"{fmt(h['own']['wording_cost'])} | {fmt(h['gold']['pair'])} | "
-                         f"{fmt(h['gold']['wording_cost'])} |")
+            lines.append(f"| {k} | {fam} | " + " | ".join(
+                f"{fmt(h[src]['pair'])} | {fmt(h[src]['pair_answer'])} "
+                f"{fmt(h[src]['pair_answer_ci'])} | {fmt(h[src]['wording_cost'])}"
+                for src in external.SOURCES) + " |")
     lines.append("")
     lines.append("Own − gold: " + "; ".join(f"{k} {fmt(s[k]['own_minus_gold'])}" for k in names)
                  + ".")
