@@ -75,3 +75,30 @@ def test_penalty_summary_on_own_answers_by_hand():
     assert s["quantiles"]["0.5"] == -0.5
     assert s["mean_dualread_drop"] == round((0.05 + 0.24) / 4, 4)
     assert penalty_summary([], [], [], tau=0.7) == {"n": 0}
+
+
+def test_penalty_report_splits_own_wrong_from_right_and_undoes_only_the_term(monkeypatch):
+    """`penalty_report` on stand-in scorers: wrong and right answers are not swapped, and
+    'without the term' removes exactly the term from PER before fusing."""
+    import heads.consistency_check as cc
+
+    def term(heads, f):
+        return f["t"]
+
+    monkeypatch.setattr(cc, "consistency_log_prob", term)
+    monkeypatch.setattr(cc, "p_pre", lambda heads, f: f["pre"])
+    monkeypatch.setattr(cc, "p_post", lambda heads, f: torch.sigmoid(f["per"] + f["t"]))
+    d = torch.float64
+    own = {"z": torch.tensor([0, 0, 1]), "t": torch.tensor([0.0, -3.0, 0.0], dtype=d),
+           "pre": torch.tensor([0.9, 0.9, 0.9], dtype=d),
+           "per": torch.tensor([2.0, 2.0, 2.0], dtype=d)}
+    flips = {"z": torch.tensor([1]), "t": torch.tensor([-CONSISTENCY_FLOOR], dtype=d),
+             "pre": torch.tensor([0.9], dtype=d), "per": torch.tensor([2.0], dtype=d)}
+    p_free = float(fuse(torch.tensor(0.9, dtype=d), torch.sigmoid(torch.tensor(2.0, dtype=d))))
+    rep = cc.penalty_report(SimpleNamespace(defer_threshold=p_free - 1e-6), own, flips)
+    w, r, f = rep["own_wrong"], rep["own_right"], rep["answer_flips"]
+    assert (w["n"], r["n"], f["n"]) == (2, 1, 1)
+    assert w["share_zero"] == 0.5 and w["mean"] == -1.5 and r["share_zero"] == 1.0
+    assert w["share_ge_tau_without_term"] == 1.0 and w["share_ge_tau"] == 0.5
+    assert f["share_at_floor"] == 1.0 and f["share_ge_tau"] == 0.0
+    assert r["mean_dualread_drop"] == 0.0 and w["mean_dualread_drop"] > 0

@@ -205,3 +205,13 @@ def test_one_page_summary_shows_the_gold_and_held_out_pairs():
     row = next(x for x in summary({"tgs": s}).splitlines() if x.startswith("| dualread"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4:7] == [fmt(0.4), fmt(0.5), fmt(0.05)]     # own, gold, held-out own
+
+
+def test_a_wrong_answer_exactly_at_tau_counts_as_released():
+    """The service defers below τ (p < τ), so c = τ is released."""
+    cfg = Config(data="t", bootstrap=20, mask_ratios=(0.0, 1.0), mask_seeds=(0,))
+    recs = [_record("a", False, 0.9, 0.5, 0.8, 0.3, 0.7, 0.65, c_real=0.7, tau=0.7),
+            _record("b", False, 0.9, 0.5, 0.8, 0.3, 0.7, 0.65, c_real=0.69, tau=0.7)]
+    d = tgs_probe.summarise(recs, cfg)["deferral"]
+    assert d["own_wrong"]["n"] == 2 and d["own_wrong"]["ge_tau"] == 0.5
+    assert d["own_right"]["n"] == 0 and d["flip_own"]["n"] == 0
