@@ -2,10 +2,12 @@
 item fits anything, choosing constants included).
 
     python -m heads.flip_sweep [--out docs/flip-sweep] [--cache cache] [--limit 3500]
-                               [--consistent 300]
+                               [--consistent 300] [--data easyvqa:heldout]
 
 The items and splits are `fit-heads`' own (a sample of `easyvqa:heldout`, image-disjoint
 splits of `heads.fit`); readouts and the answer-flip pass come from the collector's cache.
+`--data easyvqa:dev` sweeps on the development split instead (docs/method.md §9): the
+committed sweep chose on the defer split that also certifies τ.
 For each flip weight λ (P-State and PER alike) and L2 of the post-answer readers:
 - PSR, P-State and PER are fitted with the reader split cut to `reader_train` (flips of
   reader_train items only), temperatures on the temperature split;
@@ -107,13 +109,14 @@ def choose(rows: list[dict]) -> dict:
     return max(ok, key=lambda r: (r["answer_drop"]["dualread"], -r["flip_weight"], -r["l2"]))
 
 
-def run(out: Path, cache: str, limit: int, n_consistent: int, command: str) -> dict:
+def run(out: Path, cache: str, limit: int, n_consistent: int, command: str,
+        data: str = "easyvqa:heldout") -> dict:
     from models.data import load, sample
     from models.loading import load_actor
 
     t0 = time.perf_counter()
     actor = load_actor(None)
-    items = sample(load("easyvqa:heldout"), limit)
+    items = sample(load(data), limit)
     col = Collector(actor, cache)
     feats, meta = col.run(items, label="readouts (cached)")
     splits = splits_of(meta)
@@ -182,7 +185,7 @@ def run(out: Path, cache: str, limit: int, n_consistent: int, command: str) -> d
             rows.append(row)
             print(json.dumps(row), flush=True)
     pick = choose(rows)
-    report = {"command": command, "data": f"easyvqa:heldout, sample of {limit}",
+    report = {"command": command, "data": f"{data}, sample of {limit}",
               "splits": {k: len(v) for k, v in splits.items()},
               "answer_pairs_reader_val": len(val), "consistent_pairs_reader_val": len(cs),
               "criterion": "max DualRead answer-axis drop on reader_val s.t. P-State and PER "
@@ -229,11 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="docs/flip-sweep")
     ap.add_argument("--cache", default="cache")
     ap.add_argument("--limit", type=int, default=3500)
+    # easyvqa:heldout reproduces the committed sweep (fit-heads' own items); the protocol
+    # of docs/method.md §9 sweeps on easyvqa:dev, where nothing shipped is certified
+    ap.add_argument("--data", default="easyvqa:heldout")
     ap.add_argument("--consistent", type=int, default=300)
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     command = "python -m heads.flip_sweep" + "".join(f" {shlex.quote(a)}" for a in argv)
-    rep = run(Path(args.out), args.cache, args.limit, args.consistent, command)
+    rep = run(Path(args.out), args.cache, args.limit, args.consistent, command, args.data)
     print(json.dumps(rep["chosen"]))
 
 

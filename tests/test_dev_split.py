@@ -38,3 +38,17 @@ def test_heldout_is_unchanged_and_is_fit_plus_dev(parts):
 def test_unknown_part_is_refused():
     with pytest.raises(ValueError, match="dev or fit"):
         load("easyvqa:validation")
+
+
+def test_flip_sweep_takes_the_development_split(monkeypatch, tmp_path):
+    """`python -m heads.flip_sweep --data easyvqa:dev` sweeps on dev (the protocol), and its
+    default still reproduces the committed sweep's items."""
+    import heads.flip_sweep as fs
+
+    seen = []
+    monkeypatch.setattr(fs, "run", lambda out, cache, limit, n, command, data="?":
+                        seen.append((data, command)) or {"chosen": {}})
+    fs.main(["--out", str(tmp_path), "--data", "easyvqa:dev"])
+    fs.main(["--out", str(tmp_path)])
+    assert seen[0][0] == "easyvqa:dev" and "--data easyvqa:dev" in seen[0][1]
+    assert seen[1][0] == "easyvqa:heldout"
