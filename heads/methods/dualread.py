@@ -32,7 +32,7 @@ CAPTURED = "0 (states captured while generating)"
 # (and certify) against the errors the service will really see, and the flips are not
 # drawn from that distribution.
 FLIP_PASS = "answer_flip"
-# `python -m heads.flip_sweep` (docs/flip-sweep/) measured this on held-out data: readers
+# `python -m studies.flip_sweep` (docs/flip-sweep/) measured this on held-out data: readers
 # fitted on reader_train, the answer-axis drop on reader_val, natural AUROC/BCE on the
 # defer split. Flips in these readers moved DualRead by ≤ 0.19 at a cost in natural AUROC;
 # the answer-consistency term (`AnswerConsistency`) moves it far more at none, so the
