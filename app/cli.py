@@ -185,7 +185,8 @@ def train_actor(
     if self_calibrate:
         if continue_from is None:
             raise typer.BadParameter("--self-calibrate needs --continue-from")
-        from models.self_calibrate import SMOKE_SELF, SelfCalibration, self_calibrate_actor
+        from models.calibrate import self_calibrate_actor
+        from models.self_calibrate import SMOKE_SELF, SelfCalibration
 
         cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=seed,
                       **({} if smoke else {"steps": self_steps, "answers": self_answers,

@@ -16,7 +16,6 @@ import asyncio
 import copy
 import hashlib
 import json
-import math
 import os
 import time
 from collections import deque
@@ -29,6 +28,7 @@ import numpy as np
 
 from clients.http import AsyncDualReadClient
 from clients.probes.images import png
+from clients.probes.numbers import clean, fmt  # noqa: F401  (the probes import them here)
 from models.canon import canon, is_correct
 from models.data import HardNegativeIndex, Item
 
@@ -196,33 +196,6 @@ def short(run: dict) -> dict:
 
 
 # ---------------------------------------------------------------- reports
-def clean(x: Any) -> Any:
-    """JSON-safe: NaN/inf → null, numpy scalars → Python, tuples → lists."""
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [clean(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
-def fmt(x: Any, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return f"{x:,}"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    if isinstance(x, list | tuple) and len(x) == 2:
-        return f"[{fmt(x[0], digits)}, {fmt(x[1], digits)}]"
-    return str(x)
-
-
 def interfaces(records: list[dict], find: Callable[[dict], dict | None]) -> list[str]:
     """Confidence interfaces the service returned, in its order."""
     for r in records:
