@@ -285,10 +285,14 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequen
 
 def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, Store],
                   cfg: Config, out: Path) -> dict:
-    """report.json, report.md and figures from the stored results (data order)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """report.json, report.md and figures from the stored results (data order). Without
+    matplotlib (the `probes` extra alone) the figures are left out and report.md says so."""
+    try:
+        import matplotlib
+    except ImportError:
+        matplotlib = None
+    else:
+        matplotlib.use("Agg")
     report: dict[str, Any] = {"meta": {"data": cfg.data, "items": len(items),
                                        "deployment": cfg.deployment, "seed": cfg.seed}}
     md, figs = [], []
@@ -297,7 +301,8 @@ def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, 
         section = clean(p.summarise(recs, cfg))
         report[p.NAME] = section
         md.append(p.markdown(section))
-        figs += p.figures(recs, section, out)
+        if matplotlib is not None:
+            figs += p.figures(recs, section, out)
     if len(probes) > 1:
         from clients.probes.summary import summary
 
@@ -307,6 +312,8 @@ def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, 
     (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     body = "\n\n".join(md) + "\n\n" + "\n".join(f"![{Path(f).stem}]({Path(f).name})"
                                                 for f in figs) + "\n"
+    if matplotlib is None:
+        body += "\n(No figures: they need matplotlib, e.g. pip install \"dualread[server]\".)\n"
     (out / "report.md").write_text(body)
     return report
 
