@@ -15,7 +15,6 @@ import pytest
 import torch
 from PIL import Image
 
-from clients.bench import Load
 from bench import Plan, ratio_ci, run_bench
 from bench.gpu import (
     build_random_actor,
@@ -24,6 +23,7 @@ from bench.gpu import (
     embedded_tokenizer,
     qwen3vl_2b_config,
 )
+from clients.bench import Load
 from models.readout import token_spans
 from tests.helpers import random_heads
 
@@ -220,8 +220,8 @@ def test_token_spans_embedded_tokenizer_on_random_ids():
 
 def test_http_bench_against_real_servers(actor_dirs, actors, tmp_path):
     """Both `dualread serve` processes start, answer every request, and are stopped."""
-    from clients.bench import http_bench
     from bench.run import request_bodies
+    from clients.bench import http_bench
     from tests.conftest import QUESTIONS, random_image
 
     heads_dir = random_heads(tmp_path / "heads", actors["qwen3_vl"])

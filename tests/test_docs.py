@@ -126,7 +126,7 @@ def _concrete(args: list[str]) -> list[str]:
 @cache
 def dualread_command():
     typer_main = pytest.importorskip("typer.main")
-    from dualread.cli import full_app   # the tree the `dualread` script runs
+    from dualread.cli import full_app  # the tree the `dualread` script runs
 
     return typer_main.get_command(full_app())
 
