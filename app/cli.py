@@ -12,6 +12,7 @@ try:
     from rich.console import Console
 
     from app.settings_cli import markdown_table, settings_from, with_settings
+    from clients.probes.cli import probe
 except ModuleNotFoundError as e:   # a client-only install has the script but not its stack
     raise SystemExit(f"dualread: the command line needs the server stack ({e.name} is "
                      'missing): pip install "dualread[server]"') from e
@@ -184,7 +185,8 @@ def train_actor(
     if self_calibrate:
         if continue_from is None:
             raise typer.BadParameter("--self-calibrate needs --continue-from")
-        from models.self_calibrate import SMOKE_SELF, SelfCalibration, self_calibrate_actor
+        from models.calibrate import self_calibrate_actor
+        from models.self_calibrate import SMOKE_SELF, SelfCalibration
 
         cfg = replace(SMOKE_SELF if smoke else SelfCalibration(), seed=seed,
                       **({} if smoke else {"steps": self_steps, "answers": self_answers,
@@ -523,44 +525,9 @@ def settings_cmd(
     sys.stdout.write(json.dumps(values, indent=1) + "\n")
 
 
-@app.command()
-def probe(
-    name: Annotated[str, typer.Argument(help="ccg, tgs, emvr, reliance or all")],
-    url: Annotated[list[str] | None, typer.Option(
-        "--url", help="the deployment; repeat to split the items across several endpoints "
-                      "of it (default http://127.0.0.1:8000)")] = None,
-    data: Annotated[str, typer.Option("--data", help="data spec")] = "easyvqa:test",
-    out: Annotated[Path, typer.Option("--out", help="report folder (and resumable results)")
-                   ] = Path("out/probe"),
-    limit: Annotated[int | None, typer.Option("--limit", help="a seeded sample of N items")
-                     ] = None,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="requests in flight")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="donors, shuffles, variants, sample")] = 0,
-    bootstrap: Annotated[int, typer.Option("--bootstrap")] = 1000,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DUALREAD_API_KEY")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    deadline_s: Annotated[float, typer.Option(
-        "--deadline-s", min=0, help="seconds from the start during which a 429 (queue full) "
-                                    "is retried, honouring Retry-After")] = 24 * 3600.0,
-) -> None:
-    """Grounding probes over HTTP against any deployment; resumable (re-run to continue)."""
-    from clients.probes import PROBES
-    from clients.probes.runner import run
-
-    names = list(PROBES) if name == "all" else [name]
-    if any(n not in PROBES for n in names):
-        raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
-    urls = url or ["http://127.0.0.1:8000"]
-    report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
-                 api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s)
-    console.print((out / "report.md").read_text().split("![")[0], markup=False)
-    run_info = json.loads((out / "run.json").read_text())
-    console.print(f"wrote {out}/report.json, report.md and figures; {run_info['items_run']} "
-                  f"items run, {run_info['items_resumed']} resumed, {run_info['wall_s']} s")
-    if report.get("failures"):
-        console.print(f"[red]{len(report['failures'])} items failed[/red] (re-run to retry): "
-                      + "; ".join(report["failures"][:3]))
-        raise typer.Exit(1)
+# `dualread probe` lives client-side (clients.probes.cli) so that it also runs on the
+# `probes` extra alone; registered here so the full command tree lists it.
+app.command()(probe)
 
 
 @app.command("fit-order-head")
@@ -604,42 +571,6 @@ def fit_order_head(
          "b": head.b, "mean": head.mean.tolist(), "std": head.std.tolist(), "command": cmd,
          "actor": act.fingerprint}) + "\n")
     console.print((out / "report.md").read_text(), markup=False)
-
-
-@app.command()
-def bench(
-    out: Annotated[Path, typer.Option("--out", help="where bench.json and bench.md go")
-                   ] = Path("out/bench"),
-    quick: Annotated[bool, typer.Option("--quick", help="fewer items and requests")] = False,
-    gpu: Annotated[bool, typer.Option(
-        "--gpu", help="CUDA, bf16, a random Qwen3-VL-2B-sized actor, 448x448 images")] = False,
-    actor: ActorOpt = None,
-    heads: HeadsOpt = None,
-    items: Annotated[int | None, typer.Option(
-        "--items", help="items (default 128; 16 with --quick, 64 with --gpu)")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", help="torch threads, in process and in the server (default 1 on CPU)")
-                       ] = None,
-    http: Annotated[bool, typer.Option("--http/--no-http", help="the HTTP part")] = True,
-    batch_wait_ms: Annotated[float | None, typer.Option(
-        "--batch-wait-ms", help="passed to the server (default: its own)")] = None,
-) -> None:
-    """Cost of plain generate vs DualRead (capture, replay) vs SC@8, heads alone, HTTP."""
-    from models.bench import plan_for, run_bench
-
-    if gpu and (actor or heads):
-        raise typer.BadParameter("--gpu builds its own random actor and heads")
-    plan = plan_for(quick, gpu, items=items, max_new_tokens=max_new_tokens, threads=threads,
-                    http=http)
-    cmd = "dualread bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
-        "dualread bench"
-    res = run_bench(out, plan, str(actor) if actor else None, str(heads) if heads else None,
-                    gpu=gpu, command=cmd.strip(), batch_wait_ms=batch_wait_ms)
-    console.print((out / "bench.md").read_text())
-    missed = [t["target"] for t in res["targets"] if t["met"] is False]
-    if missed:
-        console.print(f"[yellow]targets missed[/yellow]: {'; '.join(missed)}")
 
 
 def main() -> None:  # pragma: no cover

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from heads.collect import Collector
 from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
+from heads.splits import splits_of
 from models.data import Item
 from models.shift import per_family as per_family_items
 
@@ -139,8 +140,6 @@ def refit_detectors(actor, heads, items: list[Item], cache_dir=None,
     """Fit the defer rule's detector onto heads already fitted on `items` (same image-hash
     splits as `fit-heads`), replacing their novelty detector and dropping the retired
     image check; the readers and τ stay. Returns the detector's card log."""
-    from heads.fit import splits_of
-
     col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
     feats, meta = col.run(items, label="readouts (fit)")
     det, log = detector_stage(col, items, feats, splits_of(meta), per_family, seed)

@@ -25,9 +25,9 @@ from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
 from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
+from heads.methods.dualread import branch_log_odds
 from heads.modules import Reader
 from heads.novelty import ALPHA, CompositeNovelty, Novelty, NoveltyReading, load_detector
-from heads.recert import branch_logits
 from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
@@ -52,7 +52,7 @@ class Assessment:
 
     confidence: dict[str, float]
     novelty: NoveltyReading | None
-    # DualRead's branch log-odds (`heads.recert.branch_logits`): what re-certification
+    # DualRead's branch log-odds (`heads.methods.dualread.branch_log_odds`): what re-certification
     # rescores at other temperatures; None for heads without DualRead's readers
     logits: tuple[float, float, float] | None = None
 
@@ -263,7 +263,7 @@ class Heads:
                       if m.served and self.has(m)}
             nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
                 else [None] * len(readouts)
-            lg = branch_logits(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
+            lg = branch_log_odds(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
                 else None
         return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i],
                            None if lg is None else tuple(float(v) for v in lg[i]))

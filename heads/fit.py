@@ -3,7 +3,6 @@ artefact."""
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import warnings
 from collections import Counter
@@ -23,12 +22,12 @@ from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features_many
 from heads.metrics import METRICS
 from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
+from heads.splits import SPLITS, image_split, splits_of  # noqa: F401  (older import site)
 from models.data import Item, normalise_question
 from models.shift import FAMILIES
 from models.shift import per_family as per_family_items
 
 console = Console(stderr=True)
-SPLITS = {"reader": 0.6, "temperature": 0.8, "defer": 1.0}   # cumulative shares of images
 # corrupted copies of reader-split items per corruption family for the novelty detector
 # (the shift study's pool: 250 per family)
 NOVELTY_PER_FAMILY = 250
@@ -39,31 +38,6 @@ NOVELTY_PER_FAMILY = 250
 # (a near-singular direction of the clean covariance), which the nearest-neighbour
 # distance leaves alone; what mattered most was fitting on thousands of images
 IMAGE_CHECK_KIND = "knn"
-
-
-def image_split(image_id: str, salt: str = "dualread") -> str:
-    """Deterministic image-disjoint split: hash of the image id."""
-    u = int(hashlib.sha256((salt + image_id).encode()).hexdigest()[:8], 16) / 16 ** 8
-    return next(name for name, edge in SPLITS.items() if u < edge)
-
-
-def _idx(meta: dict, split: str, sub: str | None = None) -> torch.Tensor:
-    out = []
-    for k, img in enumerate(meta["image_ids"]):
-        if image_split(img) != split:
-            continue
-        if sub is not None and (image_split(img, "es") == "defer") != (sub == "val"):
-            continue
-        out.append(k)
-    return torch.tensor(out, dtype=torch.long)
-
-
-def splits_of(meta: dict) -> dict[str, torch.Tensor]:
-    """Item indices of every split (image-disjoint), by name."""
-    out = {s: _idx(meta, s) for s in SPLITS}
-    out["reader_train"], out["reader_val"] = _idx(meta, "reader", "train"), \
-        _idx(meta, "reader", "val")
-    return out
 
 
 def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None) -> dict:

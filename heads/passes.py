@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -29,9 +29,21 @@ from heads.image_check import pixel_features
 from models.canon import canon
 from models.counterfactuals import black_image
 
+
+class PassContext(Protocol):
+    """What a pass reads from the collector running it (`heads.collect.Collector`, which
+    imports this module: a pass never imports the collector)."""
+
+    actor: Any
+    kappa: float
+    max_new_tokens: int
+
+
 if TYPE_CHECKING:
-    from heads.collect import Collector
     from models.data import Item
+
+    Collector = PassContext   # what the passes' signatures call it
+
 
 K_SAMPLES = 8
 SC_KS = (2, 4, 8)

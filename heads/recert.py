@@ -40,7 +40,7 @@ import torch
 
 from heads.calibration import fit_temperature, fuse
 from heads.defer import DeferPolicy, choose_threshold
-from heads.methods import dualread as dualread_method
+from heads.methods.dualread import branch_log_odds as branch_logits  # noqa: F401  (older name)
 
 if TYPE_CHECKING:
     from heads.dualread import Heads
@@ -84,17 +84,6 @@ class Served:
                    {k: float(v) for k, v in d.get("scores", {}).items()},
                    {k: float(v) for k, v in d.get("p_values", {}).items()},
                    bool(d.get("problem", False)))
-
-
-def branch_logits(heads: Heads, f: dict[str, torch.Tensor]) -> np.ndarray:
-    """[N, 3]: PSR's and PER's log-odds before their temperatures, and the answer-
-    consistency term added after PER's (what `dualread_at` needs to rescore)."""
-    with torch.inference_mode():
-        pre = dualread_method.pre_logits(heads, f).double().reshape(-1)
-        post = dualread_method.post_logits(heads, f).double().reshape(-1)
-        cons = dualread_method.consistency_log_prob(heads, f)
-        cons = torch.as_tensor(cons, dtype=torch.float64).expand_as(post).reshape(-1)
-    return torch.stack([pre, post, cons], 1).numpy()
 
 
 def dualread_at(logits: np.ndarray, t_pre: float, t_post: float) -> np.ndarray:

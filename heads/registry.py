@@ -16,17 +16,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from clients.schemas import SERVED_CONFIDENCES
 
-if TYPE_CHECKING:
-    from heads.dualread import Heads
-
 Features = dict[str, torch.Tensor]
+
+
+class HeadsState(Protocol):
+    """What a method reads and fits on the heads artefact (`heads.dualread.Heads` is one).
+    Declared here so that methods never import the artefact that imports them."""
+
+    readers: dict[str, torch.nn.Module]
+    offsets: dict[str, float]
+    temperatures: dict[str, float]
+    platt_maps: dict[str, tuple[float, float]]
+
+    def temperature(self, method: str) -> float: ...
+
+    def platt_map(self, method: str, default: tuple[float, float] | None = None
+                  ) -> tuple[float, float]: ...
+
 
 
 class Scored(dict):
@@ -103,11 +116,11 @@ class Method:
     predicts_correctness: bool = True
     readers: dict[str, ReaderSpec] = {}
 
-    def fit(self, heads: Heads, data: FitData) -> dict | None:
+    def fit(self, heads: HeadsState, data: FitData) -> dict | None:
         """Fit whatever the method owns in `heads`; return a log entry (or None)."""
         return None
 
-    def score(self, heads: Heads, feats: Features) -> np.ndarray:
+    def score(self, heads: HeadsState, feats: Features) -> np.ndarray:
         """Confidence in [0, 1] for each item of a batch of features (float64)."""
         raise NotImplementedError
 

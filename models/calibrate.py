@@ -3,13 +3,16 @@
 `confidence_report` measures what the actor says about itself: the stated digit, the
 readout μ(C) (docs/method.md §3) and how well μ(C) ranks correct over wrong answers (AUROC), next to
 the accuracy and blank-image numbers of its card. `calibrate_actor`
-continues GRPO on an existing actor with the RLCR-style reward and reports with it.
+continues GRPO on an existing actor with the RLCR-style reward and reports with it;
+`self_calibrate_actor` runs the self-calibration stage (models.self_calibrate) as the
+same kind of continuation, with the same card.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
@@ -22,6 +25,7 @@ from rich.progress import Progress
 from models.canon import is_correct
 from models.data import Item
 from models.evaluate import run_items, summarise
+from models.self_calibrate import SelfCalibration, self_calibrate
 from models.train import grpo, reward_correct, split_train
 
 MU_BINS = tuple(round(0.1 * k, 1) for k in range(11))
@@ -347,3 +351,39 @@ def continuation_start(src: str | Path, out: str | Path, threads: int, seed: int
     torch.manual_seed(seed)
     items, _ = split_train(load("easyvqa:train"))
     return src, out, items
+
+
+def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,
+                         command: str = "", eval_limit: int | None = 1000,
+                         smoke: bool = False, threads: int = 1) -> dict:
+    """Self-calibrate the actor in `src` and write it, with a card naming its parent and
+    the μ(C) metrics on easy-VQA test, to `out`."""
+    from models.data import load, sample
+    from models.loading import load_actor
+
+    src, out, items = continuation_start(src, out, threads, cfg.seed)
+    if smoke:
+        items = items[:200]
+    actor = load_actor(src)
+    log: list[dict] = []
+    t0 = time.time()
+    self_calibrate(actor, items, cfg, log)
+    seconds = round(time.time() - t0, 1)
+    actor.model.save_pretrained(out)
+    # Only the weights changed: the parent's tokenizer, processor and config files are
+    # copied as they are (re-saving them rewrites defaults and would change the
+    # fingerprint's inputs for nothing).
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "actor_card.json":
+            shutil.copy2(f, out / f.name)
+    test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
+    metrics = confidence_report(load_actor(out), test)
+    card = continuation_card(
+        src, out, test, eval_limit, command, metrics, log,
+        stage="self-calibration: Brier of μ(C) on the actor's own greedy answers "
+              "− λ·log P(digit) + w·CE on the rest of its own response",
+        splits={"self_calibration": "easyvqa:train, images with id % 5 != 0 (the actor's "
+                                    "own split): greedy answers, a share kept out"},
+        recipe=asdict(cfg), seconds={"self_calibration": seconds})
+    (out / "actor_card.json").write_text(json.dumps(card, indent=2))
+    return card

@@ -21,7 +21,6 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,26 +28,9 @@ from PIL import Image
 
 from models.canon import canon
 
-
-@dataclass(frozen=True)
-class Item:
-    id: str
-    image_path: str
-    question: str
-    answer: str
-    image_id: str
-    box: tuple[int, int, int, int] | None = None
-    domain: str = ""
-    answer_type: str = ""
-    options: dict[str, str] = field(default_factory=dict)
-
-    def image(self) -> Image.Image:
-        with Image.open(self.image_path) as im:
-            return im.convert("RGB")
-
-    @property
-    def canonical(self) -> str:
-        return canon(self.answer, self.options or None)
+# The item, the easy-VQA label sets and `sample` live in models.items, which the shift
+# and render loaders import (they are loaders this module dispatches to).
+from models.items import COLOURS, SHAPES, Item, sample  # noqa: F401
 
 
 def normalise_question(q: str) -> str:
@@ -56,10 +38,6 @@ def normalise_question(q: str) -> str:
 
 
 # ---------------------------------------------------------------- easy-VQA
-COLOURS = ("red", "green", "blue", "black", "gray", "teal", "brown", "yellow")
-SHAPES = ("circle", "rectangle", "triangle")
-
-
 def easyvqa_answer_type(question: str, answer: str) -> str:
     if answer in ("yes", "no"):
         return "yes/no"
@@ -240,14 +218,6 @@ def load(spec: str) -> list[Item]:
         return LOADERS[kind](rest)
     path, _, split = rest.rpartition(":") if rest.count(":") else (rest, "", "")
     return LOADERS[kind](path, split) if split else LOADERS[kind](path)
-
-
-def sample(items: list[Item], limit: int | None, seed: int = 0) -> list[Item]:
-    """A deterministic subset of `limit` items (order kept), or all."""
-    if limit is None or limit >= len(items):
-        return items
-    idx = np.random.default_rng(seed).choice(len(items), size=limit, replace=False)
-    return [items[i] for i in sorted(idx)]
 
 
 # ---------------------------------------------------------------- hard negatives

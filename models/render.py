@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from models.data import COLOURS, SHAPES, Item
+from models.items import COLOURS, SHAPES, Item
 
 IM_SIZE = 64
 DRAW_SCALE = 2

@@ -19,13 +19,10 @@ validation AUROC.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,9 +30,9 @@ from PIL import Image
 from rich.console import Console
 from rich.progress import Progress
 
+from models.batching import FLAT_LEVELS, right_padded
 from models.canon import is_correct
 from models.data import Item
-from models.train import FLAT_LEVELS, right_padded
 
 console = Console(stderr=True)
 
@@ -250,40 +247,3 @@ def _train(model, batches: Batches, train: list[Example], blanks: list[Example],
                     rec.update(validation_auroc(model, batches, val))
                 log.append(rec)
                 console.log(rec)
-
-
-def self_calibrate_actor(src: str | Path, out: str | Path, cfg: SelfCalibration,
-                         command: str = "", eval_limit: int | None = 1000,
-                         smoke: bool = False, threads: int = 1) -> dict:
-    """Self-calibrate the actor in `src` and write it, with a card naming its parent and
-    the μ(C) metrics on easy-VQA test, to `out`."""
-    from models.calibrate import confidence_report, continuation_card, continuation_start
-    from models.data import load, sample
-    from models.loading import load_actor
-
-    src, out, items = continuation_start(src, out, threads, cfg.seed)
-    if smoke:
-        items = items[:200]
-    actor = load_actor(src)
-    log: list[dict] = []
-    t0 = time.time()
-    self_calibrate(actor, items, cfg, log)
-    seconds = round(time.time() - t0, 1)
-    actor.model.save_pretrained(out)
-    # Only the weights changed: the parent's tokenizer, processor and config files are
-    # copied as they are (re-saving them rewrites defaults and would change the
-    # fingerprint's inputs for nothing).
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "actor_card.json":
-            shutil.copy2(f, out / f.name)
-    test = sample(load("easyvqa:test"), 32 if smoke else eval_limit)
-    metrics = confidence_report(load_actor(out), test)
-    card = continuation_card(
-        src, out, test, eval_limit, command, metrics, log,
-        stage="self-calibration: Brier of μ(C) on the actor's own greedy answers "
-              "− λ·log P(digit) + w·CE on the rest of its own response",
-        splits={"self_calibration": "easyvqa:train, images with id % 5 != 0 (the actor's "
-                                    "own split): greedy answers, a share kept out"},
-        recipe=asdict(cfg), seconds={"self_calibration": seconds})
-    (out / "actor_card.json").write_text(json.dumps(card, indent=2))
-    return card

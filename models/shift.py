@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from models.benign import BENIGN_FAMILIES, BENIGN_PARAMS, apply_benign
-from models.data import Item, sample
+from models.items import Item, sample
 
 SEVERITIES = (1, 2, 3, 4, 5)
 REFERENCE_SIDE = 64

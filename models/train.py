@@ -25,13 +25,13 @@ import torch
 from PIL import Image
 from rich.console import Console
 
+from models.batching import FLAT_LEVELS, right_padded
 from models.canon import canon
 from models.data import COLOURS, HEADS_SLICE_MOD, SHAPES, Item, image_number, load, sample
 from models.parse import parse_response
 from models.trajectory import image_facts, parse_question, trajectory
 
 console = Console(stderr=True)
-FLAT_LEVELS = (0, 64, 128, 192, 255)   # gray levels of the blank images in modality dropout
 
 
 @dataclass
@@ -163,21 +163,6 @@ class SFTData:
         grid = self.grid.repeat(len(seqs), 1)
         return dict(input_ids=ids, attention_mask=mask, labels=lab, mm_token_type_ids=types,
                     pixel_values=torch.cat(pix), image_grid_thw=grid)
-
-
-def right_padded(seqs: list[list[int]], labels: list[list[int]], pad: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids, labels (-100 where none) and the attention mask of a batch of sequences,
-    right padded to the longest."""
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad)
-    lab = torch.full((len(seqs), width), -100)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for b, (s, y) in enumerate(zip(seqs, labels)):
-        ids[b, : len(s)] = torch.tensor(s)
-        lab[b, : len(y)] = torch.tensor(y)
-        mask[b, : len(s)] = 1
-    return ids, lab, mask
 
 
 def _steps(model, opt, data: SFTData, phase: str, steps: int, lr_of, rng: random.Random,

@@ -227,7 +227,7 @@ def test_explicit_settings_override_the_shipped_ones():
 
 
 def test_consistent_flip_replaces_the_word_everywhere_on_word_boundaries():
-    from heads.flip_sweep import consistent_flip
+    from studies.flip_sweep import consistent_flip
 
     text = ("<think>A red circle; reddish border. Red is the colour.</think>"
             "<answer>red</answer>")
@@ -245,7 +245,7 @@ def _row(lam, l2, auroc, drop, bce_state=0.2, bce_per=0.2):
 
 
 def test_sweep_criterion_picks_the_largest_drop_among_admissible_points():
-    from heads.flip_sweep import choose
+    from studies.flip_sweep import choose
 
     rows = [_row(0.0, 1e-3, 0.780, 0.00), _row(0.0, 1e-2, 0.790, 0.01),
             _row(0.1, 1e-3, 0.786, 0.05),                  # AUROC within .005 of .790

@@ -15,15 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from clients.bench import Load
-from models.bench import Plan, ratio_ci, run_bench
-from models.bench.gpu import (
+from bench import Plan, ratio_ci, run_bench
+from bench.gpu import (
     build_random_actor,
     build_random_heads,
     count_parameters_meta,
     embedded_tokenizer,
     qwen3vl_2b_config,
 )
+from clients.bench import Load
 from models.readout import token_spans
 from tests.helpers import random_heads
 
@@ -39,7 +39,7 @@ def test_ratio_of_medians_and_paired_bootstrap_by_hand():
 def test_paired_median_ratio_by_hand():
     """Per-unit ratios, then their median: a slow item slows every mode of its unit alike
     (unlike a ratio of medians over different items)."""
-    from models.bench.inprocess import Timed, summarise
+    from bench.inprocess import Timed, summarise
 
     t = Timed(batch=1)
     for plain, capture in ((1.0, 1.1), (2.0, 2.0), (10.0, 13.0)):
@@ -74,7 +74,7 @@ def test_paired_median_ratio_by_hand():
 def test_rounds_of_one_unit_are_averaged_before_the_bootstrap():
     """Two rounds of the same two items are two units, not four: the ratio is taken over
     per-unit means, and a bootstrap over four measurements would narrow the CI."""
-    from models.bench.inprocess import Timed, per_unit, summarise
+    from bench.inprocess import Timed, per_unit, summarise
 
     assert per_unit([1.0, 3.0, 2.0, 6.0], [0, 1, 0, 1]) == [1.5, 4.5]
     assert per_unit([1.0, 2.0], []) == [1.0, 2.0]
@@ -220,8 +220,8 @@ def test_token_spans_embedded_tokenizer_on_random_ids():
 
 def test_http_bench_against_real_servers(actor_dirs, actors, tmp_path):
     """Both `dualread serve` processes start, answer every request, and are stopped."""
+    from bench.run import request_bodies
     from clients.bench import http_bench
-    from models.bench.run import request_bodies
     from tests.conftest import QUESTIONS, random_image
 
     heads_dir = random_heads(tmp_path / "heads", actors["qwen3_vl"])
@@ -297,8 +297,8 @@ def test_one_client_overhead_pairs_request_i_with_item_i(monkeypatch):
 def test_the_http_block_reads_the_batching_server_and_reports_its_pairs():
     """bench.json's `http` block and the target rows take the paired overhead and the
     time outside the model stages from the batching server, not the other one."""
-    from models.bench.report import markdown, targets
-    from models.bench.run import http_block
+    from bench.report import markdown, targets
+    from bench.run import http_block
 
     def load(p50, paired, outside, errors=0):
         return {"requests": 32, "errors": errors, "rps": 10.0, "p50_ms": p50, "p95_ms": p50,

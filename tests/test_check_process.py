@@ -353,11 +353,11 @@ def test_a_child_that_never_answers_is_given_up_then_tried_again(served, images,
 
 
 def test_the_bench_control_leaves_out_the_image_check_and_nothing_else(served, images):
-    """`no_check` (models.bench): the same actor and heads, the image check left out; the
+    """`no_check` (bench): the same actor and heads, the image check left out; the
     service it is measured against keeps its check and its process."""
     from dataclasses import fields
 
-    from models.bench.inprocess import (
+    from bench.inprocess import (
         answer_with_dualread,
         run_modes,
         summarise,

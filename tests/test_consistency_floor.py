@@ -61,9 +61,9 @@ def test_the_bound_holds_for_any_reader_output_and_any_calibrated_per():
 
 
 def test_penalty_summary_on_own_answers_by_hand():
-    """`heads.consistency_check.penalty_summary`: what the report says about the term on a
+    """`studies.consistency_check.penalty_summary`: what the report says about the term on a
     group of answers (the actor's own wrong ones in the report)."""
-    from heads.consistency_check import penalty_summary
+    from studies.consistency_check import penalty_summary
 
     term = [0.0, 0.0, -1.0, -CONSISTENCY_FLOOR]
     p = [0.9, 0.6, 0.75, 0.5]
@@ -80,7 +80,7 @@ def test_penalty_summary_on_own_answers_by_hand():
 def test_penalty_report_splits_own_wrong_from_right_and_undoes_only_the_term(monkeypatch):
     """`penalty_report` on stand-in scorers: wrong and right answers are not swapped, and
     'without the term' removes exactly the term from PER before fusing."""
-    import heads.consistency_check as cc
+    import studies.consistency_check as cc
 
     def term(heads, f):
         return f["t"]

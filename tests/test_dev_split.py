@@ -41,9 +41,9 @@ def test_unknown_part_is_refused():
 
 
 def test_flip_sweep_takes_the_development_split(monkeypatch, tmp_path):
-    """`python -m heads.flip_sweep --data easyvqa:dev` sweeps on dev (the protocol), and its
+    """`python -m studies.flip_sweep --data easyvqa:dev` sweeps on dev (the protocol), and its
     default still reproduces the committed sweep's items."""
-    import heads.flip_sweep as fs
+    import studies.flip_sweep as fs
 
     seen = []
     monkeypatch.setattr(fs, "run", lambda out, cache, limit, n, command, data="?":

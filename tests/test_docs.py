@@ -126,9 +126,9 @@ def _concrete(args: list[str]) -> list[str]:
 @cache
 def dualread_command():
     typer_main = pytest.importorskip("typer.main")
-    from app import cli
+    from dualread.cli import full_app  # the tree the `dualread` script runs
 
-    return typer_main.get_command(cli.app)
+    return typer_main.get_command(full_app())
 
 
 def _is(error: BaseException, *names: str) -> bool:

@@ -1,4 +1,4 @@
-"""The shift study's DualRead refit (`heads.shift_analysis.RefitDualRead`) on synthetic
+"""The shift study's DualRead refit (`studies.shift_analysis.RefitDualRead`) on synthetic
 features: it fits on the reader and temperature rows only, ranks as the data say, and its
 τ keeps the risk it certifies on the clean defer split."""
 
@@ -9,7 +9,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from heads.fit import image_split
-from heads.shift_analysis import RefitDualRead
+from studies.shift_analysis import RefitDualRead
 
 DIM = 8
 
@@ -71,7 +71,7 @@ def test_refit_uses_the_study_settings_not_the_shipped_ones(monkeypatch):
     # the service ships must not change the study's refit.
     import heads.methods.dualread as dm
     from heads.modules import Reader, fit_linear
-    from heads.shift_analysis import STUDY_POST
+    from studies.shift_analysis import STUDY_POST
 
     assert STUDY_POST == {"flip_weight": 0.0, "l2": 1e-3}
     f = _features(4)
@@ -93,7 +93,7 @@ def test_refit_uses_the_study_settings_not_the_shipped_ones(monkeypatch):
 
 
 def test_lofo_table_shows_the_rule_column_only_when_every_fold_has_it():
-    from heads.shift_analysis import _METHODS, _lofo_table, _methods
+    from studies.shift_analysis import _METHODS, _lofo_table, _methods
 
     def c(defer: float, risk: float, kept: int) -> dict:
         return {"defer_rate": defer, "risk_kept": risk, "n_kept": kept}

@@ -16,7 +16,6 @@ import asyncio
 import copy
 import hashlib
 import json
-import math
 import os
 import time
 from collections import deque
@@ -29,6 +28,7 @@ import numpy as np
 
 from clients.http import AsyncDualReadClient
 from clients.probes.images import png
+from clients.probes.numbers import clean, fmt  # noqa: F401  (the probes import them here)
 from models.canon import canon, is_correct
 from models.data import HardNegativeIndex, Item
 
@@ -197,33 +197,6 @@ def short(run: dict) -> dict:
 
 
 # ---------------------------------------------------------------- reports
-def clean(x: Any) -> Any:
-    """JSON-safe: NaN/inf → null, numpy scalars → Python, tuples → lists."""
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [clean(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
-def fmt(x: Any, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return f"{x:,}"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    if isinstance(x, list | tuple) and len(x) == 2:
-        return f"[{fmt(x[0], digits)}, {fmt(x[1], digits)}]"
-    return str(x)
-
-
 def interfaces(records: list[dict], find: Callable[[dict], dict | None]) -> list[str]:
     """Confidence interfaces the service returned, in its order."""
     for r in records:
@@ -313,10 +286,14 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequen
 
 def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, Store],
                   cfg: Config, out: Path) -> dict:
-    """report.json, report.md and figures from the stored results (data order)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """report.json, report.md and figures from the stored results (data order). Without
+    matplotlib (the `probes` extra alone) the figures are left out and report.md says so."""
+    try:
+        import matplotlib
+    except ImportError:
+        matplotlib = None
+    else:
+        matplotlib.use("Agg")
     report: dict[str, Any] = {"meta": {"data": cfg.data, "items": len(items),
                                        "deployment": cfg.deployment, "seed": cfg.seed}}
     md, figs = [], []
@@ -325,7 +302,8 @@ def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, 
         section = clean(p.summarise(recs, cfg))
         report[p.NAME] = section
         md.append(p.markdown(section))
-        figs += p.figures(recs, section, out)
+        if matplotlib is not None:
+            figs += p.figures(recs, section, out)
     if len(probes) > 1:
         from clients.probes.summary import summary
 
@@ -335,6 +313,8 @@ def write_reports(probes: Sequence[Probe], items: list[Item], stores: dict[str, 
     (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     body = "\n\n".join(md) + "\n\n" + "\n".join(f"![{Path(f).stem}]({Path(f).name})"
                                                 for f in figs) + "\n"
+    if matplotlib is None:
+        body += "\n(No figures: they need matplotlib, e.g. pip install \"dualread[server]\".)\n"
     (out / "report.md").write_text(body)
     return report
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clients.probes.runner import fmt
+from clients.probes.numbers import fmt
 
 
 def summary(report: dict) -> str:

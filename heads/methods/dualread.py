@@ -20,7 +20,7 @@ from heads.modules import PSR_HIDDEN, fit_linear, fit_logistic, fit_mlp, prior_b
 from heads.registry import Features, FitData, Method, ReaderSpec, once
 
 if TYPE_CHECKING:
-    from heads.dualread import Heads
+    from heads.registry import HeadsState as Heads
 
 CAPTURED = "0 (states captured while generating)"
 # Answer-flip augmentation (issue 11). Natural errors are few and mostly yes/no, so readers
@@ -32,7 +32,7 @@ CAPTURED = "0 (states captured while generating)"
 # (and certify) against the errors the service will really see, and the flips are not
 # drawn from that distribution.
 FLIP_PASS = "answer_flip"
-# `python -m heads.flip_sweep` (docs/flip-sweep/) measured this on held-out data: readers
+# `python -m studies.flip_sweep` (docs/flip-sweep/) measured this on held-out data: readers
 # fitted on reader_train, the answer-axis drop on reader_val, natural AUROC/BCE on the
 # defer split. Flips in these readers moved DualRead by ≤ 0.19 at a cost in natural AUROC;
 # the answer-consistency term (`AnswerConsistency`) moves it far more at none, so the
@@ -215,6 +215,17 @@ def consistency_rows(data: FitData, split: str) -> tuple[torch.Tensor, torch.Ten
     x = torch.cat([data.x("phi", split), scoped["flip_phi"][rows][ok]])
     y = torch.cat([torch.ones(len(rows)), torch.zeros(int(ok.sum()))])
     return x, y
+
+
+def branch_log_odds(heads: Heads, f: dict[str, torch.Tensor]) -> np.ndarray:
+    """[N, 3]: PSR's and PER's log-odds before their temperatures, and the answer-
+    consistency term added after PER's (what `heads.recert.dualread_at` needs to rescore)."""
+    with torch.inference_mode():
+        pre = pre_logits(heads, f).double().reshape(-1)
+        post = post_logits(heads, f).double().reshape(-1)
+        cons = consistency_log_prob(heads, f)
+        cons = torch.as_tensor(cons, dtype=torch.float64).expand_as(post).reshape(-1)
+    return torch.stack([pre, post, cons], 1).numpy()
 
 
 class PSR(Method):

@@ -11,7 +11,7 @@ from heads.passes import K_SAMPLES
 from heads.registry import Features, FitData, Method
 
 if TYPE_CHECKING:
-    from heads.dualread import Heads
+    from heads.registry import HeadsState as Heads
 
 
 class PTrue(Method):

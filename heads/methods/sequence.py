@@ -12,7 +12,7 @@ from heads.calibration import fit_oriented_platt, fit_temperature, logit, platt
 from heads.registry import Features, FitData, Method
 
 if TYPE_CHECKING:
-    from heads.dualread import Heads
+    from heads.registry import HeadsState as Heads
 
 NEUTRAL = (1.0, 0.0)   # identity-slope Platt map for heads fitted before the map existed
 

@@ -16,7 +16,7 @@ from heads.modules import BICR_HIDDEN, SAPLMA_HIDDEN, fit_mlp
 from heads.registry import Features, FitData, Method, ReaderSpec
 
 if TYPE_CHECKING:
-    from heads.dualread import Heads
+    from heads.registry import HeadsState as Heads
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """Choosing the answer-flip augmentation's settings on held-out data (docs/method.md §1: no test
 item fits anything, choosing constants included).
 
-    python -m heads.flip_sweep [--out docs/flip-sweep] [--cache cache] [--limit 3500]
+    python -m studies.flip_sweep [--out docs/flip-sweep] [--cache cache] [--limit 3500]
                                [--consistent 300] [--data easyvqa:heldout]
 
 The items and splits are `fit-heads`' own (a sample of `easyvqa:heldout`, image-disjoint
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--consistent", type=int, default=300)
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    command = "python -m heads.flip_sweep" + "".join(f" {shlex.quote(a)}" for a in argv)
+    command = "python -m studies.flip_sweep" + "".join(f" {shlex.quote(a)}" for a in argv)
     rep = run(Path(args.out), args.cache, args.limit, args.consistent, command, args.data)
     print(json.dumps(rep["chosen"]))
 

@@ -1,4 +1,4 @@
-"""Analysis half of `python -m heads.shift_study`: tables from cached readouts.
+"""Analysis half of `python -m studies.shift_study`: tables from cached readouts.
 
 (1) the shipped heads per family × severity; (2) novelty scores, clean vs corrupted;
 (3) leave-one-family-out: (a) novelty conformal p-value, (b) corruption-augmented heads,

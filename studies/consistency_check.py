@@ -1,7 +1,7 @@
 """Does a wrong answer lower the confidence because it contradicts the image, or only the
 response's own rationale? (Measurement only; nothing is fitted here.)
 
-    python -m heads.consistency_check [--data easyvqa:test] [--limit 500] [--cache cache]
+    python -m studies.consistency_check [--data easyvqa:test] [--limit 500] [--cache cache]
                                       [--out docs/consistency-check]
 
 On items the actor answered correctly, three trajectories per item are scored with the
@@ -33,7 +33,6 @@ from heads.calibration import fuse
 from heads.collect import Collector
 from heads.dualread import Heads
 from heads.features import extract
-from heads.flip_sweep import COLOUR_SHAPE, consistent_flip
 from heads.methods.dualread import (
     CONSISTENCY_FLOOR,
     FLIP_PASS,
@@ -41,6 +40,7 @@ from heads.methods.dualread import (
     p_post,
     p_pre,
 )
+from studies.flip_sweep import COLOUR_SHAPE, consistent_flip
 
 METHODS = ("dualread", "per", "psr")
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", default="cache")
     ap.add_argument("--out", type=Path, default=Path("docs/consistency-check"))
     args = ap.parse_args(argv)
-    command = "python -m heads.consistency_check " + " ".join(
+    command = "python -m studies.consistency_check " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     rep = run(args.data, args.limit, args.cache, args.out, command.strip())
     print(json.dumps({"mean_drop": rep["mean_drop"], "penalty": rep["penalty"]}, indent=1))

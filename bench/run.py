@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from models.bench.inprocess import run_modes, summarise, time_heads, time_image_check
-from models.bench.report import markdown, targets
+from bench.inprocess import run_modes, summarise, time_heads, time_image_check
+from bench.report import markdown, targets
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
         torch.set_num_threads(plan.threads)
     scratch = service = None
     if gpu:
-        from models.bench.gpu import build_random_actor, build_random_heads
+        from bench.gpu import build_random_actor, build_random_heads
 
         scratch = Path(tempfile.mkdtemp(prefix="dualread-bench-"))
         actor_dir = str(build_random_actor(scratch / "actor", plan.device, plan.dtype,
@@ -172,8 +172,8 @@ def run_http(service, items, plan: Plan, actor_dir: str | None, heads_dir: str |
     """The HTTP block; the in-process references are measured in the same time window."""
     actor = service.actor
     from app.settings import Settings
+    from bench.inprocess import answer_with_dualread, sync
     from clients.bench import http_bench
-    from models.bench.inprocess import answer_with_dualread, sync
 
     def b1(i: int) -> float:
         img, q = items[i % len(items)]

@@ -1,7 +1,7 @@
 """Measurement study: DualRead under generic corruptions, and which novelty signal makes
 `defer` hold under shift (docs/method.md §8).
 
-    python -m heads.shift_study [--out docs/shift-study] [--cache cache/shift-study]
+    python -m studies.shift_study [--out docs/shift-study] [--cache cache/shift-study]
 
 Data (all readouts cached; a rerun only analyses):
 - clean fitting data: a sample of `easyvqa:heldout` (what the shipped heads were fitted on),
@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> None:
                        {k: m1[k] + m2[k] for k in m1})
     else:
         sets.pop("fit2", None)
-    from heads.shift_analysis import analyse
+    from studies.shift_analysis import analyse
 
     argv = sys.argv[1:] if argv is None else argv
-    analyse(data, sets, Path(args.out), command=" ".join(["python -m heads.shift_study", *argv]))
+    analyse(data, sets, Path(args.out), command=" ".join(["python -m studies.shift_study", *argv]))
 
 
 if __name__ == "__main__":

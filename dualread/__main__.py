@@ -1,0 +1,5 @@
+"""`python -m dualread ...` is `dualread ...`."""
+
+from dualread.cli import main
+
+main()
