@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from models.data import COLOURS, SHAPES, Item
+from models.items import COLOURS, SHAPES, Item
 
 
 @dataclass(frozen=True)
