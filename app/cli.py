@@ -105,8 +105,6 @@ def answer(
                          + "\n")
         typer.echo(f"dualread: refused with HTTP status {status} (as /answer would)", err=True)
         raise typer.Exit(1) from None
-    finally:
-        svc.close()
     sys.stdout.write(out.model_dump_json() + "\n")
 
 
@@ -279,18 +277,10 @@ def fit_heads(
         "(image tokens and prompt state; clean data and benign re-encodings)")] = True,
     novelty_per_family: Annotated[int, typer.Option(
         "--novelty-per-family", min=1, help="benign re-encodings of reader-split images "
-        "per family for the novelty detector's bank (and the image check's held-out "
-        "flag rates)")] = 250,
-    image_check: Annotated[bool, typer.Option(
-        "--image-check/--no-image-check", help="also fit the earlier rule's pixel image "
-        "check (retired: it flagged benign re-encodings)")] = False,
-    image_data: Annotated[str | None, typer.Option(
-        "--image-data", help="data spec whose images the image check is fitted and "
-        "calibrated on (pixels only, no actor pass; default: --data). More clean images "
-        "make it sharper: the embedded heads use easyvqa:train")] = None,
+        "per family for the novelty detector's bank")] = 250,
 ) -> None:
-    """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold, the
-    novelty detector and the image check."""
+    """Fit PSR, P-State, P-Visual, temperatures, baselines, the defer threshold and the
+    novelty detector."""
     from heads.fit import (
         DirtyTree,
         WorseThanPrior,
@@ -308,15 +298,10 @@ def fit_heads(
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from e
     act = load_actor(actor, device=device)
-    everything = load(data)
-    items = sample(everything, limit)
+    items = sample(load(data), limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
-                      seed=seed, novelty=novelty, novelty_per_family=novelty_per_family,
-                      image_check=image_check,
-                      image_items=load(image_data) if image_data and image_check else everything)
+                      seed=seed, novelty=novelty, novelty_per_family=novelty_per_family)
     console.print(summary_table(info["defer_split_metrics"]))
-    if info.get("image_check"):
-        info["image_check"]["data"] = image_data or data
     try:
         refuse_worse_than_prior(info)
     except WorseThanPrior as e:
@@ -325,9 +310,7 @@ def fit_heads(
     cmd = f"dualread fit-heads --data {data} --out {out}" + (f" --limit {limit}" if limit else "")
     cmd += " --allow-dirty" if allow_dirty else ""
     cmd += "" if novelty else " --no-novelty"
-    cmd += " --image-check" if image_check else ""
-    cmd += f" --novelty-per-family {novelty_per_family}" if novelty or image_check else ""
-    cmd += f" --image-data {image_data}" if image_data and image_check else ""
+    cmd += f" --novelty-per-family {novelty_per_family}" if novelty else ""
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
             "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
     heads.save(out, card)
@@ -355,7 +338,8 @@ def fit_detectors(
         "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
 ) -> None:
     """Refit only the defer rule's novelty detector of fitted heads (same data, same
-    splits); the readers and tau stay. The card records the command."""
+    splits); the readers and tau stay. The card records the command. Heads that carry the
+    retired pixel image check load here (and nowhere else): this replaces their detectors."""
     from heads.detectors import refit_detectors
     from heads.dualread import Heads
     from heads.fit import DirtyTree, check_tree
@@ -368,7 +352,7 @@ def fit_detectors(
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from e
     act = load_actor(actor, device=device)
-    hd = Heads.load(heads, act.fingerprint)
+    hd = Heads.load(heads, act.fingerprint, drop_image_check=True)
     if hd.card.get("data") not in (None, data) or hd.card.get("limit") not in (None, limit):
         console.print(f"[red]these heads were fitted on --data {hd.card.get('data')} "
                       f"--limit {hd.card.get('limit')}; give the same[/red]")
@@ -377,7 +361,7 @@ def fit_detectors(
     cmd = f"dualread fit-detectors --heads {heads} --data {data}" + \
         (f" --limit {limit}" if limit else "") + f" --novelty-per-family {per_family}"
     card = {k: v for k, v in hd.card.items() if k not in ("novelty", "image_check")}
-    card.update({"novelty": log, "image_check": None, "detectors_command": cmd,
+    card.update({"novelty": log, "detectors_command": cmd,
                  "detectors_git_commit": tree["describe"], "detectors_git_dirty": tree["dirty"]})
     for stale in ("image_check.json", "image_check.safetensors", "novelty.safetensors"):
         (heads / stale).unlink(missing_ok=True)

@@ -11,10 +11,10 @@ from clients.schemas import DeferCode
 from heads.dualread import Heads
 from models.quality import TRUNCATED
 
-# `Heads.defer_reasons` key → code; "problem" is coded by the problem itself (below)
+# `Heads.defer_reasons` key → code; "problem" is coded by the problem itself (below).
+# (DeferCode.image_flagged, the retired image check's, is no longer emitted.)
 RULE_CODES: dict[str, DeferCode] = {
     "novelty": DeferCode.novel_states,
-    "image": DeferCode.image_flagged,
     "tau": DeferCode.low_confidence,
 }
 
@@ -35,10 +35,10 @@ def problem_code(problem: str) -> DeferCode:
 
 
 def defer_codes(heads: Heads, p_dualread: float, novelty_p: float | None,
-                problem: str | None, image_p: float | None) -> list[DeferCode]:
-    """Every reason the rule defers this answer, problem first, then the flags in the
+                problem: str | None) -> list[DeferCode]:
+    """Every reason the rule defers this answer, problem first, then the flag in the
     order of the prose, then low confidence; [] when it is released."""
-    why = heads.defer_reasons([p_dualread], [novelty_p], [problem], [image_p])
+    why = heads.defer_reasons([p_dualread], [novelty_p], [problem])
     codes = [problem_code(problem)] if problem is not None and bool(why["problem"][0]) else []
     codes += [code for key, code in RULE_CODES.items() if bool(why[key][0])]
     return codes

@@ -174,7 +174,7 @@ class RecertHooks(MetricsHooks):
         scores = {"dualread": result.confidence.dualread}
         if served is not None:
             scores.update(served.scores)
-        flagged = any(r is not None and r.novel for r in (result.novelty, result.image_check))
+        flagged = result.novelty is not None and result.novelty.novel
         self.drift.record(scores, flagged)
 
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
-
-from PIL import Image
 
 from app.defer_codes import NO_HEADS_REASON, answer_only_codes, defer_codes
 from app.errors import (
@@ -31,10 +28,8 @@ from app.serving import (
     StageTimes,
 )
 from app.text import CONTROL, mixed_script_letter, plain_question
-from heads.check_process import CheckProcess
 from heads.dualread import Assessment, FingerprintMismatch, Heads
-from heads.novelty import NoveltyReading
-from heads.recert import SHIPPED, DeferRule, Served, reread
+from heads.recert import SHIPPED, DeferRule, Served
 from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
@@ -42,9 +37,6 @@ from models.readout import Response
 
 log = logging.getLogger("dualread.service")
 AnswerJob = AnswerItem   # the earlier name
-# Longest wait for a batch's image check once the batch has decoded (a batch of 16 images
-# takes tens of milliseconds; decoding took longer than that already)
-CHECK_WAIT_S = 5.0
 
 
 def _confidences(c: dict[str, float]) -> Confidences:
@@ -68,8 +60,6 @@ class Service:
             log.warning(json.dumps({"event": "answer_only", "detail": self.heads_problem}))
             heads = None
         self._attach(actor, heads)
-        if self.check_process is not None:
-            self.check_process.start()
 
     @classmethod
     def of(cls, actor: Actor, heads: Heads) -> Service:
@@ -85,11 +75,6 @@ class Service:
         self.actor, self.heads = actor, heads
         # the artefact as shipped; `heads` is what serves (a re-certified rule applied)
         self.base_heads = heads
-        # The image check reads pixels only: in a process of its own it runs while the
-        # batch decodes (heads.check_process says why not a thread).
-        check = heads.image_check if heads is not None else None
-        self.check_process = CheckProcess(check, heads.image_check_alpha) \
-            if check is not None and check.kind == "knn" else None
         self.fingerprint = self.actor.fingerprint
         self.heads_id = None if heads is None else heads.card.get("heads_id") or \
             f"{heads.actor_fingerprint}-{heads.card.get('git_commit', '')[:8]}"
@@ -190,76 +175,31 @@ class Service:
         """`answer_batch`, with the actor's responses too (`readout`: how the states are
         read; the service captures them, the benchmark also times replay)."""
         heads = self.heads       # the rule this batch is decided by, start to end
-        images = [i.image for i in items]
-        checks = self._check_images(images, heads)
-        res = self.actor.answer(images, [i.question for i in items],
+        res = self.actor.answer([i.image for i in items], [i.question for i in items],
                                 [i.max_new_tokens for i in items], readout=readout,
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live}, checks, heads)
+        scored = self._assess_batch({k: res[k].readout for k in live}, heads)
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
-            out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
-                                   self._answer(r, res.timings, c, im, heads)))
+            out.append(self._guard(lambda r=r, c=scored.get(k):
+                                   self._answer(r, res.timings, c, heads)))
         return res, out
 
-    def _check_images(self, images: list[Image.Image], heads: Heads | None = None
-                      ) -> Future[list[NoveltyReading] | None]:
-        """The image check of a batch, started before it decodes (in this thread when
-        there is no check process, or it cannot be used)."""
-        proc = self.check_process
-        done: Future[list[NoveltyReading] | None] = Future()
-        if self.heads is None:
-            done.set_result(None)
-            return done
-        if proc is not None and not proc.given_up:
-            try:
-                return proc.submit(images)
-            except Exception as e:    # cannot start one (no fds, ...): check them here
-                log.warning(json.dumps({"event": "image_check_process_failed",
-                                        "error": type(e).__name__, "detail": str(e)[:200]}))
-        try:
-            done.set_result((heads or self.heads).image_readings(images))
-        except Exception as e:       # an image the check cannot read fails its own item
-            done.set_exception(e)
-        return done
-
-    def _check_result(self, image_checks: Future[list[NoveltyReading] | None]
-                      ) -> list[NoveltyReading] | None:
-        """The batch's image check, waited for at most CHECK_WAIT_S: a check process that
-        stopped answering must not hold the model worker. It is killed (the next batch
-        starts another) and this batch's items are checked here, one by one."""
-        try:
-            return image_checks.result(timeout=CHECK_WAIT_S)
-        except TimeoutError:
-            if self.check_process is not None:
-                self.check_process.close(kill=True)
-            raise
-
-    def close(self) -> None:
-        """Stops the image check's process (a later batch would start it again)."""
-        if self.check_process is not None:
-            self.check_process.close()
-
-    def _assess_batch(self, readouts: dict[int, Any],
-                      image_checks: Future[list[NoveltyReading] | None],
-                      heads: Heads | None = None
-                      ) -> dict[int, tuple[Assessment, NoveltyReading | None, float]]:
-        """Served confidences and novelty of a whole batch in one call of the readers, and
-        the batch's image check (`image_checks`: one call over every image, item k's
-        reading at k), with each item's share of the seconds; {} when either call fails
-        (each item then scores alone, so a bad readout or image fails only its own item)."""
+    def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None
+                      ) -> dict[int, tuple[Assessment, float]]:
+        """Served confidences and novelty of a whole batch in one call of the readers,
+        with each item's share of the seconds; {} when the call fails (each item then
+        scores alone, so a bad readout fails only its own item)."""
         if not readouts or self.heads is None:
             return {}
         t = time.perf_counter()
         try:
             confs = (heads or self.heads).assess(list(readouts.values()))
-            every = self._check_result(image_checks)
-            checks = None if every is None else [every[k] for k in readouts]
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
@@ -267,33 +207,23 @@ class Service:
                         exc_info=e)
             return {}
         each = (time.perf_counter() - t) / len(readouts)
-        return {k: (c, None if checks is None else checks[j], each)
-                for j, (k, c) in enumerate(zip(readouts, confs))}
+        return {k: (c, each) for k, c in zip(readouts, confs)}
 
-    def _answer(self, r: Response, timings,
-                scored: tuple[Assessment, NoveltyReading | None, float] | None = None,
-                image: Image.Image | None = None, heads: Heads | None = None) -> AnswerResult:
+    def _answer(self, r: Response, timings, scored: tuple[Assessment, float] | None = None,
+                heads: Heads | None = None) -> AnswerResult:
         if (heads or self.heads) is None:
             return self._answer_only(r, timings)
         t = time.perf_counter()
         heads = heads or self.heads
-        if scored is not None:
-            a, chk, batch_s = scored
-        else:
-            a, batch_s = heads.assess([r.readout])[0], 0.0
-            chk = heads.image_reading(image) if image is not None else None
-        if heads is not self.base_heads:
-            # the check process reads against the shipped reference; the rule may extend it
-            chk = reread(heads, "image_check", chk)
+        a, batch_s = scored if scored is not None else (heads.assess([r.readout])[0], 0.0)
         conf = _confidences(a.confidence)
         nov = a.novelty                              # None: these heads have no detector
         heads_s = time.perf_counter() - t + batch_s
         problem = response_problem(r.parsed, r.token_ids, r.finished, self.needs_tag)
-        # the heads hold the whole rule: τ, the novelty and image-check p-values against α,
-        # the parse check
-        nov_p, chk_p = (nov.p_value if nov else None), (chk.p_value if chk else None)
-        defer, reason = heads.decide(conf.dualread, nov_p, problem, chk_p)
-        read = {k: v for k, v in (("novelty", nov), ("image_check", chk)) if v is not None}
+        # the heads hold the whole rule: τ, the novelty p-value against α, the parse check
+        nov_p = nov.p_value if nov else None
+        defer, reason = heads.decide(conf.dualread, nov_p, problem)
+        read = {"novelty": nov} if nov is not None else {}
         served = None if a.logits is None else Served(
             getattr(heads, "rule_version", SHIPPED), a.logits,
             {k: v.score for k, v in read.items()}, {k: v.p_value for k, v in read.items()},
@@ -301,13 +231,11 @@ class Service:
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
             defer=defer, defer_reason=reason,
-            defer_codes=tuple(defer_codes(heads, conf.dualread, nov_p, problem, chk_p)),
+            defer_codes=tuple(defer_codes(heads, conf.dualread, nov_p, problem)),
             timings=StageTimes(timings.generate, timings.readout, heads_s),
             novelty=None if nov is None else NoveltyResult(nov.score, nov.p_value, nov.novel),
-            image_check=None if chk is None else NoveltyResult(chk.score, chk.p_value,
-                                                               chk.novel),
             served=served,
-            calibrated=heads.calibrated(nov_p, chk_p), threshold=heads.defer_threshold)
+            calibrated=heads.calibrated(nov_p), threshold=heads.defer_threshold)
 
     def _answer_only(self, r: Response, timings) -> AnswerResult:
         """No heads: the answer, deferred, with why the response is unusable if it is."""

@@ -98,7 +98,6 @@ class AnswerResult:
     defer_reason: str | None
     timings: StageTimes
     novelty: NoveltyResult | None = None     # None: the heads have no novelty detector
-    image_check: NoveltyResult | None = None  # None: the heads have no image check
     defer_codes: tuple[str, ...] = ()        # clients.schemas.DeferCode values
     # what re-certification keeps of this answer (heads.recert.Served: the deciding rule's
     # version, branch log-odds, detector scores; no request content)

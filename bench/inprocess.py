@@ -6,15 +6,12 @@ Modes, all on the same images, questions and `max_new_tokens`:
   then `batch_decode`.
 - `answer`: the service's answer alone: `Actor.answer(readout="none")`, the same
   processor inputs and greedy decoding loop as `capture` (`models.decoding`), the response
-  parsed, no hidden states kept, no readers, no image check. Capture over it is what
+  parsed, no hidden states kept, no readers. Capture over it is what
   DualRead itself costs; it over `plain` is what the decoding loop saves.
 - `capture`: `Service.answer_batch`, what `/answer` runs behind HTTP: `Actor.answer`
-  (readout="capture"), the image check in its child process while the batch decodes, one
-  batched call of the readers, novelty and the defer decision, shaped into results.
+  (readout="capture"), one batched call of the readers, novelty and the defer decision,
+  shaped into results.
 - `replay`: the same with `readout="replay"` (one extra teacher-forced pass).
-- `no_check`: `capture` with the image check left out (heads without it, so no check
-  process): not a way to run the service, the control that says what the image check
-  costs the rest (on a machine whose second core is not really free, its CPU time).
 - `sc8`: eight sampled completions per item at temperature 1 through `Actor.sample`,
   exactly as the evaluation's SC@K runs them (`heads.passes.run_samples`): the K copies
   of every item of a unit are one batched `generate` (K·batch rows), not K calls, with the
@@ -37,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-MODES = ("plain", "answer", "capture", "replay", "no_check", "sc8")
+MODES = ("plain", "answer", "capture", "replay", "sc8")
 SC_K = 8
 
 
@@ -60,18 +57,10 @@ class Timed:
     # seconds per item `Actor.answer` spent after decoding (readout assembly), capture mode
     readout_seconds: list[float] = field(default_factory=list)
     # seconds per item of the rest of `/answer`'s batch besides decoding and the readout:
-    # the image check's submission before decoding, then heads, novelty, the check's wait
-    # if any, defer and results; capture mode
+    # heads, novelty, defer and results; capture mode
     post_seconds: list[float] = field(default_factory=list)
     # which unit (item, or batch of 8) each measurement is of: rounds repeat the units
     unit_ids: list[int] = field(default_factory=list)
-
-
-def check_cpu(service) -> float:
-    """CPU seconds the service's image-check process has spent so far (0 without one):
-    the CPU-time ratios count that process's work too."""
-    proc = getattr(service, "check_process", None)
-    return proc.cpu_seconds if proc is not None else 0.0
 
 
 def sync(device: torch.device) -> None:
@@ -93,16 +82,15 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
 
 def decide_all(heads, readouts: Sequence) -> list[bool]:
     """Confidence (one batched call of the readers), novelty and the defer rule for every
-    readout, as `Service.answer_batch` runs them (the image check is timed apart: it runs
-    in its own process there)."""
+    readout, as `Service.answer_batch` runs them."""
     return [heads.decide(a.confidence["dualread"], a.novelty.p_value if a.novelty else None)[0]
             for a in heads.assess(list(readouts))]
 
 
 def answer_with_dualread(service, images, questions, max_new_tokens: int,
                          readout: str = "capture") -> list:
-    """What `/answer` runs for a batch (`Service.answer_batch`, image check, confidence and
-    defer included); returns the actor's responses."""
+    """What `/answer` runs for a batch (`Service.answer_batch`, confidence and defer
+    included); returns the actor's responses."""
     from app.serving import AnswerItem
 
     items = [AnswerItem(im, q, max_new_tokens) for im, q in zip(images, questions)]
@@ -111,16 +99,6 @@ def answer_with_dualread(service, images, questions, max_new_tokens: int,
     if failed:
         raise RuntimeError(f"{len(failed)} item(s) failed: {failed[0]!r}")
     return res
-
-
-def without_image_check(service):
-    """The same actor and heads served with the image check left out (the `no_check`
-    control)."""
-    from dataclasses import replace
-
-    from app.service import Service
-
-    return Service.of(service.actor, replace(service.heads, image_check=None))
 
 
 def sample_k(actor, images, questions, max_new_tokens: int, seed: int) -> list:
@@ -139,9 +117,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
     if not units:
         raise ValueError(f"need at least {batch} items for batch {batch}")
     out = Timed(batch)
-    # the control exists only where there is an image check to leave out
-    modes = tuple(m for m in MODES if m != "no_check" or service.heads.image_check is not None)
-    unchecked = without_image_check(service) if "no_check" in modes else None
+    modes = MODES
 
     def call(mode: str, imgs, qs, seed: int):
         if mode == "plain":
@@ -151,8 +127,6 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
         if mode == "answer":      # with the deadline criterion the service passes too
             return actor.answer(imgs, qs, max_new_tokens, readout="none",
                                 deadlines=[math.inf] * len(imgs))
-        if mode == "no_check":
-            return answer_with_dualread(unchecked, imgs, qs, max_new_tokens)
         return answer_with_dualread(service, imgs, qs, max_new_tokens, mode)
 
     # Warm-up: first calls pay for lazy initialisation (kernels, caches, allocator).
@@ -167,12 +141,11 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             got = {}
             for mode in order:
                 sync(dev)
-                t, c, cc = time.perf_counter(), time.process_time(), check_cpu(service)
+                t, c = time.perf_counter(), time.process_time()
                 got[mode] = call(mode, imgs, qs, seed=n)
                 sync(dev)
                 out.seconds[mode].append((time.perf_counter() - t) / batch)
-                out.cpu_seconds[mode].append(
-                    (time.process_time() - c + check_cpu(service) - cc) / batch)
+                out.cpu_seconds[mode].append((time.process_time() - c) / batch)
             plain = got["plain"]
             out.tokens["plain"].append(float(np.mean([len(r) for r in plain])))
             stages = got["capture"].timings
@@ -183,7 +156,7 @@ def run_modes(service, items: Sequence[tuple[Image.Image, str]], batch: int,
             out.post_seconds.append(out.seconds["capture"][-1] - (stages.generate
                                                                   + stages.readout) / batch)
             out.unit_ids.append(unit_id)
-            for mode in (m for m in ("answer", "capture", "replay", "no_check") if m in got):
+            for mode in (m for m in ("answer", "capture", "replay") if m in got):
                 ids = [r.token_ids for r in got[mode]]
                 out.tokens[mode].append(float(np.mean([len(r) for r in ids])))
                 out.same_tokens.append(ids == plain)
@@ -227,8 +200,7 @@ def per_unit(values: Sequence[float], unit_ids: Sequence[int]) -> list[float]:
 
 
 def summarise(t: Timed, n_boot: int = 2000) -> dict:
-    """The `in_process.bN` block of bench.json (modes that were not run are left out: the
-    control without an image check to leave out)."""
+    """The `in_process.bN` block of bench.json (modes that were not run are left out)."""
     measured = [m for m in MODES if t.seconds[m]]
     sec = {m: per_unit(t.seconds[m], t.unit_ids) for m in measured}
     cpu = {m: per_unit(t.cpu_seconds[m], t.unit_ids) for m in measured}
@@ -250,21 +222,20 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
         out[f"{m}_ratio_cpu"] = r
         out[f"{m}_ratio_cpu_ci"] = [lo, hi]
     # cross-check: the median of per-unit ratios (each unit's modes ran back to back)
-    for m in ("answer", "capture", "replay", "no_check"):
+    for m in ("answer", "capture", "replay"):
         if m in sec:
             out[f"{m}_ratio_paired_median"] = float(np.median(
                 np.asarray(sec[m]) / np.asarray(plain)))
-    # what DualRead costs on top of the same answer, and what the image check costs:
-    # capture against the answer alone and against the control, unit by unit
-    for base in (m for m in ("answer", "no_check") if m in sec):
+    # what DualRead costs on top of the same answer: capture against the answer alone,
+    # unit by unit
+    for base in (m for m in ("answer",) if m in sec):
         r, lo, hi = ratio_ci(sec["capture"], sec[base], n_boot)
         out[f"capture_over_{base}"] = r
         out[f"capture_over_{base}_ci"] = [lo, hi]
         out[f"capture_over_{base}_paired_median"] = float(np.median(
             np.asarray(sec["capture"]) / np.asarray(sec[base])))
     # capture's decoding stage against the answer alone's, same loop, same units: what
-    # decoding with the state capture and the image check's process beside it costs,
-    # apart from the work after decoding
+    # decoding with the state capture costs, apart from the work after decoding
     if t.decode_seconds and t.answer_decode_seconds:
         r, lo, hi = ratio_ci(per_unit(t.decode_seconds, t.unit_ids),
                              per_unit(t.answer_decode_seconds, t.unit_ids), n_boot)
@@ -277,21 +248,6 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------ heads alone
-def time_image_check(heads, images: Sequence, rounds: int = 5) -> float | None:
-    """Median microseconds of the image check (pixel statistics + p-value) per image."""
-    if heads.image_check is None or not images:
-        return None
-    for im in images[:4]:
-        heads.image_reading(im)
-    calls = []
-    for _ in range(rounds):
-        for im in images:
-            t = time.perf_counter()
-            heads.image_reading(im)
-            calls.append((time.perf_counter() - t) * 1e6)
-    return float(np.median(calls))
-
-
 def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
     """Microseconds per item for features + every reader + fusion + novelty + defer.
 

@@ -6,7 +6,6 @@ MODE_NAMES = {"plain": "plain greedy `generate`",
               "answer": "answer alone (the service's decoding, no DualRead)",
               "capture": "answer + DualRead (capture)",
               "replay": "answer + DualRead (replay)",
-              "no_check": "control: capture, image check left out",
               "sc8": "SC@8 (8 sampled completions)"}
 
 
@@ -72,7 +71,7 @@ def markdown(r: dict) -> str:
 
     for blk in ip.values():
         for m, name in MODE_NAMES.items():
-            if m not in blk["seconds_per_item"]:      # the control, without an image check
+            if m not in blk["seconds_per_item"]:      # a mode this run did not measure
                 continue
             lines.append(f"| {blk['batch']} | {name} | {blk['seconds_per_item'][m]:.4f} | "
                          f"{ratio(blk, m)} | {blk['cpu_seconds_per_item'][m]:.4f} | "
@@ -83,9 +82,7 @@ def markdown(r: dict) -> str:
         + (f"answer alone {blk['answer_ratio_paired_median']:.3f}, "
            if "answer_ratio_paired_median" in blk else "")
         + f"capture {blk['capture_ratio_paired_median']:.3f}, replay "
-        f"{blk['replay_ratio_paired_median']:.3f}"
-        + (f", control without the image check {blk['no_check_ratio_paired_median']:.3f}"
-           if "no_check_ratio_paired_median" in blk else "") for blk in ip.values()
+        f"{blk['replay_ratio_paired_median']:.3f}" for blk in ip.values()
         if "capture_ratio_paired_median" in blk)
     lines += ["", f"Units: {b1['units']} items at batch 1 ({r.get('b1_repeats', 1)} round(s)), "
               f"{b8['units']} batches of 8 at batch 8 "
@@ -97,14 +94,11 @@ def markdown(r: dict) -> str:
               "per item, not normalised per token. SC@8's tokens/item is per sampled "
               "completion; its greedy answer is not counted. Wall-clock ratios are the "
               "targets; CPU-time ratios (process CPU seconds, which leave out time spent "
-              "waiting for a core, and include the image check's process) are the "
-              "cross-check on a shared machine: the image check runs in its own process "
-              "while the batch decodes, so it costs CPU time, not wall time, when a second "
-              "core is free.", "",
+              "waiting for a core) are the cross-check on a shared machine.", "",
               ("The answer-alone row is the service's own answer without DualRead: the "
                "same processor inputs and greedy decoding loop (`models/decoding.py`, one "
                "model call a step, where `generate`'s own loop rebuilds its inputs every "
-               "step), no states kept, no readers, no image check. Capture over it, unit by "
+               "step), no states kept, no readers. Capture over it, unit by "
                "unit, is what DualRead itself costs: "
                + ", ".join(f"{blk['capture_over_answer']:.3f} "
                            f"[{blk['capture_over_answer_ci'][0]:.3f}, "
@@ -112,16 +106,6 @@ def markdown(r: dict) -> str:
                            f"(per-unit median {blk['capture_over_answer_paired_median']:.3f})"
                            for blk in ip.values()) + ". "
                if all("capture_over_answer" in blk for blk in ip.values()) else "") +
-              ("The control row is capture with the image check left out (the same heads "
-                 "without it, so no check process), interleaved like the rest; capture over "
-                 "the control, unit by unit, is what the image check costs on this machine: "
-                 + ", ".join(f"{blk['capture_over_no_check']:.3f} "
-                             f"[{blk['capture_over_no_check_ci'][0]:.3f}, "
-                             f"{blk['capture_over_no_check_ci'][1]:.3f}] at batch {blk['batch']} "
-                             f"(per-unit median "
-                             f"{blk['capture_over_no_check_paired_median']:.3f})"
-                             for blk in ip.values()) + ". "
-                 if all("capture_over_no_check" in blk for blk in ip.values()) else "") +
               f"DualRead (capture) costs {b1['capture_over_sc8']:.3f}× SC@8 at batch 1 "
               f"[{b1['capture_over_sc8_ci'][0]:.3f}, {b1['capture_over_sc8_ci'][1]:.3f}] and "
               f"{b8['capture_over_sc8']:.3f}× at batch 8 [{b8['capture_over_sc8_ci'][0]:.3f}, "
@@ -139,12 +123,8 @@ def markdown(r: dict) -> str:
                  f"{r['heads']['batch8_cpu_median_us']:.0f} µs) when a batch of 8 is scored "
                  "in one call, as the service does"
                  if r["heads"].get("batch8_median_us") else "") + "."
-              + (f" The image check (pixel statistics + p-value, per image, timed alone): "
-                 f"{r['heads']['image_check_us']:.0f} µs per image."
-                 if r["heads"].get("image_check_us") else "")
               + (" Decoding inside capture (`Actor.answer`'s decoding stage: processor "
-                 "inputs and `generate` with the state capture, the image check's process, "
-                 "where there is one, working beside it) × the same stage of the answer "
+                 "inputs and `generate` with the state capture) × the same stage of the answer "
                  "alone (same loop, no capture): "
                  + ", ".join(f"{blk['decode_ratio']:.3f} [{blk['decode_ratio_ci'][0]:.3f}, "
                              f"{blk['decode_ratio_ci'][1]:.3f}] at batch {blk['batch']}"
@@ -156,8 +136,7 @@ def markdown(r: dict) -> str:
                  + "." if all(blk.get("readout_seconds_per_item") for blk in ip.values())
                  else "")
               + (" The rest of `/answer`'s batch besides decoding and the readout, as it runs "
-                 "there (handing the images to the image check's process before decoding; "
-                 "after it heads, novelty, the check's result, defer, results; caches are "
+                 "there (heads, novelty, defer, results; caches are "
                  "cold after decoding, so the heads cost more there than timed alone): "
                  + ", ".join(f"{1e3 * blk['post_seconds_per_item']:.2f} ms per item at "
                              f"batch {blk['batch']}" for blk in ip.values())

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.inprocess import run_modes, summarise, time_heads, time_image_check
+from bench.inprocess import run_modes, summarise, time_heads
 from bench.report import markdown, targets
 
 
@@ -78,10 +78,8 @@ def in_process(service, items, plan: Plan,
     adv = progress("in-process, batch 8", units8) if progress else None
     t8 = run_modes(service, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
                    advance=adv)
-    heads = service.heads
     return {"in_process": {"b1": summarise(t1), "b8": summarise(t8)},
-            "heads": {**time_heads(heads, t1.readouts),
-                      "image_check_us": time_image_check(heads, [im for im, _ in items])}}
+            "heads": time_heads(service.heads, t1.readouts)}
 
 
 def _rich_progress():
@@ -160,8 +158,6 @@ def run_bench(out: str | Path, plan: Plan, actor_dir: str | None = None,
         (out / "bench.md").write_text(markdown(result))
         return result
     finally:
-        if service is not None:
-            service.close()
         torch.set_num_threads(threads_before)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

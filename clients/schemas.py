@@ -104,24 +104,13 @@ class Novelty(BaseModel):
                                          "deferred")
 
 
-class ImageCheck(BaseModel):
-    """How unlike the fitting images the input's image-quality statistics are (blur, noise,
-    JPEG blocking, contrast, ...; a conformal p-value of a one-class detector)."""
-
-    score: float = Field(..., description="distance of the image's standardised quality "
-                                          "statistics to the 5th nearest fitting image "
-                                          "(larger = more unusual)")
-    p_value: float = Field(..., description="(1 + #{calibration scores >= score}) / (n + 1) "
-                                            "over the clean calibration images")
-    flagged: bool = Field(..., description="p_value < alpha (the heads card's "
-                                           "image_check.alpha, 0.01): the answer is deferred")
-
-
 class DeferCode(StrEnum):
     """Why an answer is deferred, as a stable code (`defer_reasons`); the one list."""
 
     low_confidence = "low_confidence"
     novel_states = "novel_states"
+    # the retired pixel image check's code: no longer emitted, kept so that responses
+    # stored by earlier versions still parse
     image_flagged = "image_flagged"
     no_answer_tag = "no_answer_tag"
     empty_answer = "empty_answer"
@@ -137,8 +126,8 @@ DEFER_CODES: dict[DeferCode, str] = {
                               "when the heads have no defer policy)",
     DeferCode.novel_states: "the actor's states are unlike the fitting data (novelty "
                             "p < alpha)",
-    DeferCode.image_flagged: "the image's quality statistics are unlike the fitting images "
-                             "(image-check p < alpha)",
+    DeferCode.image_flagged: "retired, no longer emitted: the pixel image check of earlier "
+                             "versions flagged the image (image-check p < alpha)",
     DeferCode.no_answer_tag: "the response has no <answer> tag",
     DeferCode.empty_answer: "the answer is empty",
     DeferCode.degenerate_repetition: "the response repeats itself",
@@ -164,7 +153,7 @@ class AnswerResponse(BaseModel):
                                                      "per": 0.98, "verbalized": 0.88},
         "defer": False, "defer_reason": None, "defer_reasons": [], "defer_threshold": 0.71,
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
-        "image_check": {"score": 3.1, "p_value": 0.52, "flagged": False}, "model": "3f2a...",
+        "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
         "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
@@ -172,13 +161,13 @@ class AnswerResponse(BaseModel):
     confidence: Confidence | None = Field(
         ..., description="null only in answer-only mode (no heads for this model)")
     defer: bool = Field(..., description="route to a clinician: confidence below threshold, "
-                                         "the image unlike the fitting data (novelty or "
-                                         "image check), the response did not parse, or no "
-                                         "heads (answer-only mode)")
+                                         "the input unlike the fitting data (novelty), the "
+                                         "response did not parse, or no heads (answer-only "
+                                         "mode)")
     defer_reason: str | None = Field(
         None, description="why the response itself is not trusted (no answer tag, empty "
-                          "answer, repetition, truncated) and/or that the image is unlike "
-                          "the fitting data (novelty p < alpha, image-check p < alpha), or "
+                          "answer, repetition, truncated) and/or that the input is unlike "
+                          "the fitting data (novelty p < alpha), or "
                           "\"no heads for this model\"; null when only confidence decides")
     defer_reasons: list[DeferCode] = Field(
         default_factory=list, description="why the answer is deferred, as stable codes "
@@ -191,12 +180,10 @@ class AnswerResponse(BaseModel):
                           "/calibration); null when the heads cannot say")
     novelty: Novelty | None = Field(
         None, description="the novelty detector's reading; null when the heads have none")
-    image_check: ImageCheck | None = Field(
-        None, description="the image check's reading; null when the heads have none")
     calibrated: bool = Field(
         True, description="whether confidence.dualread is inside its calibrated range: "
-                          "false when a detector of the defer rule flags the input (novelty "
-                          "or image check), where the number stays but its calibration, "
+                          "false when the defer rule's novelty detector flags the input, "
+                          "where the number stays but its calibration, "
                           "measured on inputs like the fitting data, does not hold")
     model: str = Field(..., description="actor fingerprint")
     heads: str | None = Field(..., description="heads artefact id; null in answer-only mode")

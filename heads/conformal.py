@@ -1,5 +1,4 @@
-"""Conformal p-values and the k-nearest-neighbour distance, in numpy alone: the process
-that runs the image check (`heads.check_process`) never imports torch."""
+"""Conformal p-values and the k-nearest-neighbour distance, in numpy alone."""
 
 from __future__ import annotations
 

@@ -138,11 +138,10 @@ def refit_detectors(actor, heads, items: list[Item], cache_dir=None,
                     per_family: int = AUGMENT_PER_FAMILY, seed: int = 0,
                     max_new_tokens: int = 64) -> dict:
     """Fit the defer rule's detector onto heads already fitted on `items` (same image-hash
-    splits as `fit-heads`), replacing their novelty detector and dropping the retired
-    image check; the readers and τ stay. Returns the detector's card log."""
+    splits as `fit-heads`), replacing their novelty detector; the readers and τ stay.
+    Returns the detector's card log."""
     col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
     feats, meta = col.run(items, label="readouts (fit)")
     det, log = detector_stage(col, items, feats, splits_of(meta), per_family, seed)
     heads.novelty, heads.novelty_alpha = det, DETECTOR_ALPHA
-    heads.image_check = None
     return log

@@ -22,7 +22,6 @@ import heads.methods  # noqa: F401  (registers the shipped methods)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
-from heads.image_check import PIXEL_FEATURES, pixel_features_many
 from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.methods.dualread import branch_log_odds
@@ -32,10 +31,11 @@ from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
 EMBEDDED_HEADS = Path(__file__).parent / "embedded"
-# 3: the card carries the novelty detector and the defer rule. 4: the image check. 5: the
-# novelty detector may be composite (heads.novelty.CompositeNovelty, its parts' files). A
-# server that predates a card's version could load it and silently drop a term of its
-# rule, so `Heads.load` refuses any version newer than this one.
+# 3: the card carries the novelty detector and the defer rule. 4: the image check (retired
+# since: `Heads.load` refuses a card that carries one). 5: the novelty detector may be
+# composite (heads.novelty.CompositeNovelty, its parts' files). A server that predates a
+# card's version could load it and silently drop a term of its rule, so `Heads.load`
+# refuses any version newer than this one.
 CARD_VERSION = 5
 # the method whose confidence the defer policy thresholds
 DEFER_METHOD = "dualread"
@@ -57,12 +57,11 @@ class Assessment:
     logits: tuple[float, float, float] | None = None
 
 
-def rule_of(novelty: Novelty | None, image_check: Novelty | None = None) -> str:
-    """The defer rule in words, as the card states it (docs/method.md §8), for heads with or without
-    a novelty detector and an image check; `Heads.decide` implements it. (A plain function:
-    the `defer_rule` property only forwards here.)"""
+def rule_of(novelty: Novelty | CompositeNovelty | None) -> str:
+    """The defer rule in words, as the card states it (docs/method.md §8), for heads with or
+    without a novelty detector; `Heads.decide` implements it. (A plain function: the
+    `defer_rule` property only forwards here.)"""
     terms = ["DualRead < tau"] + (["novelty p-value < alpha"] if novelty is not None else []) \
-        + (["image-check p-value < alpha"] if image_check is not None else []) \
         + ["the response does not parse"]
     return "defer if " + " or ".join(terms)
 
@@ -70,11 +69,6 @@ def rule_of(novelty: Novelty | None, image_check: Novelty | None = None) -> str:
 def novelty_reason(alpha: float) -> str:
     """`defer_reason` when the novelty detector flags the input."""
     return f"image unlike the fitting data (novelty p < {alpha:g})"
-
-
-def image_check_reason(alpha: float) -> str:
-    """`defer_reason` when the image check flags the input."""
-    return f"image quality unlike the fitting images (image-check p < {alpha:g})"
 
 
 class FingerprintMismatch(RuntimeError):
@@ -85,8 +79,20 @@ class CardTooNew(RuntimeError):
     """A heads card written by a newer version of this code than the one loading it."""
 
 
-class StaleImageCheck(RuntimeError):
-    """An image check fitted on other pixel statistics than this code computes."""
+class RetiredImageCheck(RuntimeError):
+    """Heads whose defer rule was certified with the pixel image check, which this code no
+    longer has: served without it, the rule would not be the one that was certified."""
+
+
+def refuse_image_check(card: dict, folder: Path) -> None:
+    """Raise `RetiredImageCheck` for a card whose rule includes the retired image check
+    (its `image_check` entry, or the term in its stated `defer_rule`)."""
+    if card.get("image_check") or "image-check" in str(card.get("defer_rule", "")):
+        raise RetiredImageCheck(
+            f"heads in {folder} were certified with the pixel image check, which this "
+            "version no longer runs; serving them without it would apply a defer rule other "
+            "than the certified one. Refit the detectors with `dualread fit-detectors` (or "
+            "the heads with `dualread fit-heads`), or serve them with an earlier dualread")
 
 
 def _below(pvals: Sequence[float | None] | np.ndarray | None, detector: Novelty | None,
@@ -175,9 +181,6 @@ class Heads:
     # since card version 5 a composite one (image tokens + prompt state)
     novelty: Novelty | CompositeNovelty | None = None
     novelty_alpha: float = ALPHA
-    # conformal one-class check on the image's quality statistics (heads.image_check)
-    image_check: Novelty | None = None
-    image_check_alpha: float = ALPHA
 
     t_pre = _Temperature("psr")
     t_post = _Temperature("per")
@@ -300,74 +303,49 @@ class Heads:
             return self.novelty.read(extract_many([readout], self.kappa),
                                      self.novelty_alpha)[0]
 
-    def image_reading(self, image) -> NoveltyReading | None:
-        """The image check's score, p-value and flag for one image; None without a check."""
-        readings = self.image_readings([image])
-        return readings[0] if readings is not None else None
-
-    def image_readings(self, images: Sequence) -> list[NoveltyReading] | None:
-        """`image_reading` of every image (each image's statistics measured alone); None
-        without a check."""
-        if self.image_check is None:
-            return None
-        if not images:
-            return []
-        x = torch.from_numpy(pixel_features_many(list(images)))
-        return self.image_check.read({"pixels": x}, self.image_check_alpha)
-
     @property
     def defer_rule(self) -> str:
-        return rule_of(self.novelty, self.image_check)
+        return rule_of(self.novelty)
 
     def decide(self, p_dualread: float, novelty_p: float | None = None,
-               problem: str | None = None, image_p: float | None = None
-               ) -> tuple[bool, str | None]:
+               problem: str | None = None) -> tuple[bool, str | None]:
         """The whole defer rule for one item: (defer, reason). Defer when DualRead < τ,
-        when the novelty or image-check p-value is below α, or when the response has a
-        `problem`; the reason names the problem and/or the flags (None when only τ
-        decides). The flags come from `defer_reasons`, the one rule that `evaluate`
-        applies too."""
+        when the novelty p-value is below α, or when the response has a `problem`; the
+        reason names the problem and/or the flag (None when only τ decides). The flags
+        come from `defer_reasons`, the one rule that `evaluate` applies too."""
         why = {k: bool(v[0]) for k, v in self.defer_reasons(
-            [p_dualread], [novelty_p], [problem], [image_p]).items()}
-        reasons = [problem,
-                   novelty_reason(self.novelty_alpha) if why["novelty"] else None,
-                   image_check_reason(self.image_check_alpha) if why["image"] else None]
+            [p_dualread], [novelty_p], [problem]).items()}
+        reasons = [problem, novelty_reason(self.novelty_alpha) if why["novelty"] else None]
         return any(why.values()), "; ".join(r for r in reasons if r is not None) or None
 
-    def calibrated(self, novelty_p: float | None = None, image_p: float | None = None
-                   ) -> bool:
+    def calibrated(self, novelty_p: float | None = None) -> bool:
         """Whether DualRead's confidence for an input is inside its calibrated range: no
         detector of the defer rule flags it. Its calibration was measured on inputs like
         the fitting data; on a flagged one the number is kept but not vouched for."""
-        why = self.defer_reasons([1.0], [novelty_p], None, [image_p])
-        return not (bool(why["novelty"][0]) or bool(why["image"][0]))
+        return not bool(self.defer_reasons([1.0], [novelty_p])["novelty"][0])
 
     def defer_reasons(self, p_dualread: Sequence[float] | np.ndarray,
                       novelty_p: Sequence[float | None] | np.ndarray | None = None,
-                      problems: Sequence[str | None] | None = None,
-                      image_p: Sequence[float | None] | np.ndarray | None = None
+                      problems: Sequence[str | None] | None = None
                       ) -> dict[str, np.ndarray]:
         """The defer rule over a batch, one boolean array per reason: "tau" (DualRead < τ;
         every item without a policy), "novelty" (p-value < α, only with a detector; a None
-        p-value never flags), "image" (the image check's p-value < its α, likewise) and
-        "problem" (the response does not parse). An item is deferred when any of them
-        holds (`defer_mask`)."""
+        p-value never flags) and "problem" (the response does not parse). An item is
+        deferred when any of them holds (`defer_mask`)."""
         p = np.asarray(p_dualread, float)
         tau = p < self.policy.tau if self.policy is not None else np.ones(len(p), bool)
         bad = np.zeros(len(p), bool) if problems is None else \
             np.array([q is not None for q in problems], bool)
         return {"tau": tau,
                 "novelty": _below(novelty_p, self.novelty, self.novelty_alpha, len(p)),
-                "image": _below(image_p, self.image_check, self.image_check_alpha, len(p)),
                 "problem": bad}
 
     def defer_mask(self, p_dualread: Sequence[float] | np.ndarray,
                    novelty_p: Sequence[float | None] | np.ndarray | None = None,
-                   problems: Sequence[str | None] | None = None,
-                   image_p: Sequence[float | None] | np.ndarray | None = None) -> np.ndarray:
+                   problems: Sequence[str | None] | None = None) -> np.ndarray:
         """`decide` vectorised: True where an item is deferred, for any reason."""
-        why = self.defer_reasons(p_dualread, novelty_p, problems, image_p)
-        return why["tau"] | why["novelty"] | why["image"] | why["problem"]
+        why = self.defer_reasons(p_dualread, novelty_p, problems)
+        return why["tau"] | why["novelty"] | why["problem"]
 
     # ------------------------------------------------------------- artefacts
     def save(self, folder: str | Path, card: dict) -> None:
@@ -388,13 +366,10 @@ class Heads:
                 "prior_offsets": self.offsets,
                 "defer": self.policy.to_dict() if self.policy else None,
                 "defer_rule": self.defer_rule,
-                "novelty": self._novelty_card(card.get("novelty")),
-                "image_check": _detector_card(self.image_check, self.image_check_alpha,
-                                              card.get("image_check"), "image_check")}
+                "novelty": self._novelty_card(card.get("novelty"))}
+        card.pop("image_check", None)       # the retired check's entry of an older card
         if self.novelty is not None:
             self.novelty.save(folder)       # novelty.safetensors + novelty.json
-        if self.image_check is not None:
-            self.image_check.save(folder, "image_check")
         self.card = card
         (folder / "heads_card.json").write_text(json.dumps(card, indent=2))
 
@@ -403,8 +378,11 @@ class Heads:
         return _detector_card(self.novelty, self.novelty_alpha, fit_log, "novelty")
 
     @classmethod
-    def load(cls, folder: str | Path | None = None, actor_fingerprint: str | None = None
-             ) -> Heads:
+    def load(cls, folder: str | Path | None = None, actor_fingerprint: str | None = None,
+             drop_image_check: bool = False) -> Heads:
+        """The heads in `folder` (default: the embedded ones). Heads whose rule includes the
+        retired image check are refused (`RetiredImageCheck`) unless `drop_image_check`:
+        only for a caller that replaces their detectors (`dualread fit-detectors`)."""
         folder = Path(folder) if folder else EMBEDDED_HEADS
         card_path = folder / "heads_card.json"
         if not card_path.exists():
@@ -421,6 +399,8 @@ class Heads:
             raise FingerprintMismatch(
                 f"heads in {folder} were fitted for actor {card['actor_fingerprint']}, "
                 f"not for the loaded actor {actor_fingerprint}; refit with `dualread fit-heads`")
+        if not drop_image_check:
+            refuse_image_check(card, folder)
         heads = cls.new(int(card["feature_dim"]))
         state = load_file(str(folder / "heads.safetensors"))
         stored = {k.split(".", 1)[0] for k in state}
@@ -440,20 +420,6 @@ class Heads:
         if card.get("novelty"):
             heads.novelty = load_detector(folder)
             heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
-        if card.get("image_check"):
-            heads.image_check = Novelty.load(folder, "image_check")
-            heads.image_check_alpha = float(card["image_check"].get("alpha", ALPHA))
-            # refused here, not on every image: a check fitted on other statistics
-            # (an older artefact) cannot read what this code measures
-            said = card["image_check"].get("statistics")
-            width = int(heads.image_check.t["mean"].shape[-1])
-            if width != len(PIXEL_FEATURES) or said not in (None, list(PIXEL_FEATURES)):
-                names = "unnamed" if said is None else f"{len(said)} named"
-                raise StaleImageCheck(
-                    f"the heads' image check was fitted on other pixel statistics ({width} "
-                    f"values per image, {names}) than the {len(PIXEL_FEATURES)} this code "
-                    "computes; refit with `dualread fit-heads`, or pass --no-image-check "
-                    "when fitting")
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card
         return heads

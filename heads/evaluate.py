@@ -120,16 +120,10 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
             novelty_p = None
             if heads.novelty is not None:
                 novelty_p = [r.p_value for r in heads.novelty.read(feats, heads.novelty_alpha)]
-            image_p = None
-            if heads.image_check is not None:
-                px, _ = col.run(items, passes=("pixels",), label=f"image statistics {spec}")
-                image_p = heads.image_check.p_value(px["pixels"]).tolist()
             problems = response_problems(actor, meta.get("responses"), max_new_tokens)
-            why = heads.defer_reasons(scores[DEFER_METHOD], novelty_p, problems, image_p)
+            why = heads.defer_reasons(scores[DEFER_METHOD], novelty_p, problems)
             if heads.novelty is None:
                 del why["novelty"]
-            if heads.image_check is None:
-                del why["image"]
             if problems is None:           # a cache written without the responses
                 del why["problem"]
             entry["defer"] = grounding.defer_on(z, why, heads.policy.tau,
@@ -258,8 +252,6 @@ def _grounding_md(d: dict) -> list[str]:
                   + (f" Novelty flags {f['novelty_flag_rate']:.3f} of items (coverage with "
                      f"τ alone {f['coverage_tau_only']:.3f})." if "novelty_flag_rate" in f
                      else "")
-                  + (f" The image check flags {f['image_flag_rate']:.3f}."
-                     if "image_flag_rate" in f else "")
                   + (" Share deferred by each reason (an item may have several): "
                      + ", ".join(f"{k} {v:.3f}" for k, v in f["deferred_share"].items())
                      + "." if f.get("deferred_share") else ""), ""]

@@ -11,14 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import track
 
 from heads import registry
 from heads.collect import Collector
 from heads.defer import choose_threshold
 from heads.detectors import AUGMENT_PER_FAMILY, DETECTOR_ALPHA, detector_stage
 from heads.dualread import DEFER_METHOD, Heads
-from heads.image_check import PIXEL_FEATURES, SCALE_FLOOR, pixel_features_many
 from heads.metrics import METRICS
 from heads.novelty import ALPHA, SHIPPED_FEATURE, SHIPPED_KIND, Novelty, features
 from heads.registry import FitData, Method
@@ -31,13 +29,6 @@ console = Console(stderr=True)
 # corrupted copies of reader-split items per corruption family for the novelty detector
 # (the shift study's pool: 250 per family)
 NOVELTY_PER_FAMILY = 250
-# the image check's score: distance to the 5th nearest clean fitting image (standardised
-# statistics, floored scales). Chosen on held-out *training* images
-# (heads.image_check_study): a Ledoit-Wolf Mahalanobis distance flags about as many of the
-# suite's corruptions, but it also flags every image changed by one grey level of noise
-# (a near-singular direction of the clean covariance), which the nearest-neighbour
-# distance leaves alone; what mattered most was fitting on thousands of images
-IMAGE_CHECK_KIND = "knn"
 
 
 def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None) -> dict:
@@ -53,18 +44,11 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64, novelty: bool = True,
-              novelty_per_family: int = AUGMENT_PER_FAMILY, image_check: bool = False,
-              image_items: list[Item] | None = None) -> tuple[Heads, dict]:
+              novelty_per_family: int = AUGMENT_PER_FAMILY) -> tuple[Heads, dict]:
     """Fit every registered method on image-disjoint splits, then the defer threshold τ,
     then (with `novelty`) the novelty detector of the defer rule (docs/method.md §8,
     heads.detectors: image tokens and prompt state, fitted on clean data and benign
-    re-encodings, `novelty_per_family` of each) and (with `image_check`, off by default:
-    the earlier rule's pixel check, retired) the image check.
-
-    `image_items`: whose images the image check is fitted and calibrated on (default
-    `items`). Pixels cost no actor pass, and the check's conformal reference needs many
-    images (p-values below α = 0.01 need more than 99), so the CLI gives it every image
-    of the fitting data, not only the readers' sample; the same image hash splits them."""
+    re-encodings, `novelty_per_family` of each)."""
     methods = registry.registered()
     col = Collector(actor, cache_dir, max_new_tokens)
     on_all = registry.fit_passes_for(methods, "all")
@@ -103,11 +87,6 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         heads.novelty, novelty_log = detector_stage(col, items, feats, splits,
                                                     novelty_per_family, seed)
         heads.novelty_alpha = DETECTOR_ALPHA
-    image_log = None
-    if image_check:
-        heads.image_check, image_log = image_check_stage(
-            image_items if image_items is not None else items, novelty_per_family, seed)
-        heads.image_check_alpha = ALPHA
     prior = prior_check(scores, z.numpy(), {k: v.numpy() for k, v in splits.items()})
     info = {
         "splits": {"reader": len(splits["reader"]), "reader_train": len(splits["reader_train"]),
@@ -122,7 +101,6 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
         # form on the fitting data
         "question_prior": question_prior(items, z.numpy()),
         "novelty": novelty_log,
-        "image_check": image_log,
         "seconds": dict(col.seconds),
     }
     console.log(f"fitted heads: AUROC on defer split {held[DEFER_METHOD]['auroc']}, "
@@ -215,73 +193,6 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                 f"{log.get('heldout_auroc')}, clean flag rate (cross-calibrated) "
                 f"{log.get('cross_flag_rate')} at alpha {alpha}")
     return nov, log
-
-
-# ------------------------------------------------------------------ image check
-def fit_image_check(clean: torch.Tensor, calibration: torch.Tensor) -> Novelty:
-    """One-class detector on image-quality statistics: fitted on clean images only (so
-    every corruption family is held out from it), calibrated on a disjoint clean split."""
-    return Novelty(IMAGE_CHECK_KIND, "pixels").fit(
-        clean, min_scale=torch.tensor(SCALE_FLOOR, dtype=torch.float64)).calibrate(calibration)
-
-
-def pixels_of(items: list[Item], label: str, chunk: int = 256) -> torch.Tensor:
-    """`PIXEL_FEATURES` of each item's image [N, F] (no actor pass), in stacks of `chunk`
-    images so memory stays bounded."""
-    out = []
-    for s in track(range(0, len(items), chunk), description=label, console=console):
-        out.append(pixel_features_many([it.image() for it in items[s: s + chunk]]))
-    return torch.from_numpy(np.concatenate(out)) if out else torch.zeros(0, len(PIXEL_FEATURES))
-
-
-def image_check_stage(items: list[Item], per_family: int, seed: int = 0,
-                      alpha: float = ALPHA) -> tuple[Novelty, dict]:
-    """The image check of the defer rule, and what the card logs about it: flag rates at
-    `alpha` on clean images out of sample and on corrupted copies of calibration images.
-
-    One row per image of `items` (the check reads pixels, and an image asked about five
-    times would otherwise weigh five times in the fit and in the conformal reference),
-    split by the same image hash as the readers."""
-    first = list({it.image_id: it for it in reversed(items)}.values())[::-1]
-    x = pixels_of(first, "image statistics (fit)")
-    split = [image_split(it.image_id) for it in first]
-    per_image = {s: torch.tensor([k for k, v in enumerate(split) if v == s], dtype=torch.long)
-                 for s in ("reader", "temperature", "defer")}
-    # Calibrated on every image it was not fitted on: for a clean input exchangeable with
-    # them, P[p < α] ≤ α (marginally, over calibration draws), and the more calibration
-    # images, the closer one draw's flag rate lands to that.
-    tmp, dfr = per_image["temperature"], per_image["defer"]
-    cal = torch.cat([tmp, dfr])
-    chk = fit_image_check(x[per_image["reader"]], x[cal])
-    n_cal = len(cal)
-    log: dict = {"kind": IMAGE_CHECK_KIND, "statistics": list(PIXEL_FEATURES),
-                 "fitted_on": "clean reader split images only (no corrupted image), one row "
-                              "per image",
-                 # `fit-heads` gives it all of --data (or --image-data), not only the
-                 # --limit sample
-                 "questions_given": len(items), "distinct_images": len(first),
-                 "calibrated_on": "clean temperature and defer splits (every image it was "
-                                  "not fitted on), one row per image",
-                 "n_images": {s: len(v) for s, v in per_image.items()},
-                 "smallest_p_value": round(1 / (n_cal + 1), 6)}
-    if log["smallest_p_value"] >= alpha:
-        console.log(f"[yellow]image check: {n_cal} calibration images cannot give a p-value "
-                    f"below alpha {alpha}; it will never flag[/yellow]")
-    log.update(clean_flag_rates(chk, x, tmp, dfr, alpha))
-    # corrupted copies of calibration images: their clean originals are not in the
-    # fitting bank, so a copy is not near its own original
-    calib = [first[k] for k in cal.tolist()]
-    shifted = novelty_items(calib, per_family, seed)
-    p = chk.p_value(pixels_of(shifted, "image statistics (corrupted calibration images)"))
-    flags: dict[str, list[float]] = {}
-    for it, pv in zip(shifted, p):
-        flags.setdefault(it.family, []).append(float(pv < alpha))
-    log["corrupted_of"] = "calibration images (temperature and defer splits)"
-    log["corrupted_flag_rate"] = {f: round(float(np.mean(v)), 4) for f, v in flags.items()}
-    console.log(f"image check: clean flag rate (cross-calibrated) "
-                f"{log.get('cross_flag_rate')}, corrupted copies flagged "
-                f"{log['corrupted_flag_rate']} at alpha {alpha}")
-    return chk, log
 
 
 def bce(c: np.ndarray, z: np.ndarray) -> float:

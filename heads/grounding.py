@@ -194,9 +194,9 @@ def defer_on(z: np.ndarray, reasons: dict[str, np.ndarray], tau: float,
     whether that risk is within r, and the share of items each reason defers.
 
     `reasons` holds one boolean array per reason (`Heads.defer_reasons`: "tau",
-    "novelty", "image", "problem"); an item is kept when none holds. Leave "novelty" and
-    "image" out for heads without that detector. An item can be deferred for several
-    reasons, so the shares may add up to more than 1 − coverage."""
+    "novelty", "problem"); an item is kept when none holds. Leave "novelty" out for heads
+    without a detector. An item can be deferred for several reasons, so the shares may add
+    up to more than 1 − coverage."""
     z = np.asarray(z)
     flags = {k: np.asarray(v, bool) for k, v in reasons.items()}
     deferred = np.zeros(len(z), bool)
@@ -210,8 +210,6 @@ def defer_on(z: np.ndarray, reasons: dict[str, np.ndarray], tau: float,
     out: dict = {"deferred_share": {k: share(v) for k, v in flags.items()}}
     if "novelty" in flags:
         out["novelty_flag_rate"] = share(flags["novelty"])
-    if "image" in flags:
-        out["image_flag_rate"] = share(flags["image"])
     if "tau" in flags:
         out["coverage_tau_only"] = share(~flags["tau"])
     risk = float(1 - np.mean(z[kept])) if kept.any() else float("nan")

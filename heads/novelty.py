@@ -61,7 +61,7 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     # [N, TOKEN_SLOTS, D] image-token states, NaN rows where an image has fewer tokens
     # (heads.features.extract_many), for `token_knn`
     "img_token_slots": lambda f: f["img_tokens"],
-    # not the actor's states: image-quality statistics of the pixels (heads.image_check)
+    # not the actor's states: a vector computed from the image's pixels, stored as "pixels"
     "pixels": lambda f: f["pixels"],
     "img_token_set": lambda f: f["h_image"],
 }

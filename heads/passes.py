@@ -22,10 +22,8 @@ import torch
 
 import clients.probes.text as trajectory_text
 import heads.features as features_module
-import heads.image_check as image_check_module
 import models.canon as canon_module
 from heads.features import extract
-from heads.image_check import pixel_features
 from models.canon import canon
 from models.counterfactuals import black_image
 
@@ -240,14 +238,7 @@ def resolve(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def run_pixels(col: Collector, items: list[Item], meta: dict) -> dict[str, torch.Tensor]:
-    """Image-quality statistics of each item's image (`heads.image_check`); no model."""
-    return {"pixels": torch.from_numpy(np.stack([pixel_features(it.image())
-                                                 for it in items]))}
-
-
 register_pass(Pass("black_image", run_black_image, helpers=(black_image,)))
-register_pass(Pass("pixels", run_pixels, helpers=(image_check_module,)))
 register_pass(Pass("follow_up", run_follow_up, version=2,
                    helpers=(ptrue_probs, ptrue_text, answer_token_sets, ptrue_from_probs,
                             continuation_probs, PTRUE_PROMPT, PTRUE_YES, PTRUE_NO)))

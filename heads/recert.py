@@ -44,7 +44,6 @@ from heads.methods.dualread import branch_log_odds as branch_logits  # noqa: F40
 
 if TYPE_CHECKING:
     from heads.dualread import Heads
-    from heads.novelty import NoveltyReading
 
 log = logging.getLogger("dualread.audit")
 
@@ -52,7 +51,7 @@ SHIPPED = "shipped"
 # The temperatures a rule refits: DualRead's two branches (docs/method.md §1), by method name
 BRANCHES = ("psr", "per")
 # The detectors a rule can carry a reference for: `Heads` attributes, each with `<name>_alpha`
-DETECTORS = ("novelty", "image_check")
+DETECTORS = ("novelty",)
 MIN_TEMPERATURE_ROWS = 20      # fewer rows: the temperatures are kept, not refitted
 KEEP_RULES = 20                # rules kept for rollback (the active chain first)
 KEEP_EVENTS = 200              # audit events kept in the state file (all go to the log)
@@ -153,19 +152,6 @@ def detectors_of(heads: Heads) -> dict[str, tuple[Any, float]]:
     """The heads' detectors with their α, by name."""
     return {n: (getattr(heads, n), float(getattr(heads, f"{n}_alpha")))
             for n in DETECTORS if getattr(heads, n, None) is not None}
-
-
-def reread(heads: Heads, name: str, reading: NoveltyReading | None) -> NoveltyReading | None:
-    """A detector reading made against another reference (the image check's process keeps
-    the shipped one), its p-value and flag redone against `heads`' reference for `name`."""
-    det = getattr(heads, name, None)
-    if reading is None or det is None or not hasattr(det, "p_values_of"):
-        return reading
-    from heads.novelty import NoveltyReading
-
-    alpha = float(getattr(heads, f"{name}_alpha"))
-    p = float(det.p_values_of(np.array([reading.score]))[0])
-    return NoveltyReading(reading.score, p, p < alpha)
 
 
 # ------------------------------------------------------------------ the certificate

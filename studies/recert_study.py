@@ -25,7 +25,7 @@ from heads.defer import clopper_pearson_upper
 from heads.recert import Served, Verdict, certify, dualread_at
 
 # stream: (data spec, items); noise:3 is answered as well as clean items (docs/eval-shift:
-# accuracy 0.895 vs 0.89) and every item of it is flagged by the image check
+# accuracy 0.895 vs 0.89) and every item of it was flagged by the retired image check
 STREAMS = {"clean": ("easyvqa:test", 300), "benign": ("easyvqa:test~noise:3", 1500),
            "harmful": ("easyvqa:test~contrast:5", 400)}
 
@@ -67,12 +67,9 @@ def rule_on(heads, rule, rows: list[dict]) -> tuple[float, float, int]:
     x = np.array([s.logits for s in served])
     p = dualread_at(x, h.temperature("psr"), h.temperature("per"))
     pv = {}
-    for name in ("novelty", "image_check"):
-        det = getattr(h, name, None)
-        if det is not None:
-            pv[name] = det.p_values_of(np.array([s.scores[name] for s in served]))
-    defer = h.defer_mask(p, pv.get("novelty"), [("x" if s.problem else None) for s in served],
-                         pv.get("image_check"))
+    if h.novelty is not None:
+        pv["novelty"] = h.novelty.p_values_of(np.array([s.scores["novelty"] for s in served]))
+    defer = h.defer_mask(p, pv.get("novelty"), [("x" if s.problem else None) for s in served])
     z = np.array([r["correct"] for r in rows])
     keep = ~defer
     return float(keep.mean()), float(1 - z[keep].mean()) if keep.any() else 0.0, int(keep.sum())
@@ -86,9 +83,8 @@ def drift_of(heads, shipped, rows: list[dict]) -> dict:
     d = DriftWindow(len(rows))
     d.set_reference(drift_reference(shipped, heads))
     for r in rows:
-        alphas = {"novelty": heads.novelty_alpha, "image_check": heads.image_check_alpha}
-        d.record(r["served"]["scores"], any(p < alphas[k] for k, p in
-                                            r["served"]["p_values"].items()))
+        d.record(r["served"]["scores"],
+                 r["served"]["p_values"].get("novelty", 1.0) < heads.novelty_alpha)
     s = d.stats()
     return {"n": s["n"], "flagged_share": round(s["flagged_share"], 4),
             "ks": {k: round(v[0], 4) for k, v in s["ks"].items()},

@@ -79,24 +79,16 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     from models.loading import load_actor
 
     actor_dir, heads_dir, report_dir = actor_dirs["gemma3"], tmp_path / "heads", tmp_path / "ev"
-    # the image check's own images (pixels only): 40 more than the 12 of --data
-    rows = []
-    for k in range(40):
-        random_image(900 + k, 32, 32).save(tmp_path / f"p{k}.png")
-        rows.append({"id": f"p{k}", "image": f"p{k}.png", "question": "q?", "answer": "a"})
-    (tmp_path / "pixels.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    pixels = f"jsonl:{tmp_path / 'pixels.jsonl'}"
     res = CliRunner().invoke(app, ["fit-heads", "--actor", actor_dir, "--data", labelled,
                                    "--limit", "48", "--risk", "0.3", "--out", str(heads_dir),
                                    "--cache", str(tmp_path / "cache"), "--allow-dirty",
-                                   "--novelty-per-family", "2", "--image-check",
-                                   "--image-data", pixels])
+                                   "--novelty-per-family", "2"])
     assert res.exit_code == 0, res.output
     assert "defer below tau=" in res.output
     card = json.loads((heads_dir / "heads_card.json").read_text())
-    chk = card["image_check"]
-    assert chk["data"] == pixels and f"--image-data {pixels}" in card["command"]
-    assert chk["distinct_images"] == sum(chk["n_images"].values()) == 40
+    # the retired image check: no entry, no term of the rule, no file
+    assert "image_check" not in card and "image-check" not in card["defer_rule"]
+    assert not list(heads_dir.glob("image_check*"))
     assert card["actor_fingerprint"] == load_actor(actor_dir).fingerprint
     assert card["limit"] == 48 and card["data"] == labelled
     assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 48
@@ -140,3 +132,11 @@ def test_evaluate_actor_on_four_items(actors, actor_dirs, tmp_path):
     assert out["real"]["by_type"] == {"mine": 1.0, "wrong": 0.0}
     assert out["blank"]["n"] == 4
     assert out["blank_drop"] == pytest.approx(0.5 - out["blank"]["accuracy"], abs=1e-4)
+
+
+@pytest.mark.parametrize("flag", ["--image-check", "--no-image-check", "--image-data"])
+def test_fit_heads_has_no_image_check_options(flag, tmp_path):
+    """The pixel image check is retired: its options are gone, not silently ignored."""
+    res = CliRunner().invoke(app, ["fit-heads", "--out", str(tmp_path / "h"), flag, "x"])
+    assert res.exit_code == 2 and "No such option" in res.output
+    assert not (tmp_path / "h").exists()

@@ -177,7 +177,7 @@ def test_composite_takes_a_recertified_streams_reference():
     later = ext.read({k: v[20:] for k, v in feats.items()}, 0.05)
     assert np.mean([r.novel for r in later]) <= 0.1  # the stream now passes
     assert all(a.p_value >= b.p_value for a, b in zip(later, read[20:]))
-    heads = SimpleNamespace(novelty=det, novelty_alpha=0.02, image_check=None)
+    heads = SimpleNamespace(novelty=det, novelty_alpha=0.02)
     assert drift_reference(DeferRule(SHIPPED, {}, None), heads) == {}
 
 

@@ -145,7 +145,7 @@ def test_answer_only_answers_without_confidence(answer_only, actors):
         assert body["defer_reasons"][0] == "no_heads"
         assert body["defer_reason"].startswith("no heads for this model")
         assert body["heads"] is None and body["defer_threshold"] is None
-        assert body["novelty"] is None and body["image_check"] is None
+        assert body["novelty"] is None and "image_check" not in body
         assert body["model"] == actors["qwen3_vl"].fingerprint
         # the response's own problem, if any, is coded after no_heads
         res = answer_only.actor.answer([random_image(0)], [Q], 8, readout="none")[0]
@@ -388,8 +388,8 @@ def test_codes_and_defer_agree_on_the_real_rule(service):
     tau = heads.defer_threshold
     for p in (0.0, tau - 1e-6, tau, min(1.0, tau + 1e-3), 1.0):
         for problem in (None, *PROBLEM_CODES):
-            codes = defer_codes(heads, p, None, problem, None)
-            defer, reason = heads.decide(p, None, problem, None)
+            codes = defer_codes(heads, p, None, problem)
+            defer, reason = heads.decide(p, None, problem)
             assert bool(codes) == defer, (p, problem)
             assert (DeferCode.low_confidence in codes) == (p < tau)
             assert (problem_code(problem) in codes) == (problem is not None)
@@ -397,16 +397,15 @@ def test_codes_and_defer_agree_on_the_real_rule(service):
 
 
 @pytest.mark.parametrize("flag_name, code", [("tau", "low_confidence"),
-                                             ("novelty", "novel_states"),
-                                             ("image", "image_flagged")])
+                                             ("novelty", "novel_states")])
 def test_each_flag_of_the_rule_reaches_answer_as_its_code(service, monkeypatch, flag_name,
                                                           code):
     import numpy as np
 
     real = service.heads.defer_reasons
 
-    def only(p, novelty_p=None, problems=None, image_p=None):
-        why = real(p, novelty_p, problems, image_p)
+    def only(p, novelty_p=None, problems=None):
+        why = real(p, novelty_p, problems)
         return {k: np.full(len(v), k == flag_name) for k, v in why.items()}
 
     monkeypatch.setattr(service.heads, "defer_reasons", only)

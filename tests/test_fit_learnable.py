@@ -69,9 +69,9 @@ def fitted(actors, actor_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("learnable")
     fit_items = load(_write(actor, root, "fit", 50, QS, seed=1))
     fresh_items = load(_write(actor, root, "fresh", 12, QS, seed=2))
-    # the novelty and image-check stages have their own tests; this one is about readers
+    # the novelty stage has its own tests; this one is about readers
     heads, info = fit_heads(actor, fit_items, target_risk=RISK, delta=DELTA,
-                            max_new_tokens=MAX_NEW, novelty=False, image_check=False)
+                            max_new_tokens=MAX_NEW, novelty=False)
     heads.save(root / "heads", {"command": "learnable-label test", **info})
     service = Service(actor_dirs[FAMILY], str(root / "heads"))
     return heads, info, fit_items, fresh_items, service

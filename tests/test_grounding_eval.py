@@ -148,7 +148,7 @@ def test_defer_rule_on_evaluated_data():
     d = grounding.defer_on(z, why, tau=0.85, target_risk=0.05)
     assert d["coverage"] == pytest.approx(0.4) and d["risk"] == pytest.approx(0.5)
     assert d["deferred_share"] == {"tau": pytest.approx(0.4), "novelty": pytest.approx(0.2),
-                                   "image": 0.0, "problem": pytest.approx(0.2)}
+                                   "problem": pytest.approx(0.2)}
 
 
 def test_defer_mask_is_the_rule_item_by_item():

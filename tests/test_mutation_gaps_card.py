@@ -95,8 +95,7 @@ def test_defer_reasons_with_policy_detector_and_problems():
     pv = [0.5, 0.5, 0.04, 0.05, None, float("nan"), 0.01]
     problems = [None, None, None, None, None, "truncated", "no answer"]
     why = h.defer_reasons(p, pv, problems)
-    assert set(why) == {"tau", "novelty", "image", "problem"}
-    _bools(why["image"], [False] * 7)                  # no image-check p-values given
+    assert set(why) == {"tau", "novelty", "problem"}
     _bools(why["tau"], [True, False, False, False, False, False, True])       # p = τ stays
     _bools(why["novelty"], [False, False, True, False, False, False, True])   # p-value = α too
     _bools(why["problem"], [False, False, False, False, False, True, True])
@@ -133,7 +132,7 @@ def test_defer_reasons_defaults_and_the_no_policy_rule():
 def test_defer_reasons_of_an_empty_batch_are_empty_boolean_arrays():
     for h in (_heads_with_detector(), Heads(dim=2)):
         why = h.defer_reasons([], [], [])
-        for k in ("tau", "novelty", "image", "problem"):
+        for k in ("tau", "novelty", "problem"):
             _bools(why[k], [])
         _bools(h.defer_mask([], [], []), [])
 

@@ -249,14 +249,14 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     items = load(own_or_wrong_data)
     heads, info = fit_heads(actor, items, cache_dir=tmp_path / "cache", max_new_tokens=4,
                             target_risk=0.3, novelty_per_family=per_family)
-    assert heads.image_check is None                       # retired by default
+    assert not hasattr(heads, "image_check")               # retired (issue 27)
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
     for part in ("image", "question"):
         assert (folder / f"novelty.{part}.safetensors").exists()
     card = json.loads((folder / "heads_card.json").read_text())
     nov = card["novelty"]
-    assert card["defer_rule"] == RULE_NOVELTY and card["image_check"] is None
+    assert card["defer_rule"] == RULE_NOVELTY and "image_check" not in card
     assert (nov["kind"], nov["alpha"]) == ("composite", 0.02)
     col = Collector(actor, tmp_path / "cache", 4)
     clean, meta = col.run(items)
@@ -327,11 +327,12 @@ def test_fit_heads_flags_reach_the_fit(actor_dirs, own_or_wrong_data, tmp_path, 
     monkeypatch.setattr("heads.fit.fit_heads", fake)
     base = ["fit-heads", "--actor", actor_dirs["gemma3"], "--data", own_or_wrong_data, "--out",
             str(tmp_path / "h"), "--allow-dirty"]
-    for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"], ["--no-image-check"]):
+    for extra in ([], ["--no-novelty"], ["--novelty-per-family", "7"]):
         res = CliRunner().invoke(app, base + extra)
         assert isinstance(res.exception, Stop), res.output
-    assert [(k["novelty"], k["novelty_per_family"], k["image_check"]) for k in seen] == \
-        [(True, 250, False), (False, 250, False), (True, 7, False), (True, 250, False)]
+    assert [(k["novelty"], k["novelty_per_family"]) for k in seen] == \
+        [(True, 250), (False, 250), (True, 7)]
+    assert all("image_check" not in k and "image_items" not in k for k in seen)
 
 
 def test_fit_without_novelty_keeps_the_old_rule(tmp_path):

@@ -47,7 +47,7 @@ def _check(seed: int = 0) -> Novelty:
 def _base(tau: float = 0.8, check: bool = True) -> Heads:
     h = Heads(dim=2, policy=_policy(tau))
     h.temperatures = {"psr": 1.0, "per": 1.0}
-    h.image_check = _check() if check else None
+    h.novelty = _check() if check else None
     return h
 
 
@@ -58,18 +58,18 @@ def _clean_scores(det: Novelty, rng, n: int) -> np.ndarray:
 def stream(rng, n: int, base: Heads, *, shift: float = 0.0, accuracy_offset: float = 3.0,
            informative: float = 2.5, tag: str = "x") -> list[tuple[str, Served, bool]]:
     """Synthetic served answers: a latent ease drives both the branch log-odds (with
-    `informative` weight) and correctness; `shift` moves the image check's input (the
+    `informative` weight) and correctness; `shift` moves the novelty detector's input (the
     detector sees the stream as new); `accuracy_offset` sets how often the actor is right."""
     ease = rng.normal(size=n)
     correct = rng.uniform(size=n) < 1 / (1 + np.exp(-(2.5 * ease + accuracy_offset)))
     pre = informative * ease + 0.7 * rng.normal(size=n) + 1.5
     post = informative * ease + 0.7 * rng.normal(size=n) + 1.5
     feats = rng.normal(size=(n, 2)) + shift
-    scores = base.image_check.score(torch.from_numpy(feats))
-    p = base.image_check.p_values_of(scores)
+    scores = base.novelty.score(torch.from_numpy(feats))
+    p = base.novelty.p_values_of(scores)
     return [(f"{tag}-{i}", Served(SHIPPED, (float(pre[i]), float(post[i]), 0.0),
-                                  {"image_check": float(scores[i])},
-                                  {"image_check": float(p[i])}, False), bool(correct[i]))
+                                  {"novelty": float(scores[i])},
+                                  {"novelty": float(p[i])}, False), bool(correct[i]))
             for i in range(n)]
 
 
@@ -85,9 +85,8 @@ def released(rule_heads: Heads, rows) -> tuple[float, float]:
     """(released share, risk among released) of `rows` under a rule's heads."""
     x = np.array([s.logits for _, s, _ in rows])
     p = dualread_at(x, rule_heads.temperature("psr"), rule_heads.temperature("per"))
-    pv = rule_heads.image_check.p_values_of(np.array([s.scores["image_check"]
-                                                       for _, s, _ in rows]))
-    keep = rule_heads.defer_mask(p, None, None, pv) == 0
+    pv = rule_heads.novelty.p_values_of(np.array([s.scores["novelty"] for _, s, _ in rows]))
+    keep = rule_heads.defer_mask(p, pv, None) == 0
     z = np.array([c for _, _, c in rows])
     return float(keep.mean()), float(1 - z[keep].mean()) if keep.any() else 0.0
 
@@ -113,7 +112,7 @@ def test_dualread_at_equals_the_served_confidence():
 
 # ------------------------------------------------------------------ the certificate
 def test_benign_stream_is_recertified_and_released():
-    """A stream the image check flags but the actor answers as well as on clean inputs:
+    """A stream the novelty detector flags but the actor answers as well as on clean inputs:
     the shipped rule defers it; the rule certified on its window releases the next 500
     items at the coverage the same protocol reaches on clean inputs (less 0.05, mean of 30
     draws: one window's coverage varies by ±0.15) with risk ≤ r + 0.02 (docs/method.md §8's benign
@@ -132,7 +131,7 @@ def test_benign_stream_is_recertified_and_released():
         rule, cert = certify(verdicts(window), base, "r1", target_risk=R, delta=DELTA,
                              min_per_class=10)
         assert cert["holds"] and rule is not None, cert
-        assert cert["detector_references"]["image_check"].startswith("extended")
+        assert cert["detector_references"]["novelty"].startswith("extended")
         assert cert["risk_upper_bound"] <= R
         assert set(rule.temperatures) == {"psr", "per"}
         cov, risk = released(rule.apply(base), stream(rng, 500, base, shift=6.0, tag="n"))
@@ -140,7 +139,7 @@ def test_benign_stream_is_recertified_and_released():
         benign.append(cov)
     assert np.mean(benign) >= np.mean(clean) - 0.05, (benign, clean)
     # the shipped detector is unchanged: the extension lives in the rule's copy
-    assert len(base.image_check.t["calibration"]) == 299
+    assert len(base.novelty.t["calibration"]) == 299
 
 
 def test_harmful_stream_is_refused_and_says_why():
@@ -332,7 +331,7 @@ def test_shipped_rule_is_the_artefacts():
     base = _base(tau=0.77)
     rule = shipped_rule(base)
     assert rule.version == SHIPPED and rule.tau == 0.77
-    assert rule.apply(base).image_check is base.image_check   # nothing extended
+    assert rule.apply(base).novelty is base.novelty   # nothing extended
 
 
 # ------------------------------------------------------------------ drift

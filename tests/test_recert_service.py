@@ -22,8 +22,8 @@ from app.service import Service
 from app.settings import Settings
 from heads.defer import DeferPolicy
 from heads.dualread import Heads
-from heads.fit import fit_image_check
-from heads.image_check import pixel_features_many
+from heads.features import extract_many
+from heads.novelty import Novelty, features
 from models.actor import Answers, StageTimings
 from models.shift import corrupt
 from tests.conftest import random_image
@@ -36,27 +36,39 @@ WINDOW = 100          # verdicts per window in these tests (the default is 300)
 
 
 def benign(k: int) -> Image.Image:
-    """Another colour balance (a scanner-like transform): the image check flags it."""
+    """Another colour balance (a scanner-like transform): the novelty detector flags it."""
     a = np.asarray(random_image(5000 + k), float)
     return Image.fromarray(np.clip(a * [1.0, 0.55, 0.35] + [40, 0, 0], 0, 255).astype(np.uint8))
 
 
 def harmful(k: int) -> Image.Image:
-    return corrupt(random_image(9000 + k), "blur", 5)
+    """Severity-5 brightness: the novelty detector below flags it too (the tiny actor's
+    image-token states move little under blur)."""
+    return corrupt(random_image(9000 + k), "brightness", 5)
+
+
+def _states(actor, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+    """The heads' features of the readouts `_service` serves for `images`."""
+    readouts = []
+    for s in range(0, len(images), 16):
+        chunk = images[s: s + 16]
+        readouts += [r.readout for r in actor.score(chunk, [Q] * len(chunk),
+                                                    [TRAJ] * len(chunk), cue=False)]
+    return extract_many(readouts)
 
 
 @pytest.fixture(scope="module")
 def heads_dir(actors, tmp_path_factory) -> str:
-    """Random readers with a policy at r = 0.3 and an image check fitted on clean
-    (noise) images: both streams below are new to it."""
+    """Random readers with a policy at r = 0.3 and a kNN novelty detector on the mean
+    image-token state, fitted on clean (noise) images: both streams below are new to it."""
     root = tmp_path_factory.mktemp("recert-heads")
-    heads = Heads.load(random_heads(root / "plain", actors["qwen3_vl"]))
+    actor = actors["qwen3_vl"]
+    heads = Heads.load(random_heads(root / "plain", actor))
     heads.policy = DeferPolicy(0.45, 0.3, 0.1, 0.7, 0.2, 0.28, 500, True)
-    fit = torch.from_numpy(pixel_features_many([random_image(1000 + k) for k in range(150)]))
-    cal = torch.from_numpy(pixel_features_many([random_image(2000 + k) for k in range(199)]))
-    heads.image_check = fit_image_check(fit, cal)
-    card = {k: v for k, v in heads.card.items() if k != "image_check"}
-    heads.save(root / "h", card)
+    fit = features("img_mean", _states(actor, [random_image(1000 + k) for k in range(150)]))
+    cal = features("img_mean", _states(actor, [random_image(2000 + k) for k in range(199)]))
+    heads.novelty = Novelty("knn", "img_mean").fit(fit).calibrate(cal)
+    heads.save(root / "h", heads.card)
     return str(root / "h")
 
 
@@ -117,13 +129,13 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
     shipped_files = _files(heads_dir)
     svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
     with TestClient(create_app(_settings(heads_dir, state), svc)) as c:
-        # ---- harmful stream (severity-5 blur), mostly wrong: the certificate refuses
+        # ---- harmful stream (severity-5 brightness), mostly wrong: the certificate refuses
         bodies = _answers(c, [harmful(k) for k in range(WINDOW)])
         assert np.mean([b["defer"] for b in bodies]) >= 0.9
         assert {b["defer_rule_version"] for b in bodies} == {"shipped"}
         g = _gauges(c)
         # the alert's condition (docker/prometheus/rules.yml, DualreadInputDrift)
-        assert g[("dualread_drift", "image_check")] > 0.25
+        assert g[("dualread_drift", "novelty")] > 0.25
         assert g[("dualread_drift_window", None)] >= 50
         assert g[("dualread_drift_flagged_share", None)] >= 0.9
         # an unauthenticated client's verdicts (no operator key) never count
@@ -146,7 +158,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         bodies = _answers(c, [benign(k) for k in range(60)])
         shipped_released = 1 - np.mean([b["defer"] for b in bodies])
         assert shipped_released <= 0.1
-        assert np.mean([b["image_check"]["flagged"] for b in bodies]) >= 0.9
+        assert np.mean([b["novelty"]["novel"] for b in bodies]) >= 0.9
         _verdicts(c, bodies, lambda k: k % 10 != 0)
         assert c.get("/calibration").json()["window"]["counted"] == 60
 
@@ -163,7 +175,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert new != "shipped" and cal["chain"] == ["shipped", new]
         cert = cal["active"]["certificate"]
         assert cert["holds"] and cert["risk_upper_bound"] <= 0.3
-        assert cert["detector_references"]["image_check"].startswith("extended")
+        assert cert["detector_references"]["novelty"].startswith("extended")
         [switch] = [e for e in cal["history"] if e["event"] == "switch"]
         assert switch["who"] == "operator" and switch["at"]     # the key itself never shows
         assert switch["old"]["version"] == "shipped" and switch["new"]["version"] == new
@@ -175,7 +187,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert 1 - np.mean([b["defer"] for b in nxt]) >= 0.8
         # drift is now measured against the window the rule was certified on
         g = _gauges(c)
-        assert g[("dualread_drift", "image_check")] < 0.25
+        assert g[("dualread_drift", "novelty")] < 0.25
         assert g[("dualread_defer_rule_info", None)] == 1.0
         # rollback: the shipped rule again, pinned; /answer says so
         r = c.post("/calibration/rollback", headers=OP)

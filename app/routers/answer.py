@@ -25,7 +25,7 @@ from app.schemas import (
     Timings,
 )
 from app.serving import AnswerItem, AnswerResult, Serving
-from clients.schemas import DeferCode, ImageCheck, Novelty
+from clients.schemas import DeferCode, Novelty
 
 router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 
@@ -220,9 +220,6 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
         defer_rule_version=None if res.served is None else res.served.version,
         novelty=None if res.novelty is None else Novelty(
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
-        image_check=None if res.image_check is None else ImageCheck(
-            score=res.image_check.score, p_value=res.image_check.p_value,
-            flagged=res.image_check.novel),
         calibrated=res.calibrated,
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
         timings_ms=Timings(queue=round(queued_s * 1000, 3),

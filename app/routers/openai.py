@@ -2,7 +2,7 @@
 
 One user message with one image part (a data URI) and its text (the question) in; the
 answer as the assistant message out, with `/answer`'s whole response (confidence, `defer`,
-`defer_reason`, novelty, image check, ids, timings) in the extension field `dualread`.
+`defer_reason`, novelty, ids, timings) in the extension field `dualread`.
 Decoding, limits and the model path are `/answer`'s (`Serving`); errors on this route
 leave in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (`OpenAIErrors`).
 
