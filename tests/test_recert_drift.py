@@ -213,24 +213,25 @@ def test_the_certificate_holds_its_level_over_many_windows():
 
 # ------------------------------------------------------------------ a skipped detector
 def test_a_skipped_detector_is_judged_against_the_reference_the_rule_serves():
-    """Verdicts served under an earlier rule that extended the check carry its large
-    p-values; one verdict lacks a reading, so the new rule does not extend the check and
+    """Verdicts served under an earlier rule that extended the detector carry its large
+    p-values; one verdict lacks a reading, so the new rule does not extend the detector and
     serves the base's reference. The certificate must judge the τ part as that rule
     serves it: against the base's reference, not the served p-values."""
     base = _base()
     rng = np.random.default_rng(21)
     rows = stream(rng, 300, base, shift=6.0, accuracy_offset=3.0)
+    [name] = rows[0][1].scores                               # the fixture's detector
     vs = []
     for i, v in enumerate(verdicts(rows)):
         s = v.served
-        scores, pv = dict(s.scores), {"image_check": 0.5}     # as the extended rule served
+        scores, pv = dict(s.scores), {name: 0.5}              # as the extended rule served
         if i == 0:
             scores, pv = {}, {}                                # no reading of the check
         vs.append(Verdict(v.request_id, Served("r1", s.logits, scores, pv, s.problem),
                           v.correct, 0.0, "op"))
     rule, cert = certify(vs, base, "r2", target_risk=R, delta=DELTA, min_per_class=10)
-    assert cert["detector_references"]["image_check"].startswith("skipped")
-    # the base flags this stream: every τ-part item with a score is deferred by the check
+    assert cert["detector_references"][name].startswith("skipped")
+    # the base flags this stream: every τ-part item with a score is deferred by it
     n_tau = cert["n_tau"]
     assert cert["n_tau_other_terms_defer"] >= n_tau - 1
     assert rule is None                       # nothing left to release: no certificate
