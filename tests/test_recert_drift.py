@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import ks_2samp
 
-from app.recertify import drift_reference
+from app.recertify import DriftCollector, drift_reference
 from heads.defer import (
     DEFER_ALL_TAU,
     choose_threshold_sequence,
@@ -91,12 +91,17 @@ def test_drift_moves_on_a_shifted_stream_and_stays_low_on_clean():
     assert set(ref) == {"novelty"} and len(ref["novelty"]) == 400
 
     def gauge(rows) -> tuple[float, float, float]:
+        """The exported gauges (`dualread_drift{score}`, its p-value, the flagged share)
+        after a stream of answers."""
         d = DriftWindow(500)
         d.set_reference(ref)
         for r in det.read(rows, 0.02):
             d.record({"novelty": r.score}, r.novel)
-        st = d.stats()
-        return st["ks"]["novelty"][0], st["ks"]["novelty"][1], st["flagged_share"]
+        got = {(s.name, s.labels.get("score")): s.value
+               for f in DriftCollector(SimpleNamespace(drift=d, service=None)).collect()
+               for s in f.samples}
+        return (got[("dualread_drift", "novelty")], got[("dualread_drift_p_value", "novelty")],
+                got[("dualread_drift_flagged_share", None)])
 
     stat, p, flagged = gauge(_rows(500, 4))
     assert stat < 0.1 and p > 0.001 and flagged < 0.06
