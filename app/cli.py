@@ -336,6 +336,9 @@ def fit_detectors(
     device: DeviceOpt = "cpu",
     allow_dirty: Annotated[bool, typer.Option(
         "--allow-dirty", help="fit from uncommitted code (the card says so)")] = False,
+    clean_sample_only: Annotated[bool, typer.Option(
+        "--clean-sample-only", help="fit nothing: only add the composite detector's clean "
+        "sample of its combined score (drift's reference), from the same data")] = False,
 ) -> None:
     """Refit only the defer rule's novelty detector of fitted heads (same data, same
     splits); the readers and tau stay. The card records the command. Heads that carry the
@@ -357,6 +360,14 @@ def fit_detectors(
         console.print(f"[red]these heads were fitted on --data {hd.card.get('data')} "
                       f"--limit {hd.card.get('limit')}; give the same[/red]")
         raise typer.Exit(2)
+    if clean_sample_only:
+        from heads.detectors import add_clean_sample
+
+        n = add_clean_sample(act, hd, sample(load(data), limit), cache)
+        hd.novelty.save_clean_sample(heads)
+        (heads / "novelty.json").write_text(json.dumps(hd.novelty.to_dict(), indent=2))
+        console.print(f"clean sample of the combined novelty score: {n} items")
+        return
     log = refit_detectors(act, hd, sample(load(data), limit), cache, per_family)
     cmd = f"dualread fit-detectors --heads {heads} --data {data}" + \
         (f" --limit {limit}" if limit else "") + f" --novelty-per-family {per_family}"

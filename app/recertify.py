@@ -31,6 +31,9 @@ from heads.recert import Settings as RecertSettings
 log = logging.getLogger("dualread.service")
 OPERATOR_HEADER = "x-operator-key"
 STATE_FILE = "recert_state.json"
+LOADING = "loading model"
+ANSWER_ONLY = ("answer-only: the service runs without heads (every answer is deferred), so "
+               "there is no defer rule to certify")
 
 
 def drift_reference(rule: DeferRule, base: Any) -> dict:
@@ -59,6 +62,7 @@ class Recertification:
         self.service = service
         base = getattr(service, "base_heads", None)
         if base is None:          # a backend without heads of its own: nothing to certify
+            self.blocked = ANSWER_ONLY
             return
         if self.enabled:
             s = self.settings
@@ -134,6 +138,16 @@ class Recertification:
             return {"counted": False, "reason": "not_loaded"}
         return self.store.add(request_id, served, correct, who)
 
+    def reason(self) -> str:
+        """Why no verdict counts toward a certificate (while `store` is None)."""
+        if self.service is None:
+            return LOADING
+        if self.blocked:
+            return self.blocked
+        if not self.enabled:
+            return "no operator key configured: verdicts do not count toward a certificate"
+        return LOADING
+
     def view(self) -> dict:
         drift = self.drift.stats()
         out: dict[str, Any] = {"counting": self.store is not None,
@@ -143,9 +157,7 @@ class Recertification:
         else:
             svc = self.service
             base = getattr(svc, "base_heads", None)
-            out["reason"] = ("no operator key configured: verdicts do not count toward a "
-                             "certificate" if not self.enabled else
-                             self.blocked or "loading model")
+            out["reason"] = self.reason()
             if base is not None:
                 from heads.recert import shipped_rule
 

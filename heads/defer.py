@@ -98,3 +98,51 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target_risk: f
     return DeferPolicy(tau=tau, target_risk=target_risk, delta=delta, coverage=k / n,
                        empirical_risk=risk, risk_upper_bound=ub, n_calibration=n,
                        feasible=True)
+
+
+def sequence_grid(confidence: np.ndarray, n_test: int, target_risk: float, delta: float,
+                  step: float = 0.01) -> np.ndarray:
+    """Candidate thresholds for `choose_threshold_sequence`, from confidences of items
+    *disjoint* from the ones the thresholds will be tested on: their quantiles at released
+    shares from the share that keeps about 4·k_min of `n_test` test items (fewer could fail
+    on one or two errors and end the scan at its first test) up to 1, in steps of `step`;
+    highest threshold first."""
+    c = np.asarray(confidence, float)
+    if len(c) == 0 or n_test <= 0:
+        return np.zeros(0)
+    start = min(1.0, 4 * min_kept(target_risk, delta) / n_test)
+    shares = np.r_[np.arange(start, 1.0 - 1e-9, step), 1.0]
+    return np.unique(np.quantile(c, 1.0 - shares))[::-1]
+
+
+def choose_threshold_sequence(confidence: np.ndarray, correct: np.ndarray,
+                              grid: np.ndarray, target_risk: float = 0.05,
+                              delta: float = 0.1) -> DeferPolicy:
+    """τ by fixed-sequence testing (Bauer 1991; Angelopoulos et al. 2021, "Learn then
+    Test"): the thresholds of `grid`, fixed before these items were seen (highest first),
+    are tested in order, each with the one-sided Clopper–Pearson bound at level δ itself;
+    the scan stops at the first threshold whose bound exceeds r, and τ is the last one that
+    passed. A false certificate needs the first threshold whose true risk exceeds r to
+    pass its own test, which happens with probability ≤ δ: with probability ≥ 1 − δ over
+    the draw of these items, the risk among released is ≤ r, as `choose_threshold`
+    guarantees, but with no union bound over the tests (a level of δ, not δ / ⌈log2 m⌉).
+    Valid only when `grid` does not depend on these items (`sequence_grid` of a disjoint
+    part)."""
+    c = np.asarray(confidence, float)
+    err = 1 - np.asarray(correct, int)
+    best = None
+    for tau in np.asarray(grid, float):
+        sel = c >= tau
+        k = int(sel.sum())
+        ub = clopper_pearson_upper(int(err[sel].sum()), k, delta)
+        if ub > target_risk:
+            break
+        best = (float(tau), k, float(err[sel].mean()), ub)
+    if best is None:
+        return DeferPolicy(tau=DEFER_ALL_TAU, target_risk=target_risk, delta=delta,
+                           coverage=0.0, empirical_risk=0.0, risk_upper_bound=1.0,
+                           n_calibration=len(c), feasible=False)
+    tau, k, risk, ub = best
+    return DeferPolicy(tau=tau, target_risk=target_risk, delta=delta, coverage=k / len(c),
+                       empirical_risk=risk, risk_upper_bound=ub, n_calibration=len(c),
+                       feasible=True)

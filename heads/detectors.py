@@ -94,6 +94,8 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     cal_img = first_per_image(cal, ids)
     fit_rows = _rows(feats, reader)
     det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal))
+    # drift's reference: the combined score of the clean calibration items
+    det.keep_clean_sample(_rows(feats, cal))
     log: dict = {
         "parts": {
             "image": {"kind": "token_knn", "feature": "final-layer image-token states",
@@ -110,7 +112,10 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                          "n_calibration": len(cal)}},
         "combined": "p = min(1, 2 min(p_image, p_question)); flag when p < alpha",
         "alpha": alpha,
-        "smallest_p_value": round(2 / (min(len(cal_img), len(cal)) + 1), 6)}
+        "smallest_p_value": round(2 / (min(len(cal_img), len(cal)) + 1), 6),
+        "clean_sample": {"n": len(det.clean), "of": "the combined score of the temperature "
+                         "and defer split items, each part's p-value leave-one-out "
+                         "(drift's reference, novelty.safetensors)"}}
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: too few calibration items for a p-value "
                     f"below alpha {alpha}; it will never flag[/yellow]")
@@ -145,3 +150,30 @@ def refit_detectors(actor, heads, items: list[Item], cache_dir=None,
     det, log = detector_stage(col, items, feats, splits_of(meta), per_family, seed)
     heads.novelty, heads.novelty_alpha = det, DETECTOR_ALPHA
     return log
+
+
+def add_clean_sample(actor, heads, items: list[Item], cache_dir=None,
+                     max_new_tokens: int = 64) -> int:
+    """Give fitted heads' composite detector its clean sample of the combined score without
+    refitting anything: the fit's readouts (the same items; a readout cache makes this
+    cheap), the same image-hash splits, and the combined score of the temperature and defer
+    split items against the stored calibration. Refused when those items do not read as
+    they did at calibration (other items, another actor). Writes only novelty.safetensors
+    and novelty.json. Returns the sample's size."""
+    from heads.fit import splits_of
+
+    det = heads.novelty
+    if not isinstance(det, CompositeNovelty):
+        raise ValueError("these heads have no composite novelty detector (a single detector "
+                         "keeps its clean calibration scores already)")
+    col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
+    feats, meta = col.run(items, label="readouts (fit)")
+    splits = splits_of(meta)
+    rows = _rows(feats, torch.cat([splits["temperature"], splits["defer"]]))
+    share = det.calibration_share(rows)
+    if min(share.values()) < 1.0:
+        raise ValueError("the calibration items do not read as they did when the detector "
+                         f"was calibrated (share found, by part: {share}); refit with "
+                         "`dualread fit-detectors`")
+    det.keep_clean_sample(rows)
+    return len(det.clean)

@@ -18,13 +18,16 @@ Scores (larger = more unusual), on features standardised with fitting-split stat
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from heads.conformal import kth_distance, p_values
@@ -33,6 +36,7 @@ KINDS = ("mahalanobis", "knn", "token_knn", "logistic")
 LOGISTIC_C = 0.1           # inverse L2 strength on standardised features
 ALPHA = 0.01
 MAX_BANK = 50_000          # fitting tokens kept for token_knn (a deterministic subsample)
+SAME_SCORE = 1e-5          # relative: a calibration item's score read again (clean_sample)
 
 SHIPPED_KIND, SHIPPED_FEATURE = "logistic", "pre_img_mean_std"   # docs/shift-study
 
@@ -264,6 +268,15 @@ class Novelty:
         return nov
 
 
+def _in_calibration(cal: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(whether each score is one of the sorted calibration scores `cal`, the index of the
+    first calibration score ≥ it). A score read again may differ in the last float32 bits
+    (the bank's distances are float32 products, chunked by batch): equal within SAME_SCORE."""
+    tol = np.where(np.isfinite(s), SAME_SCORE * (1.0 + np.abs(s)), 0.0)
+    lo = np.searchsorted(cal, s - tol, side="left")
+    return np.searchsorted(cal, s + tol, side="right") > lo, lo
+
+
 class ExtendedReference:
     """A detector whose input is in-distribution when it looks like the fitting data *or*
     like a re-certified stream: p = max(p against the clean calibration split, p against
@@ -311,10 +324,12 @@ class CompositeNovelty:
 
     kind = "composite"
 
-    def __init__(self, parts: dict[str, Novelty]) -> None:
+    def __init__(self, parts: dict[str, Novelty], clean: np.ndarray | None = None) -> None:
         if not parts:
             raise ValueError("a composite detector needs at least one part")
         self.parts = dict(parts)
+        # a clean sample of the combined score (`keep_clean_sample`): drift's reference
+        self.clean = None if clean is None else np.sort(np.asarray(clean, float))
 
     @property
     def feature(self) -> str:
@@ -369,10 +384,57 @@ class CompositeNovelty:
         that labelled feedback re-certified (`heads.recert`); this one is unchanged."""
         return ExtendedReference(self, scores)
 
+    def clean_sample(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
+        """The combined score of each row of a feature dict whose rows are clean
+        calibration items, each part's p-value taken leave-one-out: a row whose part score
+        is in that part's calibration split (within SAME_SCORE) is judged against the split
+        without it, #{i : s_i ≥ s} / n (its own copy counted once), any other row as a fresh
+        input, (1 + #{i : s_i ≥ s}) / (n + 1). Either way the p-value is distributed as a fresh
+        clean input's is, so the sample is distributed as a clean input's combined score
+        (−log10 p), with the parts' dependence kept (each row's parts are read together)."""
+        each = []
+        for part, s in zip(self.parts.values(), self._part_scores(feats).values()):
+            cal = part.t["calibration"].numpy()
+            n = len(cal)
+            own, lo = _in_calibration(cal, s)
+            fresh = n - np.searchsorted(cal, s, side="left")
+            each.append(np.where(own, (n - lo) / n, (1 + fresh) / (n + 1)))
+        p = np.minimum(1.0, len(self.parts) * np.min(np.stack(each), 0))
+        return -np.log10(p)
+
+    def _part_scores(self, feats: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        out = {}
+        for name, part in self.parts.items():
+            if "calibration" not in part.t:
+                raise RuntimeError("calibrate on a clean split before a clean sample")
+            out[name] = part.score(features(part.feature, feats))
+        return out
+
+    def calibration_share(self, feats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """For each part, the share of rows whose score is one of its calibration scores
+        (1.0 for each part when `feats` are the rows it was calibrated on, read as then)."""
+        return {name: float(_in_calibration(self.parts[name].t["calibration"].numpy(), s)[0]
+                            .mean()) for name, s in self._part_scores(feats).items()}
+
+    def keep_clean_sample(self, feats: dict[str, torch.Tensor]) -> CompositeNovelty:
+        """Store `clean_sample(feats)` with the detector (`save` writes it)."""
+        self.clean = np.sort(self.clean_sample(feats))
+        return self
+
     def clean_scores(self) -> np.ndarray | None:
-        """No stored clean sample of the combined score (each part keeps its own), so drift
-        has no reference for it until a re-certified window supplies one."""
-        return None
+        """The stored clean sample of the combined score (drift's reference for this
+        detector); None when the artefact has none (fitted before it was kept, or its
+        parts changed since)."""
+        return self.clean
+
+    def _parts_digest(self) -> str:
+        """What the clean sample depends on: each part's name and calibration scores."""
+        h = hashlib.sha256()
+        for name, part in sorted(self.parts.items()):
+            h.update(name.encode())
+            h.update(part.t["calibration"].numpy().astype("<f8").tobytes()
+                     if "calibration" in part.t else b"-")
+        return h.hexdigest()
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "feature": self.feature, "k": None, "n_fit": self.n_fit,
@@ -380,18 +442,42 @@ class CompositeNovelty:
                                      for p in self.parts.values()),
                 "C": None, "p_value": "min(1, m * min_j p_j), p_j = (1 + #{i : s_i >= s(x)})"
                                       " / (n_j + 1)",
-                "parts": {name: p.to_dict() for name, p in self.parts.items()}}
+                "parts": {name: p.to_dict() for name, p in self.parts.items()},
+                "n_clean_sample": None if self.clean is None else len(self.clean)}
 
     def save(self, folder: str | Path, prefix: str = "novelty") -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for name, part in self.parts.items():
             part.save(folder, f"{prefix}.{name}")
+        self.save_clean_sample(folder, prefix)
         (folder / f"{prefix}.json").write_text(json.dumps(self.to_dict(), indent=2))
+
+    def save_clean_sample(self, folder: str | Path, prefix: str = "novelty") -> None:
+        """`{prefix}.safetensors`: the clean sample, with a digest of the parts' calibration
+        it was read against (`load_parts` drops a sample whose parts changed since)."""
+        path = Path(folder) / f"{prefix}.safetensors"
+        if self.clean is None:
+            path.unlink(missing_ok=True)
+            return
+        save_file({"clean_scores": torch.from_numpy(np.ascontiguousarray(self.clean))},
+                  str(path), metadata={"parts_digest": self._parts_digest()})
 
     @classmethod
     def load_parts(cls, folder: Path, prefix: str, names: list[str]) -> CompositeNovelty:
-        return cls({n: Novelty.load(folder, f"{prefix}.{n}") for n in names})
+        det = cls({n: Novelty.load(folder, f"{prefix}.{n}") for n in names})
+        path = Path(folder) / f"{prefix}.safetensors"
+        if path.exists():
+            with safe_open(str(path), "pt") as f:
+                digest = (f.metadata() or {}).get("parts_digest")
+                if digest == det._parts_digest():
+                    det.clean = f.get_tensor("clean_scores").numpy()
+                else:
+                    warnings.warn(f"{path.name}: the clean sample of the combined novelty "
+                                  "score was read against other parts; ignored (drift has "
+                                  "no reference for it until `dualread fit-detectors`)",
+                                  stacklevel=2)
+        return det
 
 
 def load_detector(folder: str | Path, prefix: str = "novelty") -> Novelty | CompositeNovelty:

@@ -6,13 +6,16 @@ temperatures, τ, and the conformal reference of each novelty detector. The ship
 comes from the heads card; a re-certified rule is fitted on one window of operator verdicts
 only, with the offline protocol: the window is split by a hash of the request id into a
 temperature part and a τ part (disjoint, as the offline temperature and defer splits), the
-temperatures are refitted with `heads.calibration.fit_temperature`, and τ is chosen with
-`heads.defer.choose_threshold` (Clopper–Pearson bound of the risk among released ≤ r with
-probability ≥ 1 − δ over the window's draw). The window's detector scores become a
-second conformal reference of each detector that can take one (`extend_reference`: an
-input then passes when it looks like the fitting data or like the window); the τ-part
-items are judged with leave-one-out p-values against the window, so the certificate is on
-the rule that would be served. The guarantee is for items
+temperatures are refitted with `heads.calibration.fit_temperature`, and τ is chosen on the τ
+part (Clopper–Pearson bound of the risk among released ≤ r with probability ≥ 1 − δ over
+the window's draw): by fixed-sequence testing over thresholds read off the temperature
+part (`heads.defer.choose_threshold_sequence`, each test at level δ), or, when the
+temperature part is too small to read thresholds off, by the offline binary search
+(`heads.defer.choose_threshold`, each of its ⌈log2 m⌉ tests at δ / ⌈log2 m⌉). The
+window's detector scores become a second conformal reference of each detector that can
+take one (`extend_reference`: an input then passes when it looks like the fitting data or
+like the window); the τ-part items are judged with leave-one-out p-values against the
+window, so the certificate is on the rule that would be served. The guarantee is for items
 exchangeable with the window's; each window is its own claim.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
@@ -39,7 +42,12 @@ import numpy as np
 import torch
 
 from heads.calibration import fit_temperature, fuse
-from heads.defer import DeferPolicy, choose_threshold
+from heads.defer import (
+    DeferPolicy,
+    choose_threshold,
+    choose_threshold_sequence,
+    sequence_grid,
+)
 from heads.methods.dualread import branch_log_odds as branch_logits  # noqa: F401  (older name)
 
 if TYPE_CHECKING:
@@ -53,6 +61,8 @@ BRANCHES = ("psr", "per")
 # The detectors a rule can carry a reference for: `Heads` attributes, each with `<name>_alpha`
 DETECTORS = ("novelty",)
 MIN_TEMPERATURE_ROWS = 20      # fewer rows: the temperatures are kept, not refitted
+# fewer temperature-part rows: τ by the binary search (no thresholds to read off them)
+MIN_GRID_ROWS = 50
 KEEP_RULES = 20                # rules kept for rollback (the active chain first)
 KEEP_EVENTS = 200              # audit events kept in the state file (all go to the log)
 
@@ -189,17 +199,20 @@ def _loo_p_values(window: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_risk: float,
             delta: float, min_per_class: int, temperature_share: float = 0.3,
-            who: str = "") -> tuple[DeferRule | None, dict]:
+            who: str = "", search: str = "sequence") -> tuple[DeferRule | None, dict]:
     """Refit the temperatures and τ on `verdicts` alone. Returns (rule, certificate); the
-    rule is None when the certificate does not hold (its `reason` says why)."""
+    rule is None when the certificate does not hold (its `reason` says why). `search`:
+    "sequence" (fixed-sequence testing when the temperature part is large enough) or
+    "binary" (the offline binary search always; what `studies.recert_study` compares)."""
+    if search not in ("sequence", "binary"):
+        raise ValueError("search is 'sequence' or 'binary'")
     n = len(verdicts)
     z = np.array([v.correct for v in verdicts], int)
     cert: dict[str, Any] = {
         "n": n, "n_correct": int(z.sum()), "n_wrong": int(n - z.sum()),
         "target_risk": target_risk, "delta": delta, "min_per_class": min_per_class,
         "temperature_share": temperature_share,
-        "bound": "one-sided Clopper-Pearson upper bound of the risk among released, "
-                 "binary search over thresholds (heads.defer.choose_threshold)",
+        "bound": "one-sided Clopper-Pearson upper bound of the risk among released",
         "holds": False, "reason": None}
     if n == 0 or min(cert["n_correct"], cert["n_wrong"]) < min_per_class:
         cert["reason"] = (f"label balance: {cert['n_correct']} correct and {cert['n_wrong']} "
@@ -240,15 +253,32 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
             flagged[idx] |= pv < alpha
             refs_note[name] = f"extended by {n} window scores"
         else:
-            served_p = np.array([v.served.p_values.get(name, np.nan) for v in verdicts])
-            flagged[idx] |= served_p[idx] < alpha        # NaN compares False
+            # not extended: the rule serves this detector with the base's reference, so
+            # the τ part is judged against it, whatever rule served the verdicts (an
+            # earlier re-certified rule may have extended it: its served p-values would
+            # release what this rule defers)
+            flagged[idx] |= _base_flags(det, alpha, [verdicts[i] for i in idx], name)
             refs_note[name] = "skipped: the detector cannot extend its reference" \
                 if not hasattr(det, "extend_reference") else \
                 "skipped: some verdicts carry no score of this detector"
     cert["detector_references"] = refs_note or "no detector"
     cand = idx[~flagged[idx]]
     cert["n_tau_other_terms_defer"] = int(len(idx) - len(cand))
-    policy = choose_threshold(p[cand], z[cand], target_risk, delta)
+    if search == "sequence" and temp.sum() >= MIN_GRID_ROWS:
+        # thresholds read off the temperature part (disjoint from the τ part): fixed
+        # before the τ part is looked at, so each test may spend all of δ
+        grid = sequence_grid(p[temp], len(cand), target_risk, delta)
+        policy = choose_threshold_sequence(p[cand], z[cand], grid, target_risk, delta)
+        cert["threshold_search"] = (
+            f"fixed-sequence testing over {len(grid)} thresholds read off the temperature "
+            "part, highest first, each at level delta (heads.defer.choose_threshold_sequence)")
+    else:
+        policy = choose_threshold(p[cand], z[cand], target_risk, delta)
+        cert["threshold_search"] = (
+            "binary search, each test at delta / ceil(log2 m) (heads.defer.choose_threshold)"
+            + ("" if search == "binary" else
+               f": the temperature part has {int(temp.sum())} verdicts, fewer than "
+               f"{MIN_GRID_ROWS} to read thresholds off"))
     released = cand[p[cand] >= policy.tau]
     cert.update(
         temperatures={k: round(v, 6) for k, v in temps.items()},
@@ -265,6 +295,25 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
     rule = DeferRule(version, temps, policy.to_dict(), references, drift_ref, cert,
                      _now(), who)
     return rule, cert
+
+
+def _base_flags(det: Any, alpha: float, verdicts: Sequence[Verdict], name: str
+                ) -> np.ndarray:
+    """The flags `det` (the base's reference, as a rule that does not extend it serves
+    it) gives `verdicts`. From the stored scores when the detector can reread them; a
+    detector that cannot was never extended by any rule (`certify` extends only
+    detectors with `p_values_of`), so its served p-values are already against the base's
+    reference. A verdict without a reading of the detector is not flagged by it: the
+    service serves a missing reading that way."""
+    if hasattr(det, "p_values_of"):
+        s = np.array([v.served.scores.get(name, np.nan) for v in verdicts], float)
+        p = np.full(len(s), np.nan)
+        have = np.isfinite(s)
+        if have.any():
+            p[have] = det.p_values_of(s[have])
+    else:
+        p = np.array([v.served.p_values.get(name, np.nan) for v in verdicts], float)
+    return p < alpha                                   # NaN compares False
 
 
 # ------------------------------------------------------------------ the store

@@ -3,13 +3,15 @@
 Serves every item of a clean, a benign and a harmful stream through `Service` (what
 `/answer` runs), grades the answers with the one grader (`models.canon.is_correct`), and
 keeps what a served answer leaves for re-certification (`heads.recert.Served`). Then, for
-`--splits` random splits of each stream into a window of `--window` verdicts and the next
-`--next` items, certifies a rule on the window (`heads.recert.certify`, as the service
-does) and applies it to the next items: released share and risk among released, against
-the shipped rule's on clean items. Poisoned windows mark a share of the wrong answers
-correct before certifying; the next items are judged on their true labels.
+each window size of `--windows` smaller than a stream and `--splits` random splits of the
+stream into a window and the next `--next` items, certifies a rule on the window
+(`heads.recert.certify`, as the service does) and applies it to the next items: released
+share and risk among released, against the shipped rule's on clean items. Each window is
+certified twice: with the service's threshold search (fixed-sequence testing) and with
+the offline binary search, for comparison. Poisoned windows mark a share of the wrong
+answers correct before certifying; the next items are judged on their true labels.
 
-    python -m heads.recert_study --out /tmp/recert --window 1000 --next 500
+    python -m studies.recert_study --cache /tmp/recert --out docs/recert
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from heads.defer import clopper_pearson_upper
 from heads.recert import Served, Verdict, certify, dualread_at
 
 # stream: (data spec, items); noise:3 is answered as well as clean items (docs/eval-shift:
-# accuracy 0.895 vs 0.89) and every item of it was flagged by the retired image check
-STREAMS = {"clean": ("easyvqa:test", 300), "benign": ("easyvqa:test~noise:3", 1500),
-           "harmful": ("easyvqa:test~contrast:5", 400)}
+# accuracy 0.895 vs 0.89); contrast:5 is answered about half the time
+STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~noise:3", 2000),
+           "harmful": ("easyvqa:test~contrast:5", 500)}
+SEARCHES = ("sequence", "binary")
 
 
 def collect(spec: str, n: int, seed: int, batch: int = 16, done: list[dict] | None = None
@@ -91,90 +94,156 @@ def drift_of(heads, shipped, rows: list[dict]) -> dict:
             "ks_p_value": {k: float(f"{v[1]:.2g}") for k, v in s["ks"].items()}}
 
 
-def study(rows: dict[str, list[dict]], window: int, nxt: int, splits: int, poison: float
-          ) -> dict:
+def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
+                flip: float, search: str, r: float, d: float) -> dict:
+    """Certify `splits` random windows of `stream`; the next items under each rule."""
+    held, covs, risks, reasons, taus = 0, [], [], {}, []
+    for k in range(splits):
+        rng = np.random.default_rng(k)
+        order = rng.permutation(len(stream))
+        win, after = [stream[i] for i in order[:window]], \
+            [stream[i] for i in order[window: window + nxt]]
+        verdicts = [Verdict(x["id"], Served.from_dict(x["served"]),
+                            x["correct"] or bool(flip and rng.uniform() < flip), 0.0,
+                            "study") for x in win]
+        rule, cert = certify(verdicts, heads, f"s{k}", target_risk=r, delta=d,
+                             min_per_class=10, search=search)
+        if rule is None:
+            why = cert["reason"].split(":")[0].split(" on the ")[0]
+            reasons[why] = reasons.get(why, 0) + 1
+            continue
+        held += 1
+        c, rk, _ = rule_on(heads, rule, after)
+        covs.append(c)
+        risks.append(rk)
+        taus.append(rule.tau)
+    return {"certified": f"{held}/{splits}", "refused_because": reasons,
+            "next_released_mean": round(float(np.mean(covs)), 4) if covs else None,
+            "next_released_min": round(float(np.min(covs)), 4) if covs else None,
+            "next_risk_mean": round(float(np.mean(risks)), 4) if risks else None,
+            "next_risk_max": round(float(np.max(risks)), 4) if risks else None,
+            "next_risk_above_r": sum(x > r for x in risks),
+            "tau_median": round(float(np.median(taus)), 4) if taus else None}
+
+
+def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int,
+          poison: float) -> dict:
     from heads.dualread import Heads
     from heads.recert import shipped_rule
 
     heads = Heads.load(None)
     shipped = shipped_rule(heads)
     r, d = shipped.policy["target_risk"], shipped.policy["delta"]
-    out = {"target_risk": r, "delta": d, "window": window, "next": nxt, "splits": splits,
-           "shipped_tau": shipped.tau}
-    clean = rows["clean"]
-    cov, risk, k = rule_on(heads, shipped, clean)
-    z = np.array([x["correct"] for x in clean])
-    out["clean"] = {"n": len(clean), "accuracy": round(float(z.mean()), 4),
-                    "shipped_released": round(cov, 4), "shipped_risk": round(risk, 4),
-                    "shipped_risk_upper_95": round(clopper_pearson_upper(
-                        round(risk * k), k, 0.05), 4)}
+    out = {"target_risk": r, "delta": d, "windows": windows, "next": nxt, "splits": splits,
+           "shipped_tau": shipped.tau,
+           "drift_reference": {k: len(v) for k, v in
+                               drift_reference_of(heads, shipped).items()}}
     for name, stream in rows.items():
         z = np.array([x["correct"] for x in stream])
-        s_cov, s_risk, _ = rule_on(heads, shipped, stream)
+        s_cov, s_risk, k = rule_on(heads, shipped, stream)
         entry = {"n": len(stream), "accuracy": round(float(z.mean()), 4),
                  "shipped_released": round(s_cov, 4), "shipped_risk": round(s_risk, 4),
-                 "drift": drift_of(heads, shipped, stream[:500])}
-        if len(stream) <= window:
-            entry["recertified"] = f"not measured: {len(stream)} items, no more than " \
-                                   f"the window ({window})"
-            out[name] = entry
-            continue
-        entry["next_items"] = min(nxt, len(stream) - window)
-        for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
-            held, covs, risks, reasons = 0, [], [], {}
-            for k in range(splits):
-                rng = np.random.default_rng(k)
-                order = rng.permutation(len(stream))
-                win, after = [stream[i] for i in order[:window]], \
-                    [stream[i] for i in order[window: window + nxt]]
-                verdicts = [Verdict(x["id"], Served.from_dict(x["served"]),
-                                    x["correct"] or bool(flip and rng.uniform() < flip), 0.0,
-                                    "study") for x in win]
-                rule, cert = certify(verdicts, heads, f"s{k}", target_risk=r, delta=d,
-                                     min_per_class=10)
-                if rule is None:
-                    why = cert["reason"].split(":")[0]
-                    reasons[why] = reasons.get(why, 0) + 1
-                    continue
-                held += 1
-                c, rk, _ = rule_on(heads, rule, after)
-                covs.append(c)
-                risks.append(rk)
-            entry[label] = {
-                "certified": f"{held}/{splits}", "refused_because": reasons,
-                "next_released_mean": round(float(np.mean(covs)), 4) if covs else None,
-                "next_released_min": round(float(np.min(covs)), 4) if covs else None,
-                "next_risk_mean": round(float(np.mean(risks)), 4) if risks else None,
-                "next_risk_max": round(float(np.max(risks)), 4) if risks else None}
+                 "shipped_risk_upper_95": round(clopper_pearson_upper(
+                     round(s_risk * k), k, 0.05), 4),
+                 "drift": drift_of(heads, shipped, stream[:500]), "windows": {}}
+        for window in windows:
+            if len(stream) <= window:
+                continue
+            w = entry["windows"][str(window)] = {"next_items": min(nxt, len(stream) - window)}
+            for search in SEARCHES:
+                for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
+                    w[f"{search}_{label}"] = recertified(heads, stream, window, nxt, splits,
+                                                         flip, search, r, d)
         out[name] = entry
     return out
 
 
+def drift_reference_of(heads, shipped) -> dict:
+    from app.recertify import drift_reference
+
+    return drift_reference(shipped, heads)
+
+
+def markdown(report: dict, command: str) -> str:
+    """The report as the page docs/operations.md quotes."""
+    r = report["target_risk"]
+    lines = ["# Re-certification study", "",
+             "Produced by one command (served rows cached in `--cache`; the report is "
+             "`report.json` next to this page):", "", f"    {command}", "",
+             f"Shipped rule: τ = {report['shipped_tau']:.4f}, r = {r}, δ = "
+             f"{report['delta']}. Drift reference of the shipped rule (items): "
+             f"{report['drift_reference'] or 'none'}. Each window size: {report['splits']} "
+             f"random splits of the stream into a window of verdicts and the next "
+             f"{report['next']} items (fewer when the stream is shorter).", "",
+             "## Streams under the shipped rule", "",
+             "| stream | n | accuracy | released | risk | UB 95% | drift: flagged share | "
+             "drift: KS statistic by score |", "|---|---|---|---|---|---|---|---|"]
+    for name in STREAMS:
+        e = report.get(name)
+        if e is None:
+            continue
+        ks = ", ".join(f"{k} {v}" for k, v in e["drift"]["ks"].items()) or "none"
+        lines.append(f"| {name} (`{STREAMS[name][0]}`) | {e['n']} | {e['accuracy']} | "
+                     f"{e['shipped_released']} | {e['shipped_risk']} | "
+                     f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} |")
+    lines += ["", "## Re-certified on a window, applied to the next items", "",
+              "released / risk: means over the windows whose certificate held; risk max and "
+              f"'> r': the worst window and how many of them had risk above r = {r} on their "
+              "next items (the guarantee allows a share δ of windows over r in the "
+              "population, and the next items are a finite sample).", "",
+              "| stream | window | search | verdicts | certified | released | released min "
+              "| risk | risk max | > r |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in STREAMS:
+        e = report.get(name)
+        if e is None:
+            continue
+        for window, w in e["windows"].items():
+            for key, v in w.items():
+                if key == "next_items":
+                    continue
+                search, label = key.split("_", 1)
+                lines.append(f"| {name} | {window} | {search} | {label} | {v['certified']} | "
+                             f"{v['next_released_mean']} | {v['next_released_min']} | "
+                             f"{v['next_risk_mean']} | {v['next_risk_max']} | "
+                             f"{v['next_risk_above_r']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="report.json and study.md")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="served rows of each stream (default: --out)")
     ap.add_argument("--sizes", default="", help="items per stream, e.g. "
                     "clean=300,benign=500 (default: STREAMS' counts); the first items of "
                     "the same seeded order, so a smaller size reuses a larger run's cache")
-    ap.add_argument("--window", type=int, default=300)
+    ap.add_argument("--windows", default="300,1000,1500",
+                    help="window sizes (verdicts), comma-separated")
     ap.add_argument("--next", type=int, default=500)
     ap.add_argument("--splits", type=int, default=20)
     ap.add_argument("--poison", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    cache_dir = a.cache or a.out
+    cache_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in a.sizes.split(",") if kv)}
     for name, (spec, n) in STREAMS.items():
         n = sizes.get(name, n)
-        cache = a.out / f"{name}.json"
+        cache = cache_dir / f"{name}.json"
         have = json.loads(cache.read_text()) if cache.exists() else []
         if len(have) < n:
             cache.write_text(json.dumps(collect(spec, n, a.seed, done=have)))
         rows[name] = json.loads(cache.read_text())[:n]
         print(name, len(rows[name]), flush=True)
-    report = study(rows, a.window, a.next, a.splits, a.poison)
-    (a.out / "report.json").write_text(json.dumps(report, indent=2))
+    windows = [int(w) for w in a.windows.split(",") if w]
+    report = study(rows, windows, a.next, a.splits, a.poison)
+    (a.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    command = "python -m studies.recert_study --cache CACHE --out " + str(a.out) + \
+        (f" --sizes {a.sizes}" if a.sizes else "") + f" --windows {a.windows} --next " \
+        f"{a.next} --splits {a.splits} --poison {a.poison:g} --seed {a.seed}"
+    (a.out / "study.md").write_text(markdown(report, command))
     print(json.dumps(report, indent=2))
 
 

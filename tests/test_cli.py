@@ -93,6 +93,11 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     assert card["limit"] == 48 and card["data"] == labelled
     assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 48
     assert card["defer"]["target_risk"] == 0.3 and card["defer"]["n_calibration"] > 0
+    # drift's reference: the composite detector's clean sample, saved and loaded back
+    from heads.dualread import Heads
+
+    n_clean = card["novelty"]["clean_sample"]["n"]
+    assert n_clean > 0 and len(Heads.load(heads_dir).novelty.clean_scores()) == n_clean
 
     res = CliRunner().invoke(app, ["evaluate", "--actor", actor_dir, "--heads", str(heads_dir),
                                    "--data", labelled, "--limit", "16", "--bootstrap", "5",

@@ -115,11 +115,12 @@ def test_benign_stream_is_recertified_and_released():
     """A stream the novelty detector flags but the actor answers as well as on clean inputs:
     the shipped rule defers it; the rule certified on its window releases the next 500
     items at the coverage the same protocol reaches on clean inputs (less 0.05, mean of 30
-    draws: one window's coverage varies by ±0.15) with risk ≤ r + 0.02 (docs/method.md §8's benign
-    criterion)."""
+    draws: one window's coverage varies by ±0.15) with risk ≤ r on average and ≤ r + 0.02
+    (docs/method.md §8's benign criterion) in all but a few windows: the certificate
+    holds with probability 1 − δ per window, and 500 items are a finite sample."""
     base = _base()
     shipped = shipped_rule(base).apply(base)
-    clean, benign = [], []
+    clean, benign, risks = [], [], []
     for seed in range(30):
         rng = np.random.default_rng(seed)
         clean_rule, _ = certify(verdicts(stream(rng, 300, base, tag="c")), base, "clean",
@@ -135,9 +136,11 @@ def test_benign_stream_is_recertified_and_released():
         assert cert["risk_upper_bound"] <= R
         assert set(rule.temperatures) == {"psr", "per"}
         cov, risk = released(rule.apply(base), stream(rng, 500, base, shift=6.0, tag="n"))
-        assert risk <= R + 0.02, (seed, risk)
+        risks.append(risk)
         benign.append(cov)
     assert np.mean(benign) >= np.mean(clean) - 0.05, (benign, clean)
+    assert np.mean(risks) <= R, risks
+    assert sum(r > R + 0.02 for r in risks) <= 2 * DELTA * len(risks), risks
     # the shipped detector is unchanged: the extension lives in the rule's copy
     assert len(base.novelty.t["calibration"]) == 299
 

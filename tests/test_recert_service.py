@@ -294,3 +294,45 @@ def test_an_unwritable_state_file_stops_recertification_not_the_service(
         assert _answers(c, [benign(0)])[0]["answer"] is not None
         cal = c.get("/calibration").json()
         assert cal["counting"] is False and "DUALREAD_RECERT_STATE" in cal["reason"]
+
+
+def test_a_client_verdict_and_an_operator_verdict_on_one_answer(actor_dirs, heads_dir,
+                                                                 tmp_path, monkeypatch):
+    """Which verdict counts where: the calibration monitor (/metrics' rolling figures)
+    keeps the first verdict on an answer, whoever sends it; the certificate counts only an
+    operator's, once. When an API client and the operator disagree, each keeps its own."""
+    svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
+    with TestClient(create_app(_settings(heads_dir, tmp_path / "rules.json"), svc)) as c:
+        [body] = _answers(c, [benign(0)])
+        rid = body["request_id"]
+        client = c.post("/feedback", json={"request_id": rid, "correct": True}).json()
+        assert client["accepted"] and client["window"] == 1
+        op = c.post("/feedback", json={"request_id": rid, "correct": False},
+                    headers=OP).json()
+        assert op["accepted"] and op["reason"] is None            # counted
+        cal = c.get("/calibration").json()["window"]
+        assert (cal["counted"], cal["correct"], cal["wrong"]) == (1, 0, 1)
+        assert [z for _, _, z in c.app.state.hooks.monitor.window] == [True]
+        for headers in ({}, OP):                                  # once each
+            again = c.post("/feedback", json={"request_id": rid, "correct": False},
+                           headers=headers).json()
+            assert not again["accepted"] and again["reason"] == "already_labelled"
+        assert c.get("/calibration").json()["window"]["counted"] == 1
+
+
+def test_answer_only_says_so_on_calibration(actors, actor_dirs, tmp_path):
+    """Heads of another actor served answer-only: /calibration says why nothing counts
+    (not "loading model"), and the operator routes answer 409, not a 503 to retry."""
+    from app.service import Service as Svc
+
+    other = random_heads(tmp_path / "other", actors["qwen2_vl"])
+    svc = Svc(actor_dirs["qwen3_vl"], other, heads_mismatch="answer-only")
+    settings = Settings(max_new_tokens=8, batch_wait_ms=5, heads=other,
+                        operator_key="op-secret", recert_state=str(tmp_path / "rules.json"))
+    with TestClient(create_app(settings, svc)) as c:
+        cal = c.get("/calibration").json()
+        assert cal["counting"] is False and cal["reason"].startswith("answer-only")
+        assert "loading" not in cal["reason"]
+        r = c.post("/calibration/rollback", headers=OP)
+        assert r.status_code == 409 and "answer-only" in r.text
+    assert not (tmp_path / "rules.json").exists()

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import require_json, require_key
+from app.recertify import LOADING
 from app.routers.common import ERRORS
 from heads.recert import RecertError
 
@@ -34,10 +35,13 @@ class PinRequest(BaseModel):
 
 
 def _store(request: Request):
-    store = request.app.state.recert.store
-    if store is None:
-        raise HTTPException(503, "loading model")
-    return store
+    recert = request.app.state.recert
+    if recert.store is None:
+        # 503 while the model loads; 409 when this service will never hold a rule store
+        # (answer-only, or the state file unusable): retrying will not help
+        why = recert.reason()
+        raise HTTPException(503 if why == LOADING else 409, why)
+    return recert.store
 
 
 @router.get("/calibration", responses=ERRORS)
