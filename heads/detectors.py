@@ -160,8 +160,6 @@ def add_clean_sample(actor, heads, items: list[Item], cache_dir=None,
     split items against the stored calibration. Refused when those items do not read as
     they did at calibration (other items, another actor). Writes only novelty.safetensors
     and novelty.json. Returns the sample's size."""
-    from heads.fit import splits_of
-
     det = heads.novelty
     if not isinstance(det, CompositeNovelty):
         raise ValueError("these heads have no composite novelty detector (a single detector "

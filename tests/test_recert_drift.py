@@ -133,7 +133,6 @@ def test_add_clean_sample_reads_the_fit_data_and_refuses_other_readouts(monkeypa
     """The refit-free path: the fit's readouts, the same splits, nothing refitted; items
     that do not read as at calibration are refused."""
     import heads.detectors as detectors
-    import heads.fit as fit
 
     cal = _rows(120, 1)
     reader = _rows(80, 9)
@@ -151,7 +150,7 @@ def test_add_clean_sample_reads_the_fit_data_and_refuses_other_readouts(monkeypa
             return feats, None
 
     monkeypatch.setattr(detectors, "Collector", Col)
-    monkeypatch.setattr(fit, "splits_of", lambda meta: splits)
+    monkeypatch.setattr(detectors, "splits_of", lambda meta: splits)
     heads = SimpleNamespace(novelty=det, kappa=1.0)
     assert detectors.add_clean_sample(None, heads, []) == 120
     assert np.array_equal(det.clean_scores(), np.sort(det.clean_sample(cal)))
