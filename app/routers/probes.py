@@ -36,8 +36,7 @@ def run(r: AnswerResult, correct: bool | None) -> Run:
                defer_reason=r.defer_reason, defer_reasons=list(r.defer_codes))
 
 
-def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
-              ) -> MaskSpec | None:
+def mask_spec(m: MaskRequest | None, response: str) -> MaskSpec | None:
     if m is None:
         return None
     target = tuple(m.target) if isinstance(m.target, list | tuple) else m.target
@@ -115,8 +114,7 @@ async def score_batch(request: Request, body: ScoreBatchRequest,
     results in the order given."""
     serving.admit(request)
     question = serving.question(body.question)
-    masks = [mask_spec(t.mask, t.response, f"trajectories.{k}")
-             for k, t in enumerate(body.trajectories)]
+    masks = [mask_spec(t.mask, t.response) for t in body.trajectories]
     image = await serving.image_b64(body.image)
     items = await serving.score_items(
         image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
