@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         app.include_router(router)
     if settings.operator_key:      # without one, pin and rollback are not served at all
         app.include_router(calibration.operator)
-    openapi.install(app, settings)
+    openapi.install(app, settings, {r.path for r in calibration.operator.routes})
     app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes,
                        draining=lambda: serving.draining,
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key,

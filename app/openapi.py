@@ -6,7 +6,9 @@ the one definition of every field's constraints); this adds what depends on the 
   `maxItems`);
 - security only when an API key is configured, on the operations that check it, with
   their 401 (in the shape of the operation's other errors: OpenAI's on the OpenAI route);
-  without a key no operation declares it (the server asks for none).
+  without a key no operation declares it (the server asks for none);
+- the operator key, when one is configured: required on the operator routes (served only
+  then) with their 401, 403, 404 and 409, optional on /feedback.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
 def limits(settings: Settings) -> dict[str, int]:
     """`maxLength` of each `x-limit` kind under these settings."""
-    # a question is read up to 4× its limit (the backend refuses it when, once invisible
-    # characters are dropped, it is still over the limit: `Service.check_question`)
-    return {"question": 4 * settings.max_question_chars,
+    # a question's length as sent (`Service.check_question`; on the OpenAI route each
+    # text part's)
+    return {"question": settings.max_question_chars,
             "image": b64_limit(settings.max_image_bytes),
             # an image as a data URI (the OpenAI route): the longest head, then its base64
             "data_uri": DATA_URI_HEAD_CHARS + b64_limit(settings.max_image_bytes),
@@ -63,7 +65,54 @@ def _unauthorized(op: dict) -> dict:
             "content": {"application/json": {"schema": copy.deepcopy(schema)}}}
 
 
-def build(app: FastAPI, settings: Settings) -> dict:
+# The operator key (`operator_key`): the operator routes need it; /feedback reads it when
+# sent (an operator's verdict also counts toward re-certification).
+OPERATOR = "OperatorKey"
+OPERATOR_SCHEME = {"type": "apiKey", "in": "header", "name": "X-Operator-Key",
+                   "description": "the operator key, when the service has one: required by "
+                                  "/calibration/pin, /unpin and /rollback (403 without it, "
+                                  "401 when wrong); optional on /feedback, where an "
+                                  "operator's verdict also counts toward re-certifying the "
+                                  "defer rule (401 when wrong)"}
+OPERATOR_ERRORS = {401: "missing or wrong API key, or a wrong operator key",
+                   403: "no operator key (X-Operator-Key) sent"}
+# what else an operator route answers
+OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
+                         404: "no kept rule has that version (GET /calibration lists them)"},
+                     ("post", "/calibration/rollback"): {
+                         409: "nothing to roll back to: the shipped rule is active"}}
+
+
+def _error(op: dict, code: int, description: str) -> dict:
+    """An error response of `op`: `description`, in the shape of its other errors."""
+    entry = _unauthorized(op)
+    if code != 401:
+        entry.pop("headers")
+    return {**entry, "description": description}
+
+
+def _operator_security(doc: dict, paths: set[str], keyed: bool) -> None:
+    """Declare the operator key: required on the operator routes, optional on /feedback,
+    with the statuses it brings."""
+    bearer = {"HTTPBearer": []} if keyed else {}
+    for path, item in doc.get("paths", {}).items():
+        for method in METHODS:
+            op = item.get(method)
+            if op is None:
+                continue
+            if path in paths:
+                op["security"] = [{**bearer, OPERATOR: []}]
+                for code, text in {**OPERATOR_ERRORS,
+                                   **OPERATOR_OUTCOMES.get((method, path), {})}.items():
+                    op["responses"][str(code)] = _error(op, code, text)
+            elif (method, path) == ("post", "/feedback"):
+                op["security"] = [bearer, {**bearer, OPERATOR: []}]
+                op["responses"]["401"] = _error(op, 401, OPERATOR_ERRORS[401])
+    doc.setdefault("components", {}).setdefault("securitySchemes", {})[OPERATOR] = \
+        OPERATOR_SCHEME
+
+
+def build(app: FastAPI, settings: Settings, operator_paths: set[str] = frozenset()) -> dict:
     doc = get_openapi(title=app.title, version=app.version, description=app.description,
                       routes=app.routes)
     _set_limits(doc, limits(settings))
@@ -80,15 +129,19 @@ def build(app: FastAPI, settings: Settings) -> dict:
     if not keyed:
         components = doc.get("components", {})
         components.pop("securitySchemes", None)
+    if settings.operator_key:
+        _operator_security(doc, set(operator_paths), keyed)
     return doc
 
 
-def install(app: FastAPI, settings: Settings) -> None:
-    """Serve `build`'s document as `app.openapi()` (built once, on first use)."""
+def install(app: FastAPI, settings: Settings, operator_paths: set[str] = frozenset()
+            ) -> None:
+    """Serve `build`'s document as `app.openapi()` (built once, on first use);
+    `operator_paths` are the routes that need the operator key."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = build(app, settings)
+            app.openapi_schema = build(app, settings, operator_paths)
         return app.openapi_schema
 
     app.openapi = openapi

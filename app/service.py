@@ -120,9 +120,10 @@ class Service:
             # NUL, ESC or a bidi override reach the model unseen by whoever reads the log
             raise QuestionInvalid(f"question contains a control character "
                                   f"(U+{ord(bad.group()):04X}); remove it")
-        if len(question) > 4 * max_chars:
-            # before normalising: it walks every character (a 32 MB body of them would
-            # hold the event loop for a minute)
+        if len(question) > max_chars:
+            # as sent, before normalising: it walks every character (a 32 MB body of them
+            # would hold the event loop for a minute), and the OpenAPI document can state
+            # a length as sent (maxLength), not one after invisible characters are dropped
             raise QuestionInvalid(f"question is longer than {max_chars} characters")
         q = plain_question(question)
         if not q:
@@ -134,8 +135,6 @@ class Service:
         if odd is not None:
             raise QuestionInvalid(f"question has a letter of another script posing as a "
                                   f"Latin one (U+{ord(odd):04X}); retype it")
-        if len(q) > max_chars:
-            raise QuestionInvalid(f"question is longer than {max_chars} characters")
         self._check_tokens(q, max_tokens, QuestionInvalid, "question ")
         return q
 

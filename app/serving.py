@@ -275,6 +275,17 @@ class Serving:
         return self.require_backend().check_question(question, s.max_question_chars,
                                                      s.max_question_tokens)
 
+    def chat_question(self, texts: Sequence[str]) -> str:
+        """The OpenAI route's question: its text parts joined by newlines, each part within
+        the question length as sent (the document states the length per part), the whole
+        checked as `question` is but for that length (the token limit still holds)."""
+        s = self.settings
+        if any(len(t) > s.max_question_chars for t in texts):
+            raise InvalidInput(f"a text part is longer than {s.max_question_chars} characters")
+        joined = "\n".join(texts)
+        return self.require_backend().check_question(
+            joined, max(len(joined), s.max_question_chars), s.max_question_tokens)
+
     def _score_items(self, image: Image.Image, question: str,
                      trajectories: Sequence[tuple[str, MaskSpec | None]]) -> list[ScoreItem]:
         backend = self.require_backend()

@@ -12,9 +12,12 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from clients.schemas import CONTROL_CHARS
+
 # C0 and C1 controls except tab, newline and carriage return; DEL; bidi embeddings,
-# overrides and isolates (refused in questions and trajectories)
-CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# overrides and isolates (refused in questions and trajectories; the OpenAPI document
+# states the same class)
+CONTROL = re.compile(f"[{CONTROL_CHARS}]")
 # Unicode's default-ignorable code points (DerivedCoreProperties; they render as nothing):
 # with category Cf they are dropped. Some are letters or marks (Hangul fillers, the
 # combining grapheme joiner, variation selectors), so a category alone misses them.

@@ -33,11 +33,40 @@ Image64 = Annotated[str, Field(
     min_length=4, pattern=B64_PATTERN,
     description="a PNG, JPEG or DICOM file, base64 (standard alphabet, padded, one line)",
     json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"})]
-# A question: the service also refuses control characters, one with no letter or digit,
-# letters of another script posing as Latin ones, and one over its token limit (422).
+# Characters refused in questions and trajectories (as a regular-expression class): C0
+# and C1 controls but tab, newline and carriage return; DEL; bidi embeddings, overrides and
+# isolates. The service reads them from here (app.text.CONTROL); escapes that ECMA-262 and
+# Python read alike.
+CONTROL_CHARS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+# Letters that render as nothing (Hangul fillers): the service drops them with the other
+# invisible characters before it looks for a letter or digit (app.text.plain_question).
+FILLERS = r"\u115f\u1160\u3164\uffa0"
+# A letter or digit of any script: Unicode's categories L and N, which are what Python's
+# `str.isalnum` takes (a test checks every code point). ECMA-262 and JSON Schema
+# validators read `\p{..}` from their own Unicode tables: a letter newer than the
+# server's Python (Unicode 14 for 3.11) is one to them and not to the server.
+LETTER_OR_DIGIT = r"[\p{L}\p{N}]"
+# ... but for a Hangul filler (a lookahead: JSON Schema patterns have no class subtraction)
+VISIBLE_LETTER_OR_DIGIT = f"(?![{FILLERS}]){LETTER_OR_DIGIT}"
+
+
+def _question_schema(schema: dict) -> None:
+    # what Service.check_question refuses before the model: a control character; no letter
+    # or digit once invisible characters are dropped (its messages say which)
+    chars = f"[^{CONTROL_CHARS}]*"
+    schema.update({"format": "question", LIMIT: "question",
+                   "pattern": f"^{chars}{VISIBLE_LETTER_OR_DIGIT}{chars}$"})
+
+
+# A question. The service also refuses a letter of another script inside a Latin word, and
+# a question over its token limit (422): rules of the words and of the model's tokenizer.
 Question = Annotated[str, Field(
-    min_length=1, description="the question, plain text (at least one letter or digit)",
-    json_schema_extra={"format": "question", LIMIT: "question"})]
+    min_length=1, description="the question, plain text: no control character, at least "
+                              "one letter or digit (any script; not a Hangul filler, which "
+                              "renders as nothing and is dropped), at most the service's "
+                              "length; also (422) within its token limit, and no letter of "
+                              "another script posing as a Latin one",
+    json_schema_extra=_question_schema)]
 
 
 def _whole(value: object) -> object:
@@ -193,6 +222,17 @@ class AnswerResponse(BaseModel):
 
 
 
+def _reference_schema(schema: dict) -> None:
+    # the grader keeps letters and digits only (models.canon): without one nothing is left
+    # to compare, and the service refuses the reference (422)
+    schema["pattern"] = LETTER_OR_DIGIT
+
+
+Reference = Annotated[str, Field(
+    max_length=MAX_REFERENCE_CHARS, json_schema_extra=_reference_schema,
+    description="the expected answer, graded by its letters and digits (at least one)")]
+
+
 class CounterfactualRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "question": "what color is the shape?", "image": B64_EXAMPLE,
@@ -202,8 +242,8 @@ class CounterfactualRequest(_Request):
     counterfactual: Literal["blank"] | Image64 = Field(
         ..., description='another image (base64) or "blank"')
     # Bounded: grading runs on the event loop, and a reference is a short answer.
-    reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
-    counterfactual_reference_answer: str | None = Field(None, max_length=MAX_REFERENCE_CHARS)
+    reference_answer: Reference | None = None
+    counterfactual_reference_answer: Reference | None = None
     max_new_tokens: integer(1, MAX_NEW_TOKENS) | None = None
 
 
@@ -234,8 +274,10 @@ class CounterfactualResponse(BaseModel):
 # tokens and more tokens than its limit (422).
 ResponseText = Annotated[str, Field(
     min_length=1, max_length=MAX_RESPONSE_CHARS,
-    description="the response to score, as the actor would write it",
-    json_schema_extra={"format": "trajectory"})]
+    description="the response to score, as the actor would write it: no control "
+                "character; also (422) no reserved template token, within the service's "
+                "token limit",
+    json_schema_extra={"format": "trajectory", "pattern": f"^[^{CONTROL_CHARS}]*$"})]
 
 
 SpanEnd = integer(0, MAX_RESPONSE_CHARS)
@@ -245,7 +287,10 @@ class MaskRequest(_Request):
     # strict, as max_new_tokens: `true` read as ratio 1.0 or "3" as a span end is a bug
     target: Literal["think", "answer", "response"] | tuple[SpanEnd, SpanEnd] = Field(
         "think", description="a tag's content, or a [start, end) character span of the "
-                             "response before its confidence cue (start < end)")
+                             "response before its confidence cue, read as the slice "
+                             "text[start:end]: cut at the text's end, and an empty slice "
+                             "(start >= end, or past the end) masks nothing "
+                             "(masked_tokens 0)")
     ratio: float = Field(1.0, ge=0, le=1, strict=True)
     seed: integer(0, 2**31 - 1) = 0
 

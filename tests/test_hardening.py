@@ -828,10 +828,14 @@ def test_score_batch_bounds(api):
     t = {"response": "<answer>red</answer>"}
     assert_error(api.post("/probe/score_batch", json={"image": IMG, "question": Q,
                                                       "trajectories": [t] * 65}), 422)
-    bad_span = {"response": "<answer>red</answer>", "mask": {"target": [3, 999]}}
-    assert_error(api.post("/probe/score_batch", json={"image": IMG, "question": Q,
-                                                      "trajectories": [t, bad_span]}),
-                 422, "trajectories.1", "outside")
+    # a span past the response is cut at its end, as a slice is (docs/api.md)
+    long_span = {"response": "<answer>red</answer>", "mask": {"target": [3, 999]}}
+    cut = {"response": "<answer>red</answer>", "mask": {"target": [3, 20]}}
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q,
+                                             "trajectories": [t, long_span, cut]})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert results[1] == results[2] and results[1]["masked_tokens"] > 0
 
 
 # ------------------------------------------------------------------ newcomer friction
@@ -989,29 +993,34 @@ def test_dicom_tags_that_overflow_once_applied_are_422(api, extra, tag):
     assert_error(api.post("/answer", json={"image": b64(raw), "question": Q}), 422, tag)
 
 
-def test_mask_span_is_checked_against_the_response(api):
+def test_a_mask_span_is_a_slice_of_the_response_as_scored(api):
+    """A span is `text[start:end]` of the response before its confidence cue, cut at its
+    end as Python cuts: what lies past the end (the cue included) is never masked, and an
+    empty slice masks nothing (docs/api.md: a rule the document can state)."""
     response = "<think>x</think><answer>triangle</answer>"
     assert len(response) == 41
-    for span in ([41, 53], [53, 54]):
-        r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
+
+    def masked(span: list, text: str = response) -> int:
+        r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": text,
                                            "mask": {"target": span}})
-        assert_error(r, 422, "outside the response", "length 41")
+        assert r.status_code == 200, r.text
+        return r.json()["masked_tokens"]
+
+    whole = masked([0, 41])
+    assert whole > 0
+    assert masked([0, 500]) == whole                    # cut at the end
+    assert 0 < masked([24, 32]) < whole                 # "triangle"
+    for span in ([41, 53], [53, 54], [5, 3], [3, 3], [0, 0], [41, 41]):
+        assert masked(span) == 0, span
+    # with a confidence tag, only the text before the cue is the response as scored: a
+    # span reaching the cue (appended again after it, read by μ(C)) stops before it
+    tagged = response + "<confidence>9</confidence>"
+    assert masked([41, 53], tagged) == 0
+    assert masked([0, 60], tagged) == whole
     # a negative end is refused by the request schema (`minimum: 0` in the document)
     r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
                                        "mask": {"target": [-1, 3]}})
     assert_error(r, 422, "mask.target", "greater than or equal to 0")
-    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
-                                       "mask": {"target": [5, 3]}})
-    assert_error(r, 422, "mask span [5, 3] ends before it starts")
-    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": response,
-                                       "mask": {"target": [0, 41]}})
-    assert r.status_code == 200, r.text
-    # with a confidence tag, only the text before the cue is the response as scored: a
-    # span reaching the cue (appended again after it, read by μ(C)) is refused
-    tagged = response + "<confidence>9</confidence>"
-    r = api.post("/probe/score", json={"image": IMG, "question": Q, "response": tagged,
-                                       "mask": {"target": [41, 53]}})
-    assert_error(r, 422, "outside the response", "length 41")
 
 
 @pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"])
@@ -1296,12 +1305,15 @@ def test_a_reserved_token_hidden_by_width_or_format_characters_is_422(api, quest
                  "reserved token")
 
 
-def test_a_huge_question_is_refused_before_it_is_normalised(api, service):
+def test_the_question_limit_is_on_the_text_as_sent(api, service):
+    """The limit the document states (`maxLength`): the characters sent, invisible ones
+    included, counted before the question is normalised."""
     limit = Settings().max_question_chars
-    raw = "what" + "\u200b" * (4 * limit)            # short once normalised, but not read
+    raw = "what" + "\u200b" * limit                  # short once normalised, but not read
     assert_error(api.post("/answer", json={"image": IMG, "question": raw}), 422,
                  f"longer than {limit} characters")
-    ok = "what" + "\u200b" * (2 * limit) + " color?"  # within the raw bound: read
+    ok = "what" + "\u200b" * (limit - 11) + " color?"  # exactly the limit: read
+    assert len(ok) == limit
     assert api.post("/answer", json={"image": IMG, "question": ok}).status_code == 200
 
 
@@ -1469,13 +1481,6 @@ def test_mask_accepts_an_integer_ratio(api):
                                        "mask": {"ratio": 1, "target": [0, 3]},
                                        "response": "<think>a</think><answer>red</answer>"})
     assert r.status_code == 200, r.text
-
-
-@pytest.mark.parametrize("span", [[3, 3], [0, 0], [41, 41]])
-def test_an_empty_mask_span_is_422(api, span):
-    r = api.post("/probe/score", json={"image": IMG, "question": Q, "mask": {"target": span},
-                                       "response": "<think>x</think><answer>triangle</answer>"})
-    assert_error(r, 422, "is empty")
 
 
 # ------------------------------------------------------------------ DICOM, hostile round

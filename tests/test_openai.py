@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from app.settings import Settings
 from tests.conftest import random_image
 from tests.helpers import b64, live_servers, png_bytes, random_heads
 
@@ -175,6 +176,23 @@ def test_messages_the_service_cannot_serve(client, messages, param):
     assert refusal(exc, 422, param).strip()
 
 
+def test_the_length_limit_holds_per_text_part(client):
+    """The document states the question length per text part (a JSON Schema cannot add
+    up parts): each part within it is served, though the joined question is longer."""
+    limit = Settings().max_question_chars
+    # invisible characters count toward the length as sent, not toward the tokens
+    long = ["what" + "\u200b" * (limit - 4), "color?" + "\u200b" * (limit - 6)]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(0)}},
+               *({"type": "text", "text": t} for t in long)]
+    got = client.chat.completions.create(model="dualread",
+                                         messages=[{"role": "user", "content": content}])
+    assert got.choices[0].message.content is not None
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.chat.completions.create(model="dualread",
+                                       messages=user(long[0] + "\u200b", data_uri(0)))
+    assert f"longer than {limit} characters" in refusal(exc, 422, "messages[0].content")
+
+
 def test_question_checks_are_the_answer_routes(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(model="dualread",
@@ -187,6 +205,8 @@ def test_question_checks_are_the_answer_routes(client):
     ({"n": 2}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    # one name or the other, as the document says (it cannot say "both, if equal")
+    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
 ])
 def test_parameters_the_service_does_not_honour(client, kwargs, param):
     with pytest.raises(openai.UnprocessableEntityError) as exc:

@@ -46,19 +46,26 @@ def _multipart_schema() -> dict:
              "description": f"a PNG, JPEG or DICOM file ({IMAGE_TYPES}; the server reads the "
                             "bytes, not the part's content type); name the part 'image' or "
                             "'file', not both"}
-    return {
-        "type": "object", "required": ["question"], "additionalProperties": False,
-        "oneOf": [{"required": [part]} for part in IMAGE_PARTS],
-        "properties": {
-            **{part: image for part in IMAGE_PARTS},
-            "question": fields["question"],
-            "max_new_tokens": {**mnt, "description": "an integer in ASCII digits"}}}
+    question = fields["question"]
+    mnt = {**mnt, "description": "an integer in ASCII digits"}
+    # One complete form per name of the image part (a oneOf of bare `required` lists beside
+    # shared properties is read by some generators as "both may be sent"); the parts are
+    # also listed at the top, where multipart encoders look for which part is a file.
+    return {"type": "object", "properties": {
+                **{part: image for part in IMAGE_PARTS}, "question": question,
+                "max_new_tokens": mnt},
+            "oneOf": [{"type": "object", "title": f"with an '{part}' part",
+                       "required": [part, "question"], "additionalProperties": False,
+                       "properties": {part: image, "question": question,
+                                      "max_new_tokens": mnt}}
+                      for part in IMAGE_PARTS]}
 
 
 BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": AnswerRequest.model_json_schema()},
     "multipart/form-data": {"schema": _multipart_schema(), "encoding": {
-        # its digits are a JSON integer; declared so, a list cannot pass as no part at all
+        # its digits are a JSON integer (a part "8", or "[]" or "{}" when a generator
+        # draws a list or an object there, which the server refuses)
         "max_new_tokens": {"contentType": "application/json"}}}}}}
 
 

@@ -31,7 +31,13 @@ from app.routers.answer import response
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, error_responses
 from app.schemas import MAX_NEW_TOKENS, AnswerResponse
 from app.serving import AnswerItem, Serving
-from clients.schemas import B64_EXAMPLE, LIMIT, integer
+from clients.schemas import (
+    B64_EXAMPLE,
+    CONTROL_CHARS,
+    LIMIT,
+    VISIBLE_LETTER_OR_DIGIT,
+    integer,
+)
 from models.images import ImageInvalid, ImageTooLarge
 
 PATH = "/v1/chat/completions"
@@ -64,10 +70,12 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str = Field(..., description="the question, or one line of it: the text parts, "
                                        "joined by newlines, are the question, with "
-                                       "/answer's rules (at least one letter or digit, no "
-                                       "control character, within the length and token "
-                                       "limits; 422)",
-                      json_schema_extra={"format": "question", LIMIT: "question"})
+                                       "/answer's rules (no control character, a letter "
+                                       "or digit in one of the parts, "
+                                       "each part within the length limit, the question "
+                                       "within the token limit; 422)",
+                      json_schema_extra={"format": "question", LIMIT: "question",
+                                         "pattern": f"^[^{CONTROL_CHARS}]*$"})
 
 
 class ImageURL(_Strict):
@@ -104,8 +112,13 @@ def _one_image(schema: dict) -> None:
     schema["allOf"] = [
         {"contains": {"type": "object", "properties": {"type": {"const": "image_url"}},
                       "required": ["type"]}, "minContains": 1, "maxContains": 1},
+        # a text part, and one with a letter or digit (the joined question needs one)
         {"contains": {"type": "object", "properties": {"type": {"const": "text"}},
-                      "required": ["type"]}, "minContains": 1}]
+                      "required": ["type"]}, "minContains": 1},
+        {"contains": {"type": "object", "properties": {
+            "type": {"const": "text"}, "text": {"type": "string",
+                                                "pattern": VISIBLE_LETTER_OR_DIGIT}},
+                      "required": ["type", "text"]}}]
 
 
 class ChatMessage(_Strict):
@@ -123,7 +136,10 @@ class ChatRequest(_Strict):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "model": MODEL_ID, "max_tokens": 64, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64_EXAMPLE}},
-            {"type": "text", "text": "what color is the shape?"}]}]}]})
+            {"type": "text", "text": "what color is the shape?"}]}]}],
+        # the generation limit by one name: not both (null counts as not sent)
+        "not": {"required": ["max_tokens", "max_completion_tokens"], "properties": {
+            "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}})
     model: str = Field(..., min_length=1, max_length=256,
                        description=f"any name: the service serves one model ({MODEL_ID!r})")
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES,
@@ -131,11 +147,10 @@ class ChatRequest(_Strict):
                                                     "part and the question as text",
                                         json_schema_extra={"maxItems": 1})
     max_tokens: integer(1, MAX_NEW_TOKENS) | None = Field(
-        None, description="the generation limit (at most the service's); when "
-                          "max_completion_tokens is sent too, the same number (422)")
+        None, description="the generation limit (at most the service's); not with "
+                          "max_completion_tokens (422)")
     max_completion_tokens: integer(1, MAX_NEW_TOKENS) | None = Field(
-        None, description="max_tokens' newer name; when both are sent, the same number "
-                          "(422)")
+        None, description="max_tokens' newer name; not with max_tokens (422)")
     n: integer(1, 1) | None = Field(None, description="one choice only")
     stream: bool | None = Field(None, strict=True, description="false only: no streaming",
                                 json_schema_extra={"anyOf": [{"type": "boolean",
@@ -257,8 +272,8 @@ def _parse(raw: bytes) -> ChatRequest:
         raise _Refused(422, explain(errs), _param(loc)) from None
 
 
-def _question_and_image(body: ChatRequest) -> tuple[str, str]:
-    """(question, base64 image) of the one user message."""
+def _question_and_image(body: ChatRequest) -> tuple[list[str], str]:
+    """(text parts, base64 image) of the one user message."""
     for k, m in enumerate(body.messages):
         if m.role != "user":
             raise _Refused(422, f"messages[{k}]: only one user message is served (the "
@@ -273,8 +288,8 @@ def _question_and_image(body: ChatRequest) -> tuple[str, str]:
     if len(images) != 1:
         raise _Refused(422, "the user message needs exactly one image_url part (a data URI)",
                        "messages[0].content")
-    question = "\n".join(p.text for p in parts if isinstance(p, TextPart))
-    return question, _data_uri(images[0].image_url.url)
+    texts = [p.text for p in parts if isinstance(p, TextPart)]
+    return texts, _data_uri(images[0].image_url.url)
 
 
 def _data_uri(url: str) -> str:
@@ -295,15 +310,15 @@ async def _item(request: Request, serving: Serving) -> AnswerItem:
     if body.stream:
         raise _Refused(422, "stream: streaming is not supported; the answer and its "
                             "confidence come in one response", "stream")
-    if body.max_tokens is not None and body.max_completion_tokens is not None and \
-            body.max_tokens != body.max_completion_tokens:
-        raise _Refused(422, "max_tokens and max_completion_tokens differ; send one",
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        # one of the two, as the document says (JSON Schema cannot say "equal")
+        raise _Refused(422, "send max_tokens or max_completion_tokens, not both",
                        "max_completion_tokens")
     asked = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    question, b64 = _question_and_image(body)
+    texts, b64 = _question_and_image(body)
     try:
-        question = serving.question(question)
+        question = serving.chat_question(texts)
     except InvalidInput as e:
         raise _Refused(e.status, e.detail, "messages[0].content") from None
     limit = serving.max_new_tokens(asked)

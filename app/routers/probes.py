@@ -36,24 +36,20 @@ def run(r: AnswerResult, correct: bool | None) -> Run:
                defer_reason=r.defer_reason, defer_reasons=list(r.defer_codes))
 
 
-def mask_spec(m: MaskRequest | None, response: str, where: str = "response"
-              ) -> MaskSpec | None:
+def mask_spec(m: MaskRequest | None, response: str) -> MaskSpec | None:
     if m is None:
         return None
     target = tuple(m.target) if isinstance(m.target, list | tuple) else m.target
-    # A span indexes the response as scored: the text before its confidence cue (the cue
-    # is appended again after it, and masking it would change what μ(C) reads).
-    scored = len(Actor.score_text(response, cue=False))
     if isinstance(target, tuple):
-        start, end = target
-        if start > end:
-            raise InvalidInput(f"{where}: mask span {list(target)} ends before it starts")
-        if not 0 <= start <= end <= scored:
-            raise InvalidInput(f"{where}: mask span {list(target)} outside the response "
-                               f"before its confidence cue (length {scored})")
-        if start == end:
-            # a span masks every token it touches: an empty one inside a token masked it
-            raise InvalidInput(f"{where}: mask span {list(target)} is empty")
+        # A span is a slice of the response as scored, the text before its confidence cue
+        # (the cue is appended again after it, and masking it would change what μ(C)
+        # reads): `text[start:end]`, cut at the text's end as Python cuts. A slice with
+        # nothing in it (start >= end, or past the end) masks nothing (masked_tokens 0);
+        # (0, 0) is the empty span the masking code reads as such, where an empty span
+        # inside a token would mask that token.
+        scored = len(Actor.score_text(response, cue=False))
+        start, end = min(target[0], scored), min(target[1], scored)
+        target = (start, end) if start < end else (0, 0)
     try:
         return MaskSpec(target, m.ratio, m.seed)
     except ValueError as e:
@@ -118,8 +114,7 @@ async def score_batch(request: Request, body: ScoreBatchRequest,
     results in the order given."""
     serving.admit(request)
     question = serving.question(body.question)
-    masks = [mask_spec(t.mask, t.response, f"trajectories.{k}")
-             for k, t in enumerate(body.trajectories)]
+    masks = [mask_spec(t.mask, t.response) for t in body.trajectories]
     image = await serving.image_b64(body.image)
     items = await serving.score_items(
         image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
