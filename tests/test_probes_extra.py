@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -56,17 +57,21 @@ SERVER_STACK = ("torch", "transformers", "fastapi", "uvicorn", "pydantic_setting
 
 def test_probe_command_imports_no_server_stack():
     """Offline half of the check: with the server stack blocked in `sys.modules`, the
-    `dualread` script still parses `probe` and imports every probe."""
+    `dualread` script prints its version, parses `probe` and imports every probe."""
     code = ("import sys\n"
             f"for name in {SERVER_STACK!r}:\n"
             "    sys.modules[name] = None\n"
-            "import clients.probes.runner, clients.probes.summary\n"
             "from dualread.cli import main\n"
+            "sys.argv = ['dualread', '--version']\n"
+            "main()\n"
+            "import clients.probes.runner, clients.probes.summary\n"
             "sys.argv = ['dualread', 'probe', '--help']\n"
             "main()\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert r.stdout.startswith(f"dualread {version}\n"), r.stdout[:300]
     assert "Grounding probes over HTTP" in r.stdout
 
 
