@@ -19,6 +19,7 @@ from PIL import Image
 from clients.bench import ServeProcess
 from heads.defer import choose_threshold
 from heads.dualread import Heads
+from models.actor import Answers, StageTimings
 
 
 def random_heads(folder, actor, seed: int = 0) -> str:
@@ -54,6 +55,38 @@ def own_or_wrong_dataset(actor, root, n_images: int, seed: int, max_new_tokens: 
             for (i, j), r in zip(pairs, res)]
     (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return f"jsonl:{root / 'd.jsonl'}"
+
+
+def probe_items(folder: Path, n_images: int, seed: int, box: list[int] | None = None,
+                yes_no: bool = False) -> tuple[str, list[str]]:
+    """A jsonl data spec for the probes, and its item ids: a colour question per random
+    image (answers differ, so every item has a donor), with `box` if given, and with
+    `yes_no` a yes/no question per image too."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n_images):
+        Image.fromarray(rng.integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(
+            folder / f"{i}.png")
+        row = {"id": f"c{i}", "image": f"{i}.png", "question": "what color is the shape?",
+               "answer": ["red", "blue", "green"][i % 3]}
+        rows.append(row if box is None else {**row, "box": box})
+        if yes_no:
+            rows.append({"id": f"y{i}", "image": f"{i}.png", "question": "is there a red shape?",
+                         "answer": "yes" if i % 2 else "no"})
+    path = folder / "items.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"jsonl:{path}", [r["id"] for r in rows]
+
+
+def stub_answers(monkeypatch, service, texts: list[str], finished: bool = True) -> None:
+    """Make the actor 'generate' the given texts: readouts come from teacher forcing them."""
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        rs = service.actor.score(list(images), list(questions), texts[: len(images)], cue=False)
+        for r in rs:
+            r.finished = finished
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
 
 
 def png_bytes(img: Image.Image, fmt: str = "PNG") -> bytes:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 
 from clients.http import AdaptiveLimit, AsyncDualReadClient
-from tests.helpers import live_servers, random_heads
+from tests.helpers import live_servers, probe_items, random_heads
 
 ANSWER = {"answer": "red", "response": "r", "defer": False, "defer_threshold": 0.5,
           "model": "m", "heads": "h", "request_id": "x",
@@ -123,24 +120,11 @@ def small_queue_service(actor_dirs, actors, tmp_path_factory):
         yield urls[0]
 
 
-def _dataset(folder: Path, n: int) -> tuple[str, list[str]]:
-    rng = np.random.default_rng(3)
-    rows = []
-    for i in range(n):
-        Image.fromarray(rng.integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(
-            folder / f"{i}.png")
-        rows.append({"id": f"c{i}", "image": f"{i}.png", "question": "what color is the shape?",
-                     "answer": ["red", "blue", "green"][i % 3], "box": [4, 4, 24, 20]})
-    path = folder / "items.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return f"jsonl:{path}", [r["id"] for r in rows]
-
-
 def test_probe_run_finishes_against_a_live_server_with_a_tiny_queue(small_queue_service,
                                                                     tmp_path):
     from clients.probes.runner import run
 
-    data, ids = _dataset(tmp_path, 8)
+    data, ids = probe_items(tmp_path, 8, 3, box=[4, 4, 24, 20])
     out = tmp_path / "out"
     report = run(["ccg", "reliance"], small_queue_service, data, out, concurrency=8,
                  bootstrap=20, progress=False, deadline_s=600)

@@ -31,10 +31,9 @@ from app.settings_cli import env_var, flag, markdown_table
 from clients.schemas import DEFER_CODES, AnswerResponse, DeferCode
 from heads.dualread import FingerprintMismatch
 from models import quality
-from models.actor import Answers, StageTimings
 from models.quality import TRUNCATED, response_problem
 from tests.conftest import random_image
-from tests.helpers import assert_reports_close, b64, png_bytes, random_heads
+from tests.helpers import assert_reports_close, b64, png_bytes, random_heads, stub_answers
 
 Q = "what color is the shape?"
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,17 +330,6 @@ def test_a_bad_setting_is_a_usage_error_naming_flag_and_variable():
 
 
 # ------------------------------------------------------------------ 5. defer_reasons
-def stub_answers(monkeypatch, service, texts: list[str], finished: bool = True) -> None:
-    """Make the actor 'generate' the given texts (readouts from teacher forcing them)."""
-    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        rs = service.actor.score(list(images), list(questions), texts[: len(images)], cue=False)
-        for r in rs:
-            r.finished = finished
-        return Answers(rs, StageTimings(0.0, 0.0))
-
-    monkeypatch.setattr(service.actor, "answer", answer)
-
-
 def _returned_problems() -> set[str]:
     """Every value `response_problem` can return, read off its source (so a new problem
     added there without a code fails here)."""

@@ -45,7 +45,7 @@ from models.images import (
 from models.parse import parse_response
 from models.quality import TRUNCATED, repeated_run, response_problem, uses_answer_tag
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads, small_limits_client
+from tests.helpers import b64, png_bytes, random_heads, small_limits_client, stub_answers
 
 Q = "what color is the shape?"
 ROOT = Path(__file__).resolve().parent.parent
@@ -695,17 +695,6 @@ def test_response_problems_by_hand():
     assert not repeated_run([1, 2, 3, 1, 2, 3, 1, 2, 3, 4])
     assert uses_answer_tag("<think>{o}</think><answer>{a}</answer>")
     assert not uses_answer_tag(None) and not uses_answer_tag("{answer}")
-
-
-def stub_answers(monkeypatch, service, texts: list[str], finished: bool = True) -> None:
-    """Make the actor 'generate' the given texts: readouts come from teacher forcing them."""
-    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        rs = service.actor.score(list(images), list(questions), texts[: len(images)], cue=False)
-        for r in rs:
-            r.finished = finished
-        return Answers(rs, StageTimings(0.0, 0.0))
-
-    monkeypatch.setattr(service.actor, "answer", answer)
 
 
 def test_unparseable_response_is_deferred_with_reason(service, monkeypatch):

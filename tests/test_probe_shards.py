@@ -6,15 +6,13 @@ import json
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from app.cli import app
 from clients.probes.runner import same_deployment
-from tests.helpers import assert_reports_close, live_servers, random_heads
+from tests.helpers import assert_reports_close, live_servers, probe_items, random_heads
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +21,6 @@ def two_services(actor_dirs, actors, tmp_path_factory):
     heads = random_heads(tmp_path_factory.mktemp("shard-heads"), actors["qwen3_vl"])
     with live_servers(actor_dirs["qwen3_vl"], heads, n=2, max_new_tokens=8) as urls:
         yield urls
-
-
-def _dataset(folder: Path, n_images: int) -> tuple[str, list[str]]:
-    """A colour question per image (answers differ, so every item has a donor)."""
-    rng = np.random.default_rng(1)
-    rows = []
-    for i in range(n_images):
-        Image.fromarray(rng.integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(
-            folder / f"{i}.png")
-        rows.append({"id": f"c{i}", "image": f"{i}.png", "question": "what color is the shape?",
-                     "answer": ["red", "blue", "green"][i % 3], "box": [4, 4, 24, 20]})
-    path = folder / "items.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return f"jsonl:{path}", [r["id"] for r in rows]
 
 
 def _answers_served(url: str) -> float:
@@ -58,7 +42,7 @@ def _probe(urls: list[str], data: str, out: Path) -> str:
 
 def test_two_endpoints_split_the_items_into_one_resumable_file(two_services, tmp_path):
     a, b = two_services
-    data, ids = _dataset(tmp_path, 6)
+    data, ids = probe_items(tmp_path, 6, 1, box=[4, 4, 24, 20])
     served = [_answers_served(u) for u in (a, b)]
     shard = tmp_path / "shard"
     _probe([a, b], data, shard)

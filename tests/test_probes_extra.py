@@ -9,13 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from tests.helpers import live_servers, random_heads
+from tests.helpers import live_servers, probe_items, random_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dualread", "app", "heads", "models", "clients", "studies", "bench")
@@ -36,49 +35,56 @@ def _source(dst: Path) -> Path:
     return dst
 
 
-def _items(folder: Path, n_images: int = 3) -> str:
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(n_images):
-        Image.fromarray(rng.integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(
-            folder / f"{i}.png")
-        rows.append({"id": f"c{i}", "image": f"{i}.png", "question": "what color is the shape?",
-                     "answer": ["red", "blue", "green"][i % 3]})
-        rows.append({"id": f"y{i}", "image": f"{i}.png", "question": "is there a red shape?",
-                     "answer": "yes" if i % 2 else "no"})
-    (folder / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return f"jsonl:{folder / 'items.jsonl'}"
-
-
 SERVER_STACK = ("torch", "transformers", "fastapi", "uvicorn", "pydantic_settings",
                 "matplotlib", "sklearn", "scipy")
 
 
 def test_probe_command_imports_no_server_stack():
     """Offline half of the check: with the server stack blocked in `sys.modules`, the
-    `dualread` script still parses `probe` and imports every probe."""
+    `dualread` script prints its version, parses `probe` and imports every probe."""
     code = ("import sys\n"
             f"for name in {SERVER_STACK!r}:\n"
             "    sys.modules[name] = None\n"
-            "import clients.probes.runner, clients.probes.summary\n"
             "from dualread.cli import main\n"
+            "sys.argv = ['dualread', '--version']\n"
+            "main()\n"
+            "import clients.probes.runner, clients.probes.summary\n"
             "sys.argv = ['dualread', 'probe', '--help']\n"
             "main()\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert r.stdout.startswith(f"dualread {version}\n"), r.stdout[:300]
     assert "Grounding probes over HTTP" in r.stdout
+
+
+def _wheel(src: Path, dist: Path) -> Path:
+    """The project's wheel, built once by this interpreter's setuptools (the one `make`
+    builds the editable install with): no isolated build env fetching setuptools first."""
+    code = ("import sys\nfrom setuptools import build_meta\n"
+            "print(build_meta.build_wheel(sys.argv[1]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=src, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return dist / r.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
 def probes_venv(tmp_path_factory) -> Path:
+    """A fresh venv holding only what pip resolves from the index for `dualread[probes]`.
+    Cheap where it does not weaken the check: the venv gets no pip or setuptools of its own
+    (this interpreter's pip installs into it with --python, resolving the same way), and
+    no .pyc files are compiled ahead of use."""
     root = tmp_path_factory.mktemp("probes-extra")
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    src = _source(root / "src")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    wheel = _wheel(_source(root / "src"), root / "dist")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet",
-                        "--disable-pip-version-check", f"{src}[probes]"],
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                        "install", "--quiet", "--disable-pip-version-check", "--no-compile",
+                        f"{wheel}[probes]"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         if any(s in r.stdout + r.stderr for s in OFFLINE):
@@ -111,7 +117,7 @@ def test_dualread_probe_runs_against_a_live_server(probes_venv, tmp_path):
 
     actor_dir = str(build_tiny_actor("qwen3_vl", tmp_path / "actor"))
     heads = random_heads(tmp_path / "heads", load_actor(actor_dir))
-    data = _items(tmp_path)
+    data, _ = probe_items(tmp_path, 3, 0, yes_no=True)
     out = tmp_path / "out"
     with live_servers(actor_dir, heads, max_new_tokens=12) as (url,):
         r = _run(probes_venv, [str(probes_venv / "bin" / "dualread"), "probe", "reliance",
