@@ -472,7 +472,7 @@ def serve(
         try:
             from app.ray_deploy import serve_forever
         except ImportError as e:
-            raise typer.BadParameter(f"needs ray[serve] ({e}): pip install 'ray[serve]'",
+            raise typer.BadParameter(f"needs ray[serve] ({e}): pip install \"dualread[ray]\"",
                                      param_hint="--ray") from None
         if replicas < 1:
             raise typer.BadParameter("must be at least 1", param_hint="--replicas")
