@@ -197,7 +197,8 @@ class Service:
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live}, checks, heads)
+        scored = self._assess_batch({k: res[k].readout for k in live}, checks, heads,
+                                    {k: images[k] for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -247,7 +248,7 @@ class Service:
 
     def _assess_batch(self, readouts: dict[int, Any],
                       image_checks: Future[list[NoveltyReading] | None],
-                      heads: Heads | None = None
+                      heads: Heads | None = None, images: dict[int, Any] | None = None
                       ) -> dict[int, tuple[Assessment, NoveltyReading | None, float]]:
         """Served confidences and novelty of a whole batch in one call of the readers, and
         the batch's image check (`image_checks`: one call over every image, item k's
@@ -257,7 +258,8 @@ class Service:
             return {}
         t = time.perf_counter()
         try:
-            confs = (heads or self.heads).assess(list(readouts.values()))
+            confs = (heads or self.heads).assess(
+                list(readouts.values()), None if images is None else [images[k] for k in readouts])
             every = self._check_result(image_checks)
             checks = None if every is None else [every[k] for k in readouts]
         except Exception as e:
@@ -280,7 +282,7 @@ class Service:
         if scored is not None:
             a, chk, batch_s = scored
         else:
-            a, batch_s = heads.assess([r.readout])[0], 0.0
+            a, batch_s = heads.assess([r.readout], None if image is None else [image])[0], 0.0
             chk = heads.image_reading(image) if image is not None else None
         if heads is not self.base_heads:
             # the check process reads against the shipped reference; the rule may extend it

@@ -251,14 +251,15 @@ class Heads:
         item, the readers' calls and not their arithmetic were most of the cost."""
         return [a.confidence for a in self.assess(readouts)]
 
-    def assess(self, readouts: list) -> list[Assessment]:
+    def assess(self, readouts: list, images: Sequence | None = None) -> list[Assessment]:
         """Served confidences and the novelty reading of several readouts, from one
-        feature pass: what `/answer` needs before the defer rule."""
+        feature pass: what `/answer` needs before the defer rule. `images`: the decoded
+        image of each readout, which a detector with a pixel part reads."""
         if not readouts:
             return []
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
         with torch.inference_mode():
-            f = Scored(extract_many(readouts, self.kappa))
+            f = Scored(self.with_images(extract_many(readouts, self.kappa), images))
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
             nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
@@ -287,10 +288,23 @@ class Heads:
         return True if self.policy is None else self.policy.defer(p)
 
     # ------------------------------------------------------------- the defer rule
-    def novelty_of(self, readout) -> NoveltyReading | None:
-        """Score, conformal p-value and flag of one readout; None without a detector."""
+    def with_images(self, feats: dict, images: Sequence | None) -> dict:
+        """`feats` with the pixel descriptors of `images` when the detector reads them."""
+        if images is None or not getattr(self.novelty, "reads_pixels", False):
+            return feats
+        from heads.pixel_novelty import with_pixels
+
+        return with_pixels(feats, images)
+
+    def novelty_of(self, readout, image=None) -> NoveltyReading | None:
+        """Score, conformal p-value and flag of one readout (and its decoded image, which
+        a detector with a pixel part reads); None without a detector."""
         if self.novelty is None:
             return None
+        if getattr(self.novelty, "reads_pixels", False):
+            return self.novelty.read(self.with_images(
+                extract_many([readout], self.kappa), None if image is None else [image]),
+                self.novelty_alpha)[0]
         mean, std = image_stats(readout.h_image)
         light = {"h_pre": readout.h_pre.float()[None], "img_mean": mean[None],
                  "img_std": std[None]}

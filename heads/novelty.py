@@ -64,6 +64,8 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     # not the actor's states: image-quality statistics of the pixels (heads.image_check)
     "pixels": lambda f: f["pixels"],
     "img_token_set": lambda f: f["h_image"],
+    # patch descriptors of the decoded image (heads.pixel_novelty), [N, P, D]
+    "pixel_patches": lambda f: f["pixel_patches"],
 }
 
 
@@ -389,9 +391,25 @@ class CompositeNovelty:
             part.save(folder, f"{prefix}.{name}")
         (folder / f"{prefix}.json").write_text(json.dumps(self.to_dict(), indent=2))
 
+    @property
+    def reads_pixels(self) -> bool:
+        """Whether a part reads the decoded image (`heads.pixel_novelty`): its callers then
+        add the image's descriptors to the feature dict (`with_pixels`)."""
+        return any(p.feature == "pixel_patches" for p in self.parts.values())
+
     @classmethod
     def load_parts(cls, folder: Path, prefix: str, names: list[str]) -> CompositeNovelty:
-        return cls({n: Novelty.load(folder, f"{prefix}.{n}") for n in names})
+        return cls({n: load_part(folder, f"{prefix}.{n}") for n in names})
+
+
+def load_part(folder: Path, prefix: str) -> Novelty:
+    """One saved part, of the class its kind names (the pixel part is `PixelNovelty`)."""
+    d = json.loads((Path(folder) / f"{prefix}.json").read_text())
+    if d["kind"] == "pixel_knn":
+        from heads.pixel_novelty import PixelNovelty  # imports this module
+
+        return PixelNovelty.load(folder, prefix)
+    return Novelty.load(folder, prefix)
 
 
 def load_detector(folder: str | Path, prefix: str = "novelty") -> Novelty | CompositeNovelty:
