@@ -249,12 +249,14 @@ class Heads:
     def confidence_batch(self, readouts: list) -> list[dict[str, float]]:
         """`confidence` of several readouts, each reader run once over all of them: per
         item, the readers' calls and not their arithmetic were most of the cost."""
-        return [a.confidence for a in self.assess(readouts)]
+        return [a.confidence for a in self.assess(readouts, novelty=False)]
 
-    def assess(self, readouts: list, images: Sequence | None = None) -> list[Assessment]:
+    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True
+               ) -> list[Assessment]:
         """Served confidences and the novelty reading of several readouts, from one
         feature pass: what `/answer` needs before the defer rule. `images`: the decoded
-        image of each readout, which a detector with a pixel part reads."""
+        image of each readout, which a detector with a pixel part reads. `novelty=False`:
+        the confidences alone (no reading)."""
         if not readouts:
             return []
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
@@ -262,8 +264,8 @@ class Heads:
             f = Scored(self.with_images(extract_many(readouts, self.kappa), images))
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
-            nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
-                else [None] * len(readouts)
+            nov = self.novelty.read(f, self.novelty_alpha) \
+                if self.novelty is not None and novelty else [None] * len(readouts)
             lg = branch_logits(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
                 else None
         return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i],

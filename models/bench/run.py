@@ -80,7 +80,7 @@ def in_process(service, items, plan: Plan,
                    advance=adv)
     heads = service.heads
     return {"in_process": {"b1": summarise(t1), "b8": summarise(t8)},
-            "heads": {**time_heads(heads, t1.readouts),
+            "heads": {**time_heads(heads, t1.readouts, images=[im for im, _ in items]),
                       "image_check_us": time_image_check(heads, [im for im, _ in items])}}
 
 
