@@ -11,6 +11,7 @@ share of images each development suite has flagged at the part's α (α / 3 of t
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     det = PixelNovelty().fit(x)
     fit_s = time.perf_counter() - t
     det.calibrate(pixel_descriptors([it.image() for it in cal]))
-    lines = [f"Pixel novelty part, development suites only (`python -m heads.pixel_novelty_"
+    lines = ["# Pixel novelty part on the development suites", "",
+             "    python -m heads.pixel_novelty_study --per-suite 40 --out "
+             "docs/defer/pixel-dev.md", "",
+             f"Pixel novelty part, development suites only (`python -m heads.pixel_novelty_"
              f"study`): fitted on {len(fit)} `easyvqa:heldout` images + {len(aug)} benign "
              f"re-encodings ({', '.join(AUGMENT_FAMILIES)}), bank "
              f"{det.t['bank'].shape[0]} descriptors (fit {fit_s:.0f} s), calibrated on "
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| `{spec}` | {kind} | {len(ims)} | {flagged:.3f} | {np.median(s):.3f} |")
         print(lines[-1], flush=True)
     lines += ["", f"Cost: {1000 * secs / max(1, n_img):.1f} ms an image (descriptors + "
-                  f"kNN, one CPU thread, batches of up to {a.per_suite})."]
+                  f"kNN, one CPU thread, batches of up to {a.per_suite}; wall time on a "
+                  f"shared machine, os.getloadavg() {os.getloadavg()[0]:.1f} at the end)."]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out is not None:
