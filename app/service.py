@@ -258,8 +258,9 @@ class Service:
             return {}
         t = time.perf_counter()
         try:
-            confs = (heads or self.heads).assess(
-                list(readouts.values()), None if images is None else [images[k] for k in readouts])
+            h, rs = heads or self.heads, list(readouts.values())
+            # each readout's decoded image: the detector's pixel part reads it
+            confs = h.assess(rs) if images is None else h.assess(rs, [images[k] for k in readouts])
             every = self._check_result(image_checks)
             checks = None if every is None else [every[k] for k in readouts]
         except Exception as e:
