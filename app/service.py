@@ -179,26 +179,30 @@ class Service:
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
-        scored = self._assess_batch({k: res[k].readout for k in live}, heads)
+        scored = self._assess_batch({k: res[k].readout for k in live}, heads,
+                                    {k: items[k].image for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
-            out.append(self._guard(lambda r=r, c=scored.get(k):
-                                   self._answer(r, res.timings, c, heads)))
+            out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
+                                   self._answer(r, res.timings, c, heads, im)))
         return res, out
 
-    def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None
+    def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None,
+                      images: dict[int, Any] | None = None
                       ) -> dict[int, tuple[Assessment, float]]:
-        """Served confidences and novelty of a whole batch in one call of the readers,
-        with each item's share of the seconds; {} when the call fails (each item then
-        scores alone, so a bad readout fails only its own item)."""
+        """Served confidences and novelty of a whole batch in one call of the readers (each
+        readout's decoded image in `images`: the detector's pixel part reads it), with each
+        item's share of the seconds; {} when the call fails (each item then scores alone, so
+        a bad readout or image fails only its own item)."""
         if not readouts or self.heads is None:
             return {}
         t = time.perf_counter()
         try:
-            confs = (heads or self.heads).assess(list(readouts.values()))
+            h, rs = heads or self.heads, list(readouts.values())
+            confs = h.assess(rs) if images is None else h.assess(rs, [images[k] for k in readouts])
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
@@ -209,12 +213,13 @@ class Service:
         return {k: (c, each) for k, c in zip(readouts, confs)}
 
     def _answer(self, r: Response, timings, scored: tuple[Assessment, float] | None = None,
-                heads: Heads | None = None) -> AnswerResult:
+                heads: Heads | None = None, image: Any = None) -> AnswerResult:
         if (heads or self.heads) is None:
             return self._answer_only(r, timings)
         t = time.perf_counter()
         heads = heads or self.heads
-        a, batch_s = scored if scored is not None else (heads.assess([r.readout])[0], 0.0)
+        a, batch_s = scored if scored is not None else \
+            (heads.assess([r.readout], None if image is None else [image])[0], 0.0)
         conf = _confidences(a.confidence)
         nov = a.novelty                              # None: these heads have no detector
         heads_s = time.perf_counter() - t + batch_s

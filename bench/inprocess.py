@@ -80,11 +80,12 @@ def plain_generate(actor, images: Sequence[Image.Image], questions: Sequence[str
     return [actor._trim(row) for row in gen.tolist()]
 
 
-def decide_all(heads, readouts: Sequence) -> list[bool]:
+def decide_all(heads, readouts: Sequence, images: Sequence | None = None) -> list[bool]:
     """Confidence (one batched call of the readers), novelty and the defer rule for every
-    readout, as `Service.answer_batch` runs them."""
+    readout, as `Service.answer_batch` runs them. `images`: each readout's image (a pixel
+    novelty part reads it)."""
     return [heads.decide(a.confidence["dualread"], a.novelty.p_value if a.novelty else None)[0]
-            for a in heads.assess(list(readouts))]
+            for a in heads.assess(list(readouts), images)]
 
 
 def answer_with_dualread(service, images, questions, max_new_tokens: int,
@@ -248,7 +249,8 @@ def summarise(t: Timed, n_boot: int = 2000) -> dict:
 
 
 # ------------------------------------------------------------------ heads alone
-def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
+def time_heads(heads, readouts: Sequence, rounds: int = 20,
+               images: Sequence | None = None) -> dict:
     """Microseconds per item for features + every reader + fusion + novelty + defer.
 
     Headline: one readout per call (batch 1, the dearest case); `batch8_median_us` is
@@ -261,20 +263,25 @@ def time_heads(heads, readouts: Sequence, rounds: int = 20) -> dict:
     """
     if not readouts:
         raise ValueError("no readouts to time the heads on")
+    # readout k's image (the readouts are of the items in turn)
+    ims = None if not images else [images[k % len(images)] for k in range(len(readouts))]
 
-    for ro in readouts[:4]:
-        decide_all(heads, [ro])
+    def of(s: int, e: int):
+        return None if ims is None else ims[s:e]
+
+    for k in range(min(4, len(readouts))):
+        decide_all(heads, readouts[k: k + 1], of(k, k + 1))
     calls, cpu, per_item8, cpu8 = [], [], [], []
     groups = [readouts[s: s + 8] for s in range(0, len(readouts) - 7, 8)]
     for _ in range(rounds):
-        for ro in readouts:
+        for k, ro in enumerate(readouts):
             t, c = time.perf_counter(), time.process_time()
-            decide_all(heads, [ro])
+            decide_all(heads, [ro], of(k, k + 1))
             calls.append((time.perf_counter() - t) * 1e6)
             cpu.append((time.process_time() - c) * 1e6)
-        for g in groups:
+        for j, g in enumerate(groups):
             t, c = time.perf_counter(), time.process_time()
-            decide_all(heads, g)
+            decide_all(heads, g, of(8 * j, 8 * j + 8))
             per_item8.append((time.perf_counter() - t) * 1e6 / len(g))
             cpu8.append((time.process_time() - c) * 1e6 / len(g))
     return {"median_us": float(np.median(calls)), "mean_us": float(np.mean(calls)),

@@ -79,7 +79,7 @@ def in_process(service, items, plan: Plan,
     t8 = run_modes(service, items, 8, plan.max_new_tokens, repeats=plan.b8_repeats,
                    advance=adv)
     return {"in_process": {"b1": summarise(t1), "b8": summarise(t8)},
-            "heads": time_heads(service.heads, t1.readouts)}
+            "heads": time_heads(service.heads, t1.readouts, images=[im for im, _ in items])}
 
 
 def _rich_progress():

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from heads.collect import Collector
 from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
+from heads.pixel_novelty import PIXEL_BANK, PIXEL_FEATURE, PixelNovelty, pixel_descriptors
 from heads.splits import splits_of
 from models.data import Item
 from models.shift import per_family as per_family_items
@@ -57,10 +58,14 @@ def augment_items(items: list[Item], per_family: int = AUGMENT_PER_FAMILY, seed:
 
 
 def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
-                  calibration_questions: dict, bank: int = IMAGE_BANK) -> CompositeNovelty:
+                  calibration_questions: dict, bank: int = IMAGE_BANK,
+                  pixels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  pixel_bank: int = PIXEL_BANK) -> CompositeNovelty:
     """The composite detector from feature dicts (`extract`'s keys): image tokens of the
     fitting images (+ `augmented`), prompt states of the fitting questions; each part
-    calibrated on its own clean split."""
+    calibrated on its own clean split. `pixels`: the pixel part's descriptors
+    (`heads.pixel_novelty.pixel_descriptors`) of the fitting images with their benign
+    re-encodings, and of the calibration images; without it, no pixel part."""
     img = Novelty("token_knn", IMAGE_FEATURE, max_bank=bank)
     x = features(IMAGE_FEATURE, fit)
     if augmented is not None:
@@ -69,7 +74,10 @@ def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
     q = Novelty("knn", QUESTION_FEATURE, k=1)
     q.fit(features(QUESTION_FEATURE, fit)).calibrate(
         features(QUESTION_FEATURE, calibration_questions))
-    return CompositeNovelty({"image": img, "question": q})
+    parts = {"image": img, "question": q}
+    if pixels is not None:
+        parts["pixels"] = PixelNovelty(max_bank=pixel_bank).fit(pixels[0]).calibrate(pixels[1])
+    return CompositeNovelty(parts)
 
 
 def _rows(feats: dict, idx) -> dict:
@@ -77,12 +85,34 @@ def _rows(feats: dict, idx) -> dict:
     return {k: v[idx] for k, v in feats.items()}
 
 
+def _descriptors(items: list[Item], rows: torch.Tensor, cache: dict) -> torch.Tensor:
+    """Pixel descriptors of the image of each row (each image described once)."""
+    todo = [i for i in dict.fromkeys(rows.tolist()) if items[i].image_id not in cache]
+    if todo:
+        d = pixel_descriptors([items[i].image() for i in todo])
+        cache.update({items[i].image_id: d[j] for j, i in enumerate(todo)})
+    return torch.stack([cache[items[i].image_id] for i in rows.tolist()])
+
+
+def _clean_rows(det: CompositeNovelty, items: list[Item], feats: dict, rows: torch.Tensor,
+                described: dict | None = None) -> dict:
+    """Feature rows of `rows`, with each row's image descriptors when a part reads the
+    pixels (the clean sample and its checks read every part)."""
+    out = _rows(feats, rows)
+    if det.reads_pixels:
+        out[PIXEL_FEATURE] = _descriptors(items, rows, {} if described is None else described)
+    return out
+
+
 def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                    per_family: int = AUGMENT_PER_FAMILY, seed: int = 0,
-                   alpha: float = DETECTOR_ALPHA) -> tuple[CompositeNovelty, dict]:
+                   alpha: float = DETECTOR_ALPHA, pixels: bool = True
+                   ) -> tuple[CompositeNovelty, dict]:
     """Readouts of benign re-encodings of reader-split images, the composite detector
     fitted on the reader split and calibrated on the temperature and defer splits, and
-    what the card logs (clean flag rates out of sample, per part and combined)."""
+    what the card logs (clean flag rates out of sample, per part and combined).
+    `pixels`: with the pixel part (`heads.pixel_novelty`), fitted on the same images and
+    re-encodings."""
     reader = splits["reader"]
     ids = [it.image_id for it in items]
     reader_img = first_per_image(reader, ids)
@@ -93,9 +123,18 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     cal = torch.cat([splits["temperature"], splits["defer"]])
     cal_img = first_per_image(cal, ids)
     fit_rows = _rows(feats, reader)
-    det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal))
+    described: dict = {}
+    pix = None
+    if pixels:
+        fit_px = _descriptors(items, reader_img, described)
+        if aug_items:
+            fit_px = torch.cat([fit_px, pixel_descriptors([it.image() for it in aug_items])])
+        pix = (fit_px, _descriptors(items, cal_img, described))
+    det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal),
+                        pixels=pix)
     # drift's reference: the combined score of the clean calibration items
-    det.keep_clean_sample(_rows(feats, cal))
+    det.keep_clean_sample(_clean_rows(det, items, feats, cal, described))
+    m = len(det.parts)
     log: dict = {
         "parts": {
             "image": {"kind": "token_knn", "feature": "final-layer image-token states",
@@ -110,12 +149,23 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                          "fitted_on": "reader-split questions", "n_fit": len(reader),
                          "calibrated_on": "temperature and defer split questions",
                          "n_calibration": len(cal)}},
-        "combined": "p = min(1, 2 min(p_image, p_question)); flag when p < alpha",
+        "combined": f"p = min(1, {m} min(p_{', p_'.join(det.parts)})); flag when p < alpha",
         "alpha": alpha,
-        "smallest_p_value": round(2 / (min(len(cal_img), len(cal)) + 1), 6),
+        "smallest_p_value": round(m / (min(len(cal_img), len(cal)) + 1), 6),
         "clean_sample": {"n": len(det.clean), "of": "the combined score of the temperature "
                          "and defer split items, each part's p-value leave-one-out "
                          "(drift's reference, novelty.safetensors)"}}
+    if pix is not None:
+        part = det.parts["pixels"]
+        log["parts"]["pixels"] = {
+            "kind": "pixel_knn (patch kNN on the decoded image, coreset bank)",
+            "feature": part.to_dict()["descriptor"], "side": part.to_dict()["side"],
+            "fitted_on": "reader-split images, one row per image, and the same benign "
+                         "re-encodings of them",
+            "n_images": len(reader_img), "n_augmented": len(aug_items),
+            "bank_descriptors": int(part.t["bank"].shape[0]),
+            "calibrated_on": "temperature and defer split images, one row per image",
+            "n_calibration": len(cal_img)}
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: too few calibration items for a p-value "
                     f"below alpha {alpha}; it will never flag[/yellow]")
@@ -125,12 +175,18 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
         ia, ib = splits[a], splits[b]
         if len(ia) == 0 or len(ib) == 0:
             continue
-        probe = CompositeNovelty({
+        ia_img = first_per_image(ia, ids)
+        parts = {
             "image": det.parts["image"].recalibrated(
-                features(IMAGE_FEATURE, _rows(feats, first_per_image(ia, ids)))),
+                features(IMAGE_FEATURE, _rows(feats, ia_img))),
             "question": det.parts["question"].recalibrated(
-                features(QUESTION_FEATURE, _rows(feats, ia)))})
-        rates.append(float((probe.p_values(_rows(feats, ib)) < alpha).mean()))
+                features(QUESTION_FEATURE, _rows(feats, ia)))}
+        read = _rows(feats, ib)
+        if pix is not None:
+            parts["pixels"] = det.parts["pixels"].recalibrated(
+                _descriptors(items, ia_img, described))
+            read[PIXEL_FEATURE] = _descriptors(items, ib, described)
+        rates.append(float((CompositeNovelty(parts).p_values(read) < alpha).mean()))
     if rates:
         log["cross_flag_rate"] = round(float(np.mean(rates)), 4)
     console.log(f"novelty detector: bank {log['parts']['image']['bank_tokens']} image tokens, "
@@ -167,7 +223,7 @@ def add_clean_sample(actor, heads, items: list[Item], cache_dir=None,
     col = Collector(actor, cache_dir, max_new_tokens, kappa=heads.kappa)
     feats, meta = col.run(items, label="readouts (fit)")
     splits = splits_of(meta)
-    rows = _rows(feats, torch.cat([splits["temperature"], splits["defer"]]))
+    rows = _clean_rows(det, items, feats, torch.cat([splits["temperature"], splits["defer"]]))
     share = det.calibration_share(rows)
     if min(share.values()) < 1.0:
         raise ValueError("the calibration items do not read as they did when the detector "

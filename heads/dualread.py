@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import heads.methods  # noqa: F401  (registers the shipped methods)
+import heads.pixel_novelty  # noqa: F401  (registers the pixel part's class for loading)
 from heads import registry
 from heads.defer import DEFER_ALL_TAU, DeferPolicy
 from heads.features import FEATURE_SCHEMA, KAPPA, extract_many, image_stats
@@ -252,20 +253,23 @@ class Heads:
     def confidence_batch(self, readouts: list) -> list[dict[str, float]]:
         """`confidence` of several readouts, each reader run once over all of them: per
         item, the readers' calls and not their arithmetic were most of the cost."""
-        return [a.confidence for a in self.assess(readouts)]
+        return [a.confidence for a in self.assess(readouts, novelty=False)]
 
-    def assess(self, readouts: list) -> list[Assessment]:
+    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True
+               ) -> list[Assessment]:
         """Served confidences and the novelty reading of several readouts, from one
-        feature pass: what `/answer` needs before the defer rule."""
+        feature pass: what `/answer` needs before the defer rule. `images`: the decoded
+        image of each readout, which a detector with a pixel part reads. `novelty=False`:
+        the confidences alone (no reading)."""
         if not readouts:
             return []
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
         with torch.inference_mode():
-            f = Scored(extract_many(readouts, self.kappa))
+            f = Scored(self.with_images(extract_many(readouts, self.kappa), images))
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
-            nov = self.novelty.read(f, self.novelty_alpha) if self.novelty is not None \
-                else [None] * len(readouts)
+            nov = self.novelty.read(f, self.novelty_alpha) \
+                if self.novelty is not None and novelty else [None] * len(readouts)
             lg = branch_log_odds(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
                 else None
         return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i],
@@ -290,10 +294,23 @@ class Heads:
         return True if self.policy is None else self.policy.defer(p)
 
     # ------------------------------------------------------------- the defer rule
-    def novelty_of(self, readout) -> NoveltyReading | None:
-        """Score, conformal p-value and flag of one readout; None without a detector."""
+    def with_images(self, feats: dict, images: Sequence | None) -> dict:
+        """`feats` with the pixel descriptors of `images` when the detector reads them."""
+        if images is None or not getattr(self.novelty, "reads_pixels", False):
+            return feats
+        from heads.pixel_novelty import with_pixels
+
+        return with_pixels(feats, images)
+
+    def novelty_of(self, readout, image=None) -> NoveltyReading | None:
+        """Score, conformal p-value and flag of one readout (and its decoded image, which
+        a detector with a pixel part reads); None without a detector."""
         if self.novelty is None:
             return None
+        if getattr(self.novelty, "reads_pixels", False):
+            return self.novelty.read(self.with_images(
+                extract_many([readout], self.kappa), None if image is None else [image]),
+                self.novelty_alpha)[0]
         mean, std = image_stats(readout.h_image)
         light = {"h_pre": readout.h_pre.float()[None], "img_mean": mean[None],
                  "img_std": std[None]}

@@ -119,7 +119,9 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
             # novelty p-value when it has a detector, and the responses that do not parse
             novelty_p = None
             if heads.novelty is not None:
-                novelty_p = [r.p_value for r in heads.novelty.read(feats, heads.novelty_alpha)]
+                nf = heads.with_images(feats, [it.image() for it in items]) \
+                    if getattr(heads.novelty, "reads_pixels", False) else feats
+                novelty_p = [r.p_value for r in heads.novelty.read(nf, heads.novelty_alpha)]
             problems = response_problems(actor, meta.get("responses"), max_new_tokens)
             why = heads.defer_reasons(scores[DEFER_METHOD], novelty_p, problems)
             if heads.novelty is None:

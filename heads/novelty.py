@@ -68,6 +68,8 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     # not the actor's states: a vector computed from the image's pixels, stored as "pixels"
     "pixels": lambda f: f["pixels"],
     "img_token_set": lambda f: f["h_image"],
+    # patch descriptors of the decoded image (heads.pixel_novelty), [N, P, D]
+    "pixel_patches": lambda f: f["pixel_patches"],
 }
 
 
@@ -453,6 +455,12 @@ class CompositeNovelty:
         self.save_clean_sample(folder, prefix)
         (folder / f"{prefix}.json").write_text(json.dumps(self.to_dict(), indent=2))
 
+    @property
+    def reads_pixels(self) -> bool:
+        """Whether a part reads the decoded image (`heads.pixel_novelty`): its callers then
+        add the image's descriptors to the feature dict (`with_pixels`)."""
+        return any(p.feature == "pixel_patches" for p in self.parts.values())
+
     def save_clean_sample(self, folder: str | Path, prefix: str = "novelty") -> None:
         """`{prefix}.safetensors`: the clean sample, with a digest of the parts' calibration
         it was read against (`load_parts` drops a sample whose parts changed since)."""
@@ -465,7 +473,7 @@ class CompositeNovelty:
 
     @classmethod
     def load_parts(cls, folder: Path, prefix: str, names: list[str]) -> CompositeNovelty:
-        det = cls({n: Novelty.load(folder, f"{prefix}.{n}") for n in names})
+        det = cls({n: load_part(folder, f"{prefix}.{n}") for n in names})
         path = Path(folder) / f"{prefix}.safetensors"
         if path.exists():
             with safe_open(str(path), "pt") as f:
@@ -478,6 +486,17 @@ class CompositeNovelty:
                                   "no reference for it until `dualread fit-detectors`)",
                                   stacklevel=2)
         return det
+
+
+# Part classes other than `Novelty`, by the kind their card names; a module defining one
+# registers it here (heads.pixel_novelty: "pixel_knn"), so this module imports none of them.
+PART_CLASSES: dict[str, type[Novelty]] = {}
+
+
+def load_part(folder: Path, prefix: str) -> Novelty:
+    """One saved part, of the class its kind names (the pixel part is `PixelNovelty`)."""
+    kind = json.loads((Path(folder) / f"{prefix}.json").read_text())["kind"]
+    return PART_CLASSES.get(kind, Novelty).load(folder, prefix)
 
 
 def load_detector(folder: str | Path, prefix: str = "novelty") -> Novelty | CompositeNovelty:

@@ -250,6 +250,7 @@ def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
     the colours and shapes it was fitted on."""
     from heads.detectors import fit_detectors
     from heads.features import extract_many
+    from heads.pixel_novelty import pixel_descriptors
     from models.render import Scene, _background, _place
 
     actor = embedded
@@ -268,13 +269,22 @@ def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
         res = actor.answer(images, ["what color is the shape?"] * len(images), 2)
         return extract_many([r.readout for r in res])
 
-    fit = feats(scenes(120, 0, kept_c, kept_s))
-    cal = feats(scenes(99, 1, kept_c, kept_s))
-    det = fit_detectors(fit, None, cal, cal)
-    seen = det.parts["image"].p_value(feats(scenes(40, 2, kept_c, kept_s))["img_tokens"])
-    unseen = det.parts["image"].p_value(
-        feats(scenes(40, 3, ("red", "green"), ("triangle",)))["img_tokens"])
+    fit_im, cal_im = scenes(120, 0, kept_c, kept_s), scenes(99, 1, kept_c, kept_s)
+    fit, cal = feats(fit_im), feats(cal_im)
+    det = fit_detectors(fit, None, cal, cal, pixels=(pixel_descriptors(fit_im),
+                                                     pixel_descriptors(cal_im)),
+                        pixel_bank=2000)
+    seen_im = scenes(40, 2, kept_c, kept_s)
+    unseen_im = scenes(40, 3, ("red", "green"), ("triangle",))
+    seen = det.parts["image"].p_value(feats(seen_im)["img_tokens"])
+    unseen = det.parts["image"].p_value(feats(unseen_im)["img_tokens"])
     assert (unseen < 0.05).mean() >= (seen < 0.05).mean() + 0.3
+    # the pixel part, on the same refit: each held-out colour and the held-out shape alone
+    px = det.parts["pixels"]
+    seen_px = px.p_value(pixel_descriptors(seen_im))
+    for colours, shapes in ((("red",), kept_s), (("green",), kept_s), (kept_c, ("triangle",))):
+        novel = px.p_value(pixel_descriptors(scenes(30, 4, colours, shapes)))
+        assert (novel < 0.05).mean() >= (seen_px < 0.05).mean() + 0.3, (colours, shapes)
 
 
 def test_pooled_rows_add_up_counts():

@@ -20,6 +20,7 @@ from heads.dualread import Heads
 from heads.features import extract
 from heads.fit import fit_heads, fit_novelty, novelty_items, splits_of
 from heads.novelty import Novelty, features, p_values
+from heads.pixel_novelty import with_pixels
 from models.actor import Answers, StageTimings
 from models.data import Item, load
 from models.shift import FAMILIES
@@ -147,7 +148,7 @@ def _with_detector(folder: str, target, flag_everything: bool) -> Heads:
     return heads
 
 
-def _served(actor_dir: str, heads_dir, monkeypatch) -> dict:
+def _served(actor_dir: str, heads_dir, monkeypatch, image=None) -> dict:
     service = Service(actor_dir, str(heads_dir))
 
     def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
@@ -161,9 +162,35 @@ def _served(actor_dir: str, heads_dir, monkeypatch) -> dict:
     monkeypatch.setattr(service.actor, "answer", answer)
     monkeypatch.setattr(service, "needs_tag", True)
     with TestClient(create_app(Settings(max_new_tokens=8, batch_wait_ms=1), service)) as c:
-        r = c.post("/answer", json={"image": b64(png_bytes(random_image(0))), "question": Q})
+        im = random_image(0) if image is None else image
+        r = c.post("/answer", json={"image": b64(png_bytes(im)), "question": Q})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_answer_reads_the_pixels_when_the_detector_has_a_pixel_part(actor_dirs, qwen_heads,
+                                                                    tmp_path, monkeypatch):
+    """/answer hands each item's decoded image to the detector's pixel part: fitted on flat
+    pale images, it flags a noise image and keeps one of the fitted colours."""
+    from PIL import Image
+
+    from heads.novelty import CompositeNovelty
+    from heads.pixel_novelty import PixelNovelty, pixel_descriptors
+
+    heads = Heads.load(qwen_heads)
+    flat = [Image.new("RGB", (40, 32), (200 + k, 200, 200)) for k in range(10)]
+    px = PixelNovelty(max_bank=500).fit(pixel_descriptors(flat))
+    # flat images score 0 but for float rounding
+    px.t["calibration"] = torch.full((399,), 0.01, dtype=torch.float64)
+    heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "pixels": px})
+    heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)      # novelty alone decides
+    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
+    noisy = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch)
+    assert noisy["novelty"]["novel"] is True and noisy["defer"] is True
+    assert noisy["novelty"]["p_value"] == pytest.approx(2 / 400)
+    calm = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch,
+                   Image.new("RGB", (40, 32), (205, 200, 200)))
+    assert calm["novelty"]["novel"] is False and calm["defer"] is False
 
 
 @pytest.mark.parametrize("flag_everything", [True, False])
@@ -252,7 +279,7 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     assert not hasattr(heads, "image_check")               # retired (issue 27)
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
-    for part in ("image", "question"):
+    for part in ("image", "question", "pixels"):
         assert (folder / f"novelty.{part}.safetensors").exists()
     card = json.loads((folder / "heads_card.json").read_text())
     nov = card["novelty"]
@@ -279,11 +306,16 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     s_cal = torch.cdist((clean["h_pre"][cal].double() - x.mean(0)) /
                         x.std(0).clamp_min(1e-6), z).min(1).values.numpy()
     assert np.allclose(q.t["calibration"].numpy(), np.sort(s_cal), atol=1e-4)
-    # the combined p-value of a row is Bonferroni over the parts
-    row = {k: v[:3] for k, v in clean.items()}
+    # the pixel part: the reader images and their re-encodings, calibrated on the
+    # temperature and defer images
+    px = back.novelty.parts["pixels"]
+    assert parts["pixels"]["n_images"] == len(reader_img)
+    assert len(px.t["calibration"]) == len(first_per_image(cal, ids))
+    # the combined p-value of a row is Bonferroni over the three parts
+    row = with_pixels({k: v[:3] for k, v in clean.items()}, [it.image() for it in items[:3]])
     each = back.novelty.part_p_values(row)
-    assert np.allclose(back.novelty.p_values(row),
-                       np.minimum(1, 2 * np.minimum(each["image"], each["question"])))
+    assert np.allclose(back.novelty.p_values(row), np.minimum(
+        1, 3 * np.minimum(np.minimum(each["image"], each["question"]), each["pixels"])))
 
 
 def test_the_novelty_stage_logs_its_flag_rates_out_of_sample(actors, own_or_wrong_data,
