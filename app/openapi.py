@@ -80,7 +80,7 @@ OPERATOR_ERRORS = {401: "missing or wrong API key, or a wrong operator key",
 OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
                          404: "no kept rule has that version (GET /calibration lists them)"},
                      ("post", "/calibration/rollback"): {
-                         409: "nothing to roll back to: the shipped rule is active"}}
+                         409: "nothing to roll back to: shipped is the only rule in the chain"}}
 
 
 def _error(op: dict, code: int, description: str) -> dict:

@@ -485,7 +485,8 @@ class RuleStore:
         would otherwise switch again at its next window)."""
         with self.lock:
             if len(self.chain) < 2:
-                raise RecertError("nothing to roll back to: the shipped rule is active")
+                raise RecertError(f"nothing to roll back to: {self.active.version} is the "
+                                  "only rule in the chain")
             old = self.active
             self.chain.pop()
             self.pinned = True
@@ -499,10 +500,14 @@ class RuleStore:
         with self.lock:
             version = version or self.active.version
             if version not in self.rules:
-                raise RecertError(f"no rule {version!r}; known: {', '.join(self.rules)}")
+                # the client's text is not echoed (docs/errors.md)
+                raise RecertError(f"no such rule; known: {', '.join(self.rules)}")
             old = self.active
             if version != old.version:
-                self.chain = [v for v in self.chain if v != version] + [version]
+                # the shipped rule stays first, so a rollback can always reach it; pinning
+                # it empties the chain above it (those rules stay known, to pin again)
+                rest = [v for v in self.chain if v not in (version, SHIPPED)]
+                self.chain = [SHIPPED] if version == SHIPPED else [SHIPPED, *rest, version]
             self.pinned = True
             self._event("pin", who, old=old, new=self.active)
             self._save()

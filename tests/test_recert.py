@@ -298,6 +298,26 @@ def test_switch_is_audited_persisted_and_served(tmp_path):
     assert _store(tmp_path, base).active.version == new.version
 
 
+def test_pinning_the_shipped_rule_keeps_it_reachable_by_rollback(tmp_path):
+    """pin r, pin shipped, rollback: the shipped rule stays first in the chain, so a
+    rollback never strands an operator on a re-certified rule, and a 409 names the rule
+    that is active (it used to say "shipped" while another rule served)."""
+    base = _base()
+    s = _store(tmp_path, base)
+    for rid, served, z in stream(np.random.default_rng(8), 300, base, shift=6.0):
+        s.add(rid, served, z, "operator:a")
+    new = s.active.version
+    assert new != SHIPPED
+    assert s.pin(SHIPPED, "operator:b").version == SHIPPED and s.chain == [SHIPPED]
+    with pytest.raises(Exception, match=f"{SHIPPED} is the only rule"):
+        s.rollback("operator:b")
+    assert s.pin(new, "operator:b").version == new and s.chain == [SHIPPED, new]
+    assert s.rollback("operator:b").version == SHIPPED
+    with pytest.raises(Exception) as e:
+        s.pin("\x00odd", "operator:b")
+    assert "odd" not in str(e.value)                        # client text not echoed
+
+
 def test_a_refused_window_keeps_the_rule(tmp_path):
     base = _base()
     s = _store(tmp_path, base, window=300)
