@@ -95,3 +95,22 @@ def test_digit_jsd_is_the_papers_pairwise_11_way_statistic():
     assert s["p_jsd_le_0.1_answer"] == 0.0
     assert "p_jsd11_le_0.1_answer" not in tgs_probe.summarise(
         [rec([peaked])], cfg)["dualread"]
+
+
+def test_a_probe_against_an_answer_only_deployment_says_so():
+    """An answer without confidences (answer-only mode) fails the item with a message that
+    names the mode, not an AttributeError on `None`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from clients.probes.runner import Memo
+    from models.items import Item
+
+    class Client:
+        async def answer(self, image, question, max_new_tokens):
+            return SimpleNamespace(answer="yes", response="yes", confidence=None)
+
+    ctx = SimpleNamespace(client=Client(), cfg=SimpleNamespace(max_new_tokens=8))
+    item = Item(id="i", image_path="none.png", question="q?", answer="yes", image_id="im")
+    with pytest.raises(RuntimeError, match="answer-only"):
+        asyncio.run(Memo(ctx, item)._call(lambda: b""))

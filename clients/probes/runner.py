@@ -175,6 +175,9 @@ class Memo:
 
     async def _call(self, image: Callable[[], bytes | str | Path]) -> dict:
         r = await self.ctx.client.answer(image(), self.item.question, self.ctx.cfg.max_new_tokens)
+        if r.confidence is None:
+            raise RuntimeError("the deployment answers without confidence heads (answer-only "
+                               "mode): the probes read its confidences")
         return {"answer": r.answer, "response": r.response,
                 "confidence": r.confidence.model_dump(),
                 "defer_threshold": getattr(r, "defer_threshold", None)}
