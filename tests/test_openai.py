@@ -82,6 +82,9 @@ def test_max_tokens_is_the_generation_limit(client, url):
     want = answer(url, 3, max_new_tokens=1)
     assert got.model_extra["dualread"]["response"] == want["response"]
     assert got.model_extra["dualread"]["defer_reason"] == want["defer_reason"]
+    # cut at the limit: OpenAI's "length", so a client reading only choices sees it
+    assert "truncated" in want["defer_reasons"]
+    assert got.choices[0].finish_reason == "length"
     full = answer(url, 3)
     assert len(want["response"]) <= len(full["response"])
 

@@ -36,6 +36,7 @@ from clients.schemas import (
     CONTROL_CHARS,
     LIMIT,
     VISIBLE_LETTER_OR_DIGIT,
+    DeferCode,
     integer,
 )
 from models.images import ImageInvalid, ImageTooLarge
@@ -173,7 +174,9 @@ class AssistantMessage(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop"] = "stop"
+    # "length": the response was cut at the token limit (OpenAI's meaning; `dualread` then
+    # defers with `truncated`), so a client reading only the standard fields sees it
+    finish_reason: Literal["stop", "length"] = "stop"
     logprobs: None = None
 
 
@@ -371,7 +374,9 @@ async def chat_completions(request: Request, serving: Serving = Depends(get_serv
     request.scope["state"]["batch_size"] = served.batch
     res = response(serving, rid, served.result, served.queued_s)
     return ChatCompletion(id=f"chatcmpl-{rid}", created=int(time.time()), model=MODEL_ID,
-                          choices=[Choice(message=AssistantMessage(content=res.answer))],
+                          choices=[Choice(message=AssistantMessage(content=res.answer),
+                                          finish_reason="length" if DeferCode.truncated
+                                          in res.defer_reasons else "stop")],
                           dualread=res)
 
 
