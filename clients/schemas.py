@@ -359,6 +359,10 @@ class FeedbackResponse(BaseModel):
                           "is remembered (never issued, issued by another replica, or too "
                           "long ago), or that answer already has its verdict; null when "
                           "accepted")
+    counted: bool = Field(False, description="whether this verdict counts toward "
+                          "re-certifying the defer rule: only with the operator key, on a "
+                          "server that has one (`X-Operator-Key` sent to a server without one "
+                          "counts nothing, and this says so)")
 
 
 class ErrorResponse(BaseModel):

@@ -323,9 +323,9 @@ def test_feedback_updates_gauges(api):
         assert body["accepted"] and body["reason"] is None
     # a forged id and a second verdict are both refused, and told apart
     assert api.post("/feedback", json={"request_id": "unknown", "correct": True}).json() \
-        == {"accepted": False, "window": 6, "reason": "unknown"}
+        == {"accepted": False, "window": 6, "reason": "unknown", "counted": False}
     assert api.post("/feedback", json={"request_id": ids[0], "correct": False}).json() \
-        == {"accepted": False, "window": 6, "reason": "already_labelled"}
+        == {"accepted": False, "window": 6, "reason": "already_labelled", "counted": False}
     text = api.get("/metrics").text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert "dualread_feedback_defer_rate" in fams

@@ -139,7 +139,8 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert g[("dualread_drift_window", None)] >= 50
         assert g[("dualread_drift_flagged_share", None)] >= 0.9
         # an unauthenticated client's verdicts (no operator key) never count
-        _verdicts(c, bodies[:30], lambda k: True, headers={})
+        assert not any(v["counted"] for v in _verdicts(c, bodies[:30], lambda k: True,
+                                                        headers={}))
         assert c.get("/calibration").json()["window"]["counted"] == 0
         # a wrong operator key is refused outright
         r = c.post("/feedback", json={"request_id": bodies[30]["request_id"],
@@ -159,7 +160,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         shipped_released = 1 - np.mean([b["defer"] for b in bodies])
         assert shipped_released <= 0.1
         assert np.mean([b["novelty"]["novel"] for b in bodies]) >= 0.9
-        _verdicts(c, bodies, lambda k: k % 10 != 0)
+        assert all(v["counted"] for v in _verdicts(c, bodies, lambda k: k % 10 != 0))
         assert c.get("/calibration").json()["window"]["counted"] == 60
 
     # ---- restart mid-window: a new process state from disk; no counted verdict lost
@@ -256,8 +257,9 @@ def test_without_an_operator_key_nothing_counts(actor_dirs, heads_dir, tmp_path,
     with TestClient(create_app(settings, svc)) as c:
         bodies = _answers(c, [benign(k) for k in range(20)])
         for b in bodies:        # the monitor takes them; none counts toward a certificate
-            assert c.post("/feedback", json={"request_id": b["request_id"], "correct": True},
-                          headers=OP).json()["accepted"]
+            got = c.post("/feedback", json={"request_id": b["request_id"], "correct": True},
+                         headers=OP).json()
+            assert got["accepted"] and got["counted"] is False     # and the sender learns it
         cal = c.get("/calibration").json()
         assert cal["counting"] is False and "no operator key" in cal["reason"]
         assert cal["active"]["version"] == "shipped" and "last_attempt" not in cal

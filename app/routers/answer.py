@@ -271,4 +271,5 @@ async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
     known = labelled or counted
     reason = None if known else (
         "already_labelled" if hooks.monitor.already_labelled(body.request_id) else "unknown")
-    return FeedbackResponse(accepted=known, window=len(hooks.monitor.window), reason=reason)
+    return FeedbackResponse(accepted=known, window=len(hooks.monitor.window), reason=reason,
+                            counted=counted)
