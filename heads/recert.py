@@ -353,6 +353,25 @@ class Settings:
     delta: float | None = None         # None: the shipped policy's δ
 
 
+def detectors_digest(heads: Heads) -> str:
+    """What a rule's detector references were scored by: each detector's kind, feature and
+    calibration scores (a `dualread fit-detectors` run changes it, `fit-heads`' commit
+    does not), so a state file's rules are only reused with the detectors they extended."""
+    h = hashlib.sha256()
+    for name in DETECTORS:
+        det = getattr(heads, name, None)
+        h.update(name.encode())
+        if det is None:
+            h.update(b"-")
+            continue
+        parts = getattr(det, "parts", {"": det})
+        for key, part in sorted(parts.items()):
+            h.update(f"{key}:{part.kind}:{part.feature}".encode())
+            cal = part.t.get("calibration")
+            h.update(b"-" if cal is None else cal.numpy().astype("<f8").tobytes())
+    return h.hexdigest()
+
+
 class RuleStore:
     """The active rule, the rules kept for rollback, the open window of counted verdicts
     and the audit history, persisted atomically in one JSON file (never the heads' own
@@ -383,10 +402,16 @@ class RuleStore:
         if not self.path.exists():
             return
         state = json.loads(self.path.read_text())
+        present = {name for name in DETECTORS if getattr(self.base, name, None) is not None}
         same = state.get("heads_id") == self.heads_id and \
+            state.get("detectors") == detectors_digest(self.base) and \
             state.get("rules", {}).get(SHIPPED, {}).get("policy") == shipped.policy and \
-            state.get("rules", {}).get(SHIPPED, {}).get("temperatures") == shipped.temperatures
+            state.get("rules", {}).get(SHIPPED, {}).get("temperatures") == shipped.temperatures \
+            and all(set(r.get("references", {})) <= present
+                    for r in state.get("rules", {}).values())
         if not same:
+            # a rule certified against other detectors (a `fit-detectors` since, or a
+            # retired check) must not wrap these ones: its references are their scores
             # another artefact's state: keep it aside, start from the shipped rule
             stale = self.path.with_name(self.path.name + f".stale-{int(time.time())}")
             os.replace(self.path, stale)
@@ -403,7 +428,8 @@ class RuleStore:
         self.last_attempt = state.get("last_attempt")
 
     def _save(self) -> None:
-        state = {"heads_id": self.heads_id, "chain": self.chain, "pinned": self.pinned,
+        state = {"heads_id": self.heads_id, "detectors": detectors_digest(self.base),
+                 "chain": self.chain, "pinned": self.pinned,
                  "rules": {k: r.to_dict() for k, r in self.rules.items()},
                  "window": [v.to_dict() for v in self.window],
                  "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,

@@ -318,6 +318,23 @@ def test_pinning_the_shipped_rule_keeps_it_reachable_by_rollback(tmp_path):
     assert "odd" not in str(e.value)                        # client text not echoed
 
 
+def test_a_detector_refit_sets_the_re_certified_rules_aside(tmp_path):
+    """A rule's references are scores of the detector it extended: after `fit-detectors`
+    (same fit-heads commit, new detector) the state file is set aside and the shipped rule
+    serves, instead of the old references wrapping the new detector."""
+    base = _base()
+    s = _store(tmp_path, base)
+    for rid, served, z in stream(np.random.default_rng(8), 300, base, shift=6.0):
+        s.add(rid, served, z, "operator:a")
+    assert s.active.version != SHIPPED and s.active.references
+    assert _store(tmp_path, base).active.version == s.active.version     # same detector
+    refit = _base()
+    refit.novelty = _check(seed=5)                  # another calibration of the detector
+    again = _store(tmp_path, refit)
+    assert again.active.version == SHIPPED and again.window == []
+    assert list(tmp_path.glob("state.json.stale-*"))
+
+
 def test_a_refused_window_keeps_the_rule(tmp_path):
     base = _base()
     s = _store(tmp_path, base, window=300)
