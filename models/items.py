@@ -8,11 +8,13 @@ models.data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from models.canon import canon
+from models.images import open_image
 
 COLOURS = ("red", "green", "blue", "black", "gray", "teal", "brown", "yellow")
 SHAPES = ("circle", "rectangle", "triangle")
@@ -31,8 +33,9 @@ class Item:
     options: dict[str, str] = field(default_factory=dict)
 
     def image(self) -> Image.Image:
-        with Image.open(self.image_path) as im:
-            return im.convert("RGB")
+        """Decoded as `/answer` decodes an upload (16-bit greys scaled, alpha on white, EXIF
+        orientation): fitting and evaluation read the pixels the service will score."""
+        return open_image(Path(self.image_path).read_bytes())
 
     @property
     def canonical(self) -> str:

@@ -1,0 +1,35 @@
+"""Fitting and evaluation read an item's image as `/answer` decodes an upload, so the
+detector's pixel part and the actor see the same pixels offline as when served."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.images import open_image
+from models.items import Item
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Image.fromarray(np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)),
+    lambda: Image.fromarray(np.dstack([np.full((32, 32, 3), 40, np.uint8),
+                                       np.tile(np.arange(32, dtype=np.uint8) * 8, (32, 1))]),
+                            "RGBA"),
+], ids=["16-bit grey", "RGBA"])
+def test_an_item_reads_its_image_as_the_service_does(tmp_path, make):
+    data = _png(make())
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    item = Item(id="i", image_path=str(path), question="q?", answer="a", image_id="x")
+    served = np.asarray(open_image(data))
+    assert np.array_equal(np.asarray(item.image()), served)
+    # a plain RGB conversion reads other pixels here: the case this guards
+    with Image.open(path) as im:
+        assert not np.array_equal(np.asarray(im.convert("RGB")), served)
