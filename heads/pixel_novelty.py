@@ -36,6 +36,7 @@ COLOUR_WINDOWS = (3, 11)
 GRADIENT_WINDOWS = (5, 11)
 GRADIENT_WEIGHT = 2.0  # gradient votes (a step edge ≈ 0.5 a pixel) against colours in [0, 1]
 PIXEL_BANK = 8_000     # descriptors kept in the bank (coreset)
+CHUNK = 128           # images described at once
 CORESET_POOL = 80_000  # descriptors the coreset is chosen from (a deterministic subsample)
 DIM = 3 * len(COLOUR_WINDOWS) + BINS * len(GRADIENT_WINDOWS)
 
@@ -85,9 +86,14 @@ def pixel_descriptors(images: Sequence[Image.Image], side: int = SIDE,
     """Patch descriptors [N, P, DIM] of decoded images, P = (side / stride)²."""
     if not images:
         return torch.zeros(0, (side // stride) ** 2, DIM)
-    x = torch.stack([_as_tensor(im, side) for im in images])
-    d = descriptor_maps(x)[:, :, ::stride, ::stride]
-    return d.flatten(2).transpose(1, 2).contiguous()
+    out = []
+    # in chunks: the full-resolution maps are stride² times the kept descriptors, so a
+    # fit or evaluation over thousands of images would hold gigabytes of them at once
+    for i in range(0, len(images), CHUNK):
+        x = torch.stack([_as_tensor(im, side) for im in images[i:i + CHUNK]])
+        d = descriptor_maps(x)[:, :, ::stride, ::stride]
+        out.append(d.flatten(2).transpose(1, 2).contiguous())
+    return torch.cat(out)
 
 
 def with_pixels(feats: dict[str, torch.Tensor], images: Sequence[Image.Image],

@@ -134,3 +134,15 @@ def test_a_composite_with_a_pixel_part_saves_loads_and_combines_bonferroni(fitte
     # a re-certified reference wraps it and still reads the pixels
     ext = back.extend_reference(np.array([0.1, 0.2]))
     assert ext.reads_pixels and len(ext.read(feats)) == 2
+
+
+def test_descriptors_in_chunks_are_the_descriptors_at_once(monkeypatch):
+    """Described in chunks (bounded memory on a large fit or evaluation), every image gets
+    the same descriptors as in one batch."""
+    import heads.pixel_novelty as pn
+
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(7)]
+    whole = pn.pixel_descriptors(ims)
+    monkeypatch.setattr(pn, "CHUNK", 3)
+    assert torch.equal(pn.pixel_descriptors(ims), whole)
