@@ -1,6 +1,6 @@
 """Design study of the pixel novelty part on development suites only (no actor needed).
 
-    python -m heads.pixel_novelty_study --out docs/defer/pixel-dev.md
+    python -m studies.pixel_novelty_study --out docs/defer/pixel-dev.md
 
 Fits `heads.pixel_novelty.PixelNovelty` on images of `easyvqa:heldout` (+ benign
 re-encodings of development families), calibrates on other images of it, and prints the
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     fit_s = time.perf_counter() - t
     det.calibrate(pixel_descriptors([it.image() for it in cal]))
     lines = ["# Pixel novelty part on the development suites", "",
-             "    python -m heads.pixel_novelty_study --per-suite 40 --out "
+             "    python -m studies.pixel_novelty_study --per-suite 40 --out "
              "docs/defer/pixel-dev.md", "",
              f"Pixel novelty part, development suites only (`python -m heads.pixel_novelty_"
              f"study`): fitted on {len(fit)} `easyvqa:heldout` images + {len(aug)} benign "
