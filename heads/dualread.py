@@ -296,11 +296,12 @@ class Heads:
     # ------------------------------------------------------------- the defer rule
     def with_images(self, feats: dict, images: Sequence | None) -> dict:
         """`feats` with the pixel descriptors of `images` when the detector reads them."""
-        if images is None or not getattr(self.novelty, "reads_pixels", False):
+        if not getattr(self.novelty, "reads_pixels", False):
             return feats
-        from heads.pixel_novelty import with_pixels
-
-        return with_pixels(feats, images)
+        if images is None:
+            raise ValueError("these heads' novelty detector reads the image (a pixel part): "
+                             "pass each readout's decoded image")
+        return heads.pixel_novelty.with_pixels(feats, images)
 
     def novelty_of(self, readout, image=None) -> NoveltyReading | None:
         """Score, conformal p-value and flag of one readout (and its decoded image, which
