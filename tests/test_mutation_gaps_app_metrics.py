@@ -1,0 +1,1 @@
+"""Mutation gaps (placeholder while the run is prepared)."""
