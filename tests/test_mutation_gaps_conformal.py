@@ -35,3 +35,14 @@ def test_kth_distance_equals_brute_force_below_one():
         assert np.allclose(got, np.sort(full, axis=1)[:, k - 1], atol=1e-7)
     assert kth_distance(z[:1], bank, 1)[0] == 0.0          # clipped at zero, never NaN
     assert np.all(kth_distance(z, bank, 1) < 1.0)
+
+
+def test_kth_distance_is_exact_for_a_large_k():
+    # np.partition leaves the rows below a small kth in order, so only a large k shows
+    # that the k-th smallest distance is the one partitioned for
+    rng = np.random.default_rng(3)
+    bank = rng.normal(size=(300, 4))
+    z = rng.normal(size=(40, 4))
+    full = np.sort(np.linalg.norm(z[:, None, :] - bank[None, :, :], axis=2), axis=1)
+    for k in (50, 120):
+        assert np.allclose(kth_distance(z, bank, k), full[:, k - 1], atol=1e-9)
