@@ -65,3 +65,92 @@ def test_a_part_the_heads_lack_is_left_out_even_with_its_values():
     got = defer_accounting(_heads(novelty=True), Z, C, [0.5] * 6, None, [0.01] * 6)
     assert set(got["defer"]["deferred_share"]) == {"tau", "novelty"}
     assert got["defer"]["n_kept"] == 4
+
+
+# ------------------------------------------------------------------ the rest of the module
+class _Tok:
+    """One token per word, plus one for a special token when asked to add them."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(len(text.split()) + int(add_special_tokens)))
+
+
+def test_response_problems_encode_without_special_tokens_and_need_a_tag_only_by_card(
+        tmp_path):
+    from heads.evaluate import response_problems
+
+    actor = type("A", (), {"folder": str(tmp_path), "tokenizer": _Tok()})()
+    # no card: no answer tag needed; 7 words < 8 is not truncated (a special token would
+    # make it 8)
+    got = response_problems(actor, ["I think red", "a b c d e f g"], max_new_tokens=8)
+    assert got == [None, None]
+    assert response_problems(actor, ["a b c d e f g h"], max_new_tokens=8) == [
+        "truncated (no end of response within max_new_tokens)"]
+    (tmp_path / "actor_card.json").write_text('{"response_format": "<answer>x</answer>"}')
+    assert response_problems(actor, ["I think red"], 8) == ["no answer tag"]
+    no_tok = type("B", (), {"folder": str(tmp_path)})()
+    assert response_problems(no_tok, ["I think red"], 8) is None
+
+
+def test_methods_left_out_when_the_tokenizer_cannot_read_p_true():
+    from heads import evaluate as ev
+
+    class Many:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [0] * (10 * len(text))
+
+    reads = type("M", (), {"name": "ptrue", "passes": ("follow_up",)})()
+    other = type("M", (), {"name": "dualread", "passes": ("readout",)})()
+    actor = type("A", (), {"tokenizer": Many()})()
+    why = ev._unreadable_follow_up(actor, [reads, other])
+    assert list(why) == ["ptrue"] and "P(True) template" in why["ptrue"]
+    assert ev._unreadable_follow_up(type("A", (), {"tokenizer": _Tok()})(), [reads]) == {}
+    assert ev._unreadable_follow_up(type("A", (), {})(), [reads]) == {}
+
+
+def test_methods_follow_the_registry_and_other_names_fail():
+    from heads import evaluate as ev
+    from heads import registry
+
+    assert ev.METHODS == registry.names()
+    with pytest.raises(AttributeError, match="NOPE"):
+        ev.NOPE  # noqa: B018
+
+
+def test_score_all_scores_the_chosen_methods_in_order(monkeypatch):
+    from heads import evaluate as ev
+    from heads import registry
+
+    class M:
+        def __init__(self, name: str, v: float) -> None:
+            self.name, self.v = name, v
+
+        def score(self, heads, feats):
+            return np.full(2, self.v) + feats["x"]
+
+    ms = {"a": M("a", 1.0), "b": M("b", 2.0)}
+    monkeypatch.setattr(registry, "get", lambda n: ms[n])
+    monkeypatch.setattr(registry, "names", lambda: ("b", "a"))
+    got = ev.score_all(None, {"x": np.array([0.0, 0.5])}, ("a",))
+    assert list(got) == ["a"] and got["a"].tolist() == [1.0, 1.5]
+    assert list(ev.score_all(None, {"x": np.zeros(2)})) == ["b", "a"]
+
+
+def test_a_cell_shows_its_interval_unless_it_is_undefined():
+    from heads.evaluate import _fmt
+
+    assert _fmt({"auroc": 0.81234, "auroc_ci": (0.7, 0.9)}, "auroc") == \
+        "0.812 [0.700, 0.900]"
+    assert _fmt({"auroc": 0.81234, "auroc_ci": (float("nan"), float("nan"))}, "auroc") == \
+        "0.812"
+    assert _fmt({"auroc": 0.5}, "auroc") == "0.500"
+
+
+def test_the_actor_folder_is_shown_relative_to_the_working_directory(tmp_path, monkeypatch):
+    from heads.evaluate import _display
+
+    (tmp_path / "actors" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert _display(str(tmp_path / "actors" / "tiny")) == "actors/tiny"
+    assert _display("actors/tiny") == "actors/tiny"
+    assert _display(str(tmp_path.parent / "elsewhere" / "model")) == "model"
