@@ -126,14 +126,14 @@ def test_score_all_scores_the_chosen_methods_in_order(monkeypatch):
             self.name, self.v = name, v
 
         def score(self, heads, feats):
-            return np.full(2, self.v) + feats["x"]
+            return np.full(2, self.v * heads["w"]) + feats["x"]
 
     ms = {"a": M("a", 1.0), "b": M("b", 2.0)}
     monkeypatch.setattr(registry, "get", lambda n: ms[n])
     monkeypatch.setattr(registry, "names", lambda: ("b", "a"))
-    got = ev.score_all(None, {"x": np.array([0.0, 0.5])}, ("a",))
-    assert list(got) == ["a"] and got["a"].tolist() == [1.0, 1.5]
-    assert list(ev.score_all(None, {"x": np.zeros(2)})) == ["b", "a"]
+    got = ev.score_all({"w": 2.0}, {"x": np.array([0.0, 0.5])}, ("a",))
+    assert list(got) == ["a"] and got["a"].tolist() == [2.0, 2.5]       # the heads given
+    assert list(ev.score_all({"w": 1.0}, {"x": np.zeros(2)})) == ["b", "a"]
 
 
 def test_a_cell_shows_its_interval_unless_it_is_undefined():
