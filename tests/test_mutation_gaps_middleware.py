@@ -108,6 +108,11 @@ def test_bearer_matches_any_case_of_the_scheme_only():
     assert not bearer_matches("Basic k1", "k1")
     assert not bearer_matches("k1", "k1")
     assert not bearer_matches("Bearer k2", "k1")
+    # another scheme never matches, even with the key itself as its token
+    assert not bearer_matches("Basic XXXX", "XXXX")
+    # the scheme ends at the first space, as FastAPI's HTTPBearer splits it
+    assert bearer_matches("Bearer a b", "a b")
+    assert not bearer_matches("Bearer a b", "b")
 
 
 # ------------------------------------------------------------------ the middleware
