@@ -93,6 +93,9 @@ def test_duplicate_keys_as_the_parser_reads_them():
     assert json_problem(b'{"\\x": 1, "y": 2}') is None           # invalid escape: parser's
     assert json_problem(b'{"a\\"b": 1, "a\\"b": 2}') == "body: an object has a duplicate key"
     assert json_problem('{"é": 1, "e": 2}'.encode()) is None
+    # a key that is not UTF-8 is read leniently, never an error here: the parser refuses it
+    assert json_problem(b'{"\xff": 1, "a": 2}') is None
+    assert json_problem(b'{"\xff\\n": 1, "a": 2}') is None
 
 
 def test_nul_bytes_and_unclosed_strings():
