@@ -47,6 +47,8 @@ def test_a_long_number_is_found_between_tokens_and_at_the_end():
     n = b"9" * (LIMIT + 1)
     for body in (b'{"a": ' + n + b"}", b"[1, " + n + b", 2]", b"[" + n, n):
         assert json_problem(body) == f"body: a number has more than {LIMIT} digits"
+    # digits inside a string are text, not a number
+    assert json_problem(json.dumps({"a": "1" * (LIMIT + 1), "b": 2}).encode()) is None
     ok = b"9" * LIMIT
     assert json_problem(b'{"a": ' + ok + b', "b": ' + ok + b"}") is None
     assert json_problem(b"[" + ok) is None
@@ -101,6 +103,8 @@ def test_duplicate_keys_as_the_parser_reads_them():
 def test_nul_bytes_and_unclosed_strings():
     assert json_problem(b'{"a": 1}\x00') == "body: JSON must be UTF-8 text"
     assert json_problem(b'{"a": "x') is None
+    # a colon before any key is invalid JSON, left to the parser
+    assert json_problem(b'{:1}') is None
     # after an unclosed string nothing more is checked
     assert json_problem(b'["' + b"[" * 40) is None
 
