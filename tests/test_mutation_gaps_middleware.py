@@ -434,3 +434,8 @@ def test_unrouted_requests_are_labelled_unmatched():
     m = Metrics()
     assert _call(_mw(metrics=m), "GET", "/nowhere")["status"] == 404
     assert _count(m, "unmatched", 404) == 1
+
+
+def test_a_body_without_a_content_type_is_passed_on_unchecked():
+    r = _call(_mw(), "POST", "/echo", {}, [b"{}"])
+    assert r["status"] == 200 and r["json"]["n"] == 2
