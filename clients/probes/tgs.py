@@ -92,6 +92,7 @@ def plan(response: str, question: str, key: str, cfg: Config
     return labels, trajs, masks, variants
 
 
+# pragma: no mutate start (reached only through a live service: docs/testing.md)
 async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     real = await memo.real()
     ifaces = list(real["confidence"])
@@ -112,6 +113,7 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
             "hesitations": sum(k.endswith(":pre") for k in labels)}
 
 
+# pragma: no mutate end
 def _ci(rows: list[dict], d: np.ndarray, cfg: Config) -> tuple[float, float]:
     if not len(rows):
         return NAN_CI
