@@ -125,9 +125,14 @@ def test_feedback_is_counted_by_whether_the_answer_was_known():
     assert m.feedback_stats.version == v0                 # nothing new to compute
     assert hooks.feedback("a", True) is True
     assert m.feedback_stats.version == v0 + 1
-    assert _value(m, "dualread_feedback_total", {"known": "true"}) == 1
+    assert monitor.window[-1] == (0.9, False, True)       # the verdict as given
+    hooks.answered("b", _result(True, ("low_confidence",), 0.2), 0.0)
+    assert hooks.feedback("b", False) is True
+    assert m.feedback_stats.version == v0 + 2               # each new verdict counts
+    assert monitor.window[-1] == (0.2, True, False)
+    assert _value(m, "dualread_feedback_total", {"known": "true"}) == 2
     assert _value(m, "dualread_feedback_total", {"known": "false"}) == 1
-    assert _value(m, "dualread_feedback_window") == 1
+    assert _value(m, "dualread_feedback_window") == 2
 
 
 class _Counting:
@@ -151,6 +156,9 @@ def test_statistics_are_recomputed_only_after_new_feedback():
     assert col.stats()["n"] == 5.0 and mon.calls == 2
     col.stats()
     assert mon.calls == 2
+    mon.n = 6
+    col.changed()                                        # a second change is seen too
+    assert col.stats()["n"] == 6.0 and mon.calls == 3
     got = {g.name: (g.documentation, g.samples[0].value, g.samples[0].labels)
            for g in col.collect()}
     # an infinite statistic is left out like a NaN; 0 is a real value and is kept
