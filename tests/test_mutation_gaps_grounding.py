@@ -179,3 +179,33 @@ def test_paired_vs_skips_the_reference_and_needs_pairs_of_both():
     assert "ci" in out["m"]["ccg_natural"]
     assert "ccg_natural" not in grounding.paired_vs("ref", scores, z, clusters,
                                                     {"m": pairs["m"]}, bootstrap=0)["m"]
+
+
+def test_plan_donors_uses_its_seed_and_skips_items_without_a_donor():
+    from models.data import HardNegativeIndex
+
+    items = [_item(9, "Is there a circle?", "yes", "Z")]   # no donor: first, not last
+    items += [_item(k, "What color is the shape?", c, f"I{k}")
+              for k, c in enumerate(["red", "blue", "green", "teal", "red", "blue"])]
+    for seed in (0, 3):
+        plan = grounding.plan_donors(items, seed=seed)
+        index = HardNegativeIndex(items, seed)
+        assert plan.source == list(range(1, len(items)))
+        assert [d.id for d in plan.donor] == [index.assign(it).id for it in items[1:]]
+
+
+def test_each_extra_run_is_read_once_in_order():
+    items = [_item(k, "q?", a, f"I{k}") for k, a in enumerate(["red", "blue", "green"])]
+    plan = grounding.DonorPlan(source=[0, 1, 2], donor=[items[1], items[2], items[0]],
+                               reuse=[None, None, None])
+    runs = grounding.donor_runs(plan, np.array([1, 1, 1]), ["red", "blue", "green"],
+                                {"m": np.array([1, 2, 3])}, np.array([0, 1, 0]),
+                                ["x", "y", "z"], {"m": np.array([7, 8, 9])})
+    assert runs.canonical == ["x", "y", "z"] and runs.z.tolist() == [0, 1, 0]
+    assert runs.scores["m"].tolist() == [7.0, 8.0, 9.0]
+    assert runs.scores["m"].dtype == np.float64              # confidences, whatever came in
+    # a method without scores on the extra runs cannot be filled in
+    one = grounding.DonorPlan(source=[0], donor=[items[1]], reuse=[None])
+    with pytest.raises(IndexError):
+        grounding.donor_runs(one, np.array([1]), ["red"], {"m": np.array([0.5])},
+                             np.array([0]), ["x"], {})
