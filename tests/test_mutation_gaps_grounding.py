@@ -209,3 +209,13 @@ def test_each_extra_run_is_read_once_in_order():
     with pytest.raises(IndexError):
         grounding.donor_runs(one, np.array([1]), ["red"], {"m": np.array([0.5])},
                              np.array([0]), ["x"], {})
+
+
+def test_ccg_interval_is_the_cluster_bootstrap_with_the_given_count():
+    from clients.maths import resample_clusters_counted
+
+    p = _pairs(12)
+    s = grounding.ccg_summary(p, [f"d{k}" for k in range(12)], bootstrap=300, seed=3)
+    lo, hi, nan = resample_clusters_counted([q.image_id for q in p],
+                                            lambda i: ccg_auc([p[k] for k in i]), 300, 3)
+    assert s["ccg_natural_ci"] == (lo, hi) and s["ccg_natural_ci_nan_resamples"] == nan
