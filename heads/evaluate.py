@@ -41,6 +41,7 @@ def score_all(heads: Heads, feats: dict, methods: tuple[str, ...] | None = None
     return {m.name: m.score(heads, feats) for m in registry.select(methods)}
 
 
+# pragma: no mutate start (reached only through the tiny actors: docs/testing.md)
 def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
              methods: tuple[str, ...] | None = None, limit: int | None = None,
              bootstrap: int = 1000, cache_dir: str | Path | None = None,
@@ -123,17 +124,7 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
                     if getattr(heads.novelty, "reads_pixels", False) else feats
                 novelty_p = [r.p_value for r in heads.novelty.read(nf, heads.novelty_alpha)]
             problems = response_problems(actor, meta.get("responses"), max_new_tokens)
-            why = heads.defer_reasons(scores[DEFER_METHOD], novelty_p, problems)
-            if heads.novelty is None:
-                del why["novelty"]
-            if problems is None:           # a cache written without the responses
-                del why["problem"]
-            entry["defer"] = grounding.defer_on(z, why, heads.policy.tau,
-                                                heads.policy.target_risk)
-            deferred = np.zeros(len(z), bool)
-            for flags in why.values():
-                deferred |= np.asarray(flags, bool)
-            entry["suite"] = suite_row(z, scores[DEFER_METHOD], deferred, why["tau"])
+            entry.update(defer_accounting(heads, z, scores[DEFER_METHOD], novelty_p, problems))
         report["datasets"][spec] = entry
         _plots(out, spec, scores, z)
     # macro average over the data specs the heads were not fitted on
@@ -145,6 +136,24 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     return report
+
+
+# pragma: no mutate end
+def defer_accounting(heads: Heads, z: np.ndarray, confidence: np.ndarray,
+                     novelty_p: list | None, problems: list | None) -> dict:
+    """The "defer" and "suite" entries of one data spec: the artefact's whole rule on these
+    items, one reason per part it has (a cache written without the responses has no
+    "problem" part)."""
+    why = heads.defer_reasons(confidence, novelty_p, problems)
+    if heads.novelty is None:
+        del why["novelty"]
+    if problems is None:
+        del why["problem"]
+    deferred = np.zeros(len(z), bool)
+    for flags in why.values():
+        deferred |= np.asarray(flags, bool)
+    return {"defer": grounding.defer_on(z, why, heads.policy.tau, heads.policy.target_risk),
+            "suite": suite_row(z, confidence, deferred, why["tau"])}
 
 
 def response_problems(actor, responses: list[str] | None, max_new_tokens: int
@@ -167,6 +176,7 @@ def response_problems(actor, responses: list[str] | None, max_new_tokens: int
     return out
 
 
+# pragma: no mutate start (reached only through the tiny actors: docs/testing.md)
 def _grounding(heads: Heads, col: Collector, items: list, plan, feats: dict, meta: dict,
                scores: dict[str, np.ndarray], chosen: list, passes: tuple[str, ...],
                rows: dict, bootstrap: int) -> dict:
@@ -195,6 +205,7 @@ def _grounding(heads: Heads, col: Collector, items: list, plan, feats: dict, met
     return out
 
 
+# pragma: no mutate end
 def _unreadable_follow_up(actor, chosen) -> dict[str, str]:
     """Methods left out of the full table, with the reason: P(True) when the actor's
     tokenizer cannot read its template (`heads.passes.ptrue_unreadable`)."""
@@ -213,6 +224,7 @@ def _fmt(row: dict, k: str) -> str:
     return f"{v:.3f}"
 
 
+# pragma: no mutate start (report layout, not its accounting: docs/testing.md)
 def markdown(report: dict) -> str:
     lines = [f"# Evaluation of `{Path(report['actor']).name}`", ""]
     if report.get("command"):
@@ -352,6 +364,7 @@ def _plots(out: Path, spec: str, scores: dict[str, np.ndarray], z: np.ndarray) -
     plt.close(fig)
 
 
+# pragma: no mutate end
 def _display(folder: str) -> str:
     """The actor folder as a report shows it: relative to the working directory when it is
     inside it (reports are committed; absolute paths are one machine's)."""

@@ -41,6 +41,7 @@ def fit_methods(heads: Heads, data: FitData, methods: list[Method] | None = None
     return log
 
 
+# pragma: no mutate start (reached only through the tiny actors: docs/testing.md)
 def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
               target_risk: float = 0.05, delta: float = 0.1, seed: int = 0,
               max_new_tokens: int = 64, novelty: bool = True,
@@ -109,6 +110,7 @@ def fit_heads(actor, items: list[Item], cache_dir: str | Path | None = None,
     return heads, info
 
 
+# pragma: no mutate end
 # ------------------------------------------------------------------ novelty stage
 def novelty_items(items: list[Item], per_family: int = NOVELTY_PER_FAMILY, seed: int = 0
                   ) -> list[Item]:
@@ -147,6 +149,7 @@ def clean_flag_rates(det: Novelty, x: torch.Tensor, first: torch.Tensor,
     return out
 
 
+# pragma: no mutate start (reached only through the tiny actors: docs/testing.md)
 def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                   per_family: int, seed: int = 0, alpha: float = ALPHA
                   ) -> tuple[Novelty, dict]:
@@ -195,6 +198,7 @@ def novelty_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     return nov, log
 
 
+# pragma: no mutate end
 def bce(c: np.ndarray, z: np.ndarray) -> float:
     c = np.clip(np.asarray(c, float), 1e-6, 1 - 1e-6)
     z = np.asarray(z, float)

@@ -113,6 +113,7 @@ def plan_external(own: str | None, own_variants: dict, item: Item, key: str,
     return external.plan(own, own_variants, gold, gold_bad, key, table_for(item.domain)), gold
 
 
+# pragma: no mutate start (reached only through a live service: docs/testing.md)
 async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
     real = await memo.real()
     ifaces = list(real["confidence"])
@@ -138,6 +139,7 @@ async def run_item(ctx: Context, item: Item, memo: Memo) -> dict:
             "hesitations": sum(k.endswith(":pre") for k in labels)}
 
 
+# pragma: no mutate end
 def _ci(rows: list[dict], d: np.ndarray, cfg: Config) -> tuple[float, float]:
     if not len(rows):
         return NAN_CI
@@ -308,6 +310,7 @@ def _ifaces(s: dict) -> list[str]:
     return [k for k, v in s.items() if isinstance(v, dict) and "self" in v]
 
 
+# pragma: no mutate start (report layout and plots: the numbers come from summarise)
 def markdown(s: dict) -> str:
     lines = ["## Trajectory grounding (docs/method.md §3): does confidence read the "
              "trajectory?", "",
@@ -433,3 +436,4 @@ def figures(records: list[dict], section: dict, out: Path) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [str(path)]
+# pragma: no mutate end

@@ -1,0 +1,49 @@
+"""The oriented Platt map at its edges (mutation gaps of heads/calibration.py): the
+orientation follows the fitting split's AUROC, a constant statistic or one-class labels keep
+the defined orientation, and the log records what was fitted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from heads.calibration import MIN_SLOPE, fit_oriented_platt, fuse, platt, platt_log
+
+
+def test_a_statistic_that_ranks_backwards_is_flipped_and_logged():
+    rng = np.random.default_rng(0)
+    z = (rng.uniform(size=400) < 0.5).astype(float)
+    s = -z + rng.normal(0, 0.7, 400)                   # high = wrong
+    ab, log = fit_oriented_platt(s, z)
+    assert ab[0] < 0 and log["orientation"] == "flipped"
+    assert log["fit_auroc_as_defined"] < 0.5
+    assert log["fit_auroc_flipped"] == pytest.approx(1 - log["fit_auroc_as_defined"])
+    assert (log["slope"], log["intercept"]) == (round(ab[0], 6), round(ab[1], 6))
+    p = platt(s, ab)
+    assert p[z == 1].mean() > p[z == 0].mean()
+    assert platt_log(s, z, ab)["inverted"] is True
+    assert platt_log(-s, z, (-ab[0], ab[1]))["inverted"] is False
+
+
+def test_no_signal_keeps_the_defined_orientation_and_a_floor_slope():
+    z = np.array([1.0, 0.0] * 50)
+    s = np.tile([0.2, 0.2, 0.8, 0.8], 25)              # AUROC exactly .5
+    ab, log = fit_oriented_platt(s, z)
+    assert log["orientation"] == "as defined" and log["fit_auroc_as_defined"] == 0.5
+    assert ab[0] >= MIN_SLOPE / s.std() - 1e-9        # never a constant
+    # one class only, or a constant statistic: AUROC undefined, read as .5
+    _, one = fit_oriented_platt(np.linspace(0, 1, 20), np.ones(20))
+    assert one["orientation"] == "as defined" and one["fit_auroc_as_defined"] == 0.5
+    ab_c, const = fit_oriented_platt(np.full(20, 0.3), np.array([1.0, 0.0] * 10))
+    assert const["orientation"] == "as defined" and np.isfinite(ab_c).all()
+
+
+def test_fuse_is_the_mean_of_the_two_logits_in_the_input_dtype():
+    pre = torch.tensor([0.9, 0.2], dtype=torch.float32)
+    post = torch.tensor([0.5, 0.8], dtype=torch.float32)
+    got = fuse(pre, post)
+    # ½·log 9 + ½·0 → σ = 3/4; ½·log ¼ + ½·log 4 = 0 → ½
+    want = [0.75, 0.5]
+    assert got.dtype == torch.float32
+    assert got.numpy() == pytest.approx(want, abs=1e-6)

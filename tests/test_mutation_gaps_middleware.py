@@ -1,0 +1,441 @@
+"""The request middleware driven as plain ASGI, no model (mutation gaps of app/middleware.py):
+the JSON pre-check's bounds, the refusals before routing and their order, the ids on a
+response, the body limit and deadline, a client gone, an unexpected error, and what the
+metrics and the access log record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+
+import pytest
+from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
+
+from app.metrics import Metrics
+from app.middleware import (
+    CLIENT_CLOSED,
+    MAX_JSON_NODES,
+    RequestContext,
+    bearer_matches,
+    body_paths,
+    json_problem,
+    long_number,
+)
+
+LIMIT = sys.get_int_max_str_digits()
+
+
+# ------------------------------------------------------------------ JSON pre-check
+def test_long_number_is_more_digits_than_python_converts():
+    assert not long_number(b"1" * LIMIT)
+    assert long_number(b"1" * (LIMIT + 1))
+    assert long_number(b" , " + b"7" * (LIMIT + 1) + b" ")
+    assert not long_number(b"1" * LIMIT + b" " + b"1" * LIMIT)   # two numbers, each fine
+    assert not long_number(b"x" * (LIMIT + 1))                     # not digits
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)                                  # 0: Python has no limit
+    try:
+        assert not long_number(b"1" * (LIMIT + 1))
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+def test_a_long_number_is_found_between_tokens_and_at_the_end():
+    n = b"9" * (LIMIT + 1)
+    for body in (b'{"a": ' + n + b"}", b"[1, " + n + b", 2]", b"[" + n, n):
+        assert json_problem(body) == f"body: a number has more than {LIMIT} digits"
+    # digits inside a string are text, not a number
+    assert json_problem(json.dumps({"a": "1" * (LIMIT + 1), "b": 2}).encode()) is None
+    ok = b"9" * LIMIT
+    assert json_problem(b'{"a": ' + ok + b', "b": ' + ok + b"}") is None
+    assert json_problem(b"[" + ok) is None
+
+
+def _lists(sizes: list[int]) -> bytes:
+    return json.dumps([[0] * s for s in sizes]).encode()
+
+
+def test_values_are_counted_up_to_the_bound():
+    # values = separators inside containers: sum(s - 1) inside, len - 1 between
+    at = [256] * 16 + [2]                # 16 * 255 + 1 + 16 = 4097
+    assert sum(s - 1 for s in at) + len(at) - 1 == MAX_JSON_NODES + 1
+    assert json_problem(_lists(at)) == f"body: more than {MAX_JSON_NODES} values"
+    below = [256] * 16 + [1]             # 4096
+    assert json_problem(_lists(below)) is None
+
+
+def test_object_and_list_bounds_by_hand():
+    def obj(n: int) -> bytes:
+        return json.dumps({f"k{i}": 1 for i in range(n)}).encode()
+
+    assert json_problem(obj(32)) is None
+    assert json_problem(obj(33)) == "body: an object has more than 32 fields"
+    assert json_problem(json.dumps([0] * 256).encode()) is None
+    assert json_problem(json.dumps([0] * 257).encode()) == "body: a list has more than 256 items"
+    # commas count in a list, colons in an object: 300 commas in one object are fine
+    assert json_problem(json.dumps({"a": 1, "b": [0] * 200}).encode()) is None
+    assert json_problem(b"[" * 16 + b"]" * 16) is None
+    assert json_problem(b"[" * 17 + b"]" * 17) == "body: nested deeper than 16 levels"
+    assert json_problem(b"{" * 17) == "body: nested deeper than 16 levels"
+    # a closed container no longer counts towards the depth
+    assert json_problem((b"[" * 15 + b"]" * 15 + b",") * 3) is None
+    # a stray closer at the top level is left to the parser
+    assert json_problem(b"]]}") is None
+    assert json_problem(b"]" + b"[" * 16) is None
+
+
+def test_duplicate_keys_as_the_parser_reads_them():
+    assert json_problem(b'{"q": 1, "q": 2}') == "body: an object has a duplicate key"
+    assert json_problem(b'{"q": 1, "\\u0071": 2}') == "body: an object has a duplicate key"
+    assert json_problem(b'{"q": 1, "r": {"q": 2}}') is None      # another object
+    assert json_problem(b'{"a": "q", "q": 1}') is None           # a value is not a key
+    assert json_problem(b'{"\\x": 1, "y": 2}') is None           # invalid escape: parser's
+    assert json_problem(b'{"a\\"b": 1, "a\\"b": 2}') == "body: an object has a duplicate key"
+    assert json_problem('{"é": 1, "e": 2}'.encode()) is None
+    # a key that is not UTF-8 is read leniently, never an error here: the parser refuses it
+    assert json_problem(b'{"\xff": 1, "a": 2}') is None
+    assert json_problem(b'{"\xff\\n": 1, "a": 2}') is None
+
+
+def test_nul_bytes_and_unclosed_strings():
+    assert json_problem(b'{"a": 1}\x00') == "body: JSON must be UTF-8 text"
+    assert json_problem(b'{"a": "x') is None
+    # a colon before any key is invalid JSON, left to the parser
+    assert json_problem(b'{:1}') is None
+    # after an unclosed string nothing more is checked
+    assert json_problem(b'["' + b"[" * 40) is None
+
+
+def test_bearer_matches_any_case_of_the_scheme_only():
+    assert bearer_matches("Bearer k1", "k1")
+    assert bearer_matches("bEARER k1", "k1")
+    assert not bearer_matches("Basic k1", "k1")
+    assert not bearer_matches("k1", "k1")
+    assert not bearer_matches("Bearer k2", "k1")
+    # another scheme never matches, even with the key itself as its token
+    assert not bearer_matches("Basic XXXX", "XXXX")
+    # the scheme ends at the first space, as FastAPI's HTTPBearer splits it
+    assert bearer_matches("Bearer a b", "a b")
+    assert not bearer_matches("Bearer a b", "b")
+
+
+# ------------------------------------------------------------------ the middleware
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        body = await request.body()
+        return {"n": len(body), "state": {k: request.state._state.get(k)
+                                          for k in ("request_id", "late", "batch_size")}}
+
+    @app.put("/put")
+    async def put(request: Request) -> dict:
+        return {"n": len(await request.body())}
+
+    @app.get("/ok")
+    async def ok() -> dict:
+        return {"ok": True}
+
+    @app.get("/boom")
+    async def boom() -> dict:
+        raise KeyError("x")
+
+    return app
+
+
+def _call(mw: RequestContext, method: str = "GET", path: str = "/ok",
+          headers: dict[str, str] | None = None, body: list[bytes] | None = None,
+          receive=None, send_error: BaseException | None = None) -> dict:
+    chunks = list(body or [])
+    sent: list[dict] = []
+
+    async def default_receive() -> dict:
+        if chunks:
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if send_error is not None and message["type"] == "http.response.start":
+            raise send_error
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+             "server": ("t", 80), "client": ("c", 1),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    asyncio.run(mw(scope, receive or default_receive, send))
+    start = next((m for m in sent if m["type"] == "http.response.start"), None)
+    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return {"start": start, "status": start and start["status"], "scope": scope,
+            "headers": dict((k.decode(), v.decode()) for k, v in start["headers"])
+            if start else {}, "json": json.loads(payload) if payload else None}
+
+
+def _mw(app=None, metrics: Metrics | None = None, **kw) -> RequestContext:
+    app = app or _app()
+    kw.setdefault("max_body_bytes", 100)
+    return RequestContext(app, metrics or Metrics(), draining=kw.pop("draining", lambda: False),
+                          **kw)
+
+
+def _count(metrics: Metrics, route: str, status: int) -> float | None:
+    return metrics.registry.get_sample_value("dualread_requests_total",
+                                             {"route": route, "status": str(status)})
+
+
+def test_ids_on_every_response_and_the_state_a_route_sees():
+    m = Metrics()
+    mw = _mw(metrics=m, draining=lambda: True)
+    r = _call(mw, "POST", "/echo", {"content-type": "text/plain", "x-request-id": "abc.D-1:2"},
+              [b"hello"])
+    assert r["status"] == 200
+    rid = r["headers"]["x-request-id"]
+    assert len(rid) == 32 and rid != "abc.D-1:2"          # the server's own, not the client's
+    assert r["headers"]["x-correlation-id"] == "abc.D-1:2"
+    assert r["json"] == {"n": 5, "state": {"request_id": rid, "late": True, "batch_size": None}}
+    assert _count(m, "/echo", 200) == 1
+    assert m.registry.get_sample_value("dualread_request_duration_seconds_count",
+                                       {"route": "/echo"}) == 1
+    # a client id that is not a plain bounded token is not echoed
+    for bad in ("a" * 65, "a b", "a/b", ""):
+        r = _call(mw, headers={"x-request-id": bad})
+        assert r["status"] == 200 and "x-correlation-id" not in r["headers"]
+    assert _call(mw, headers={"x-request-id": "a" * 64})["headers"]["x-correlation-id"] == \
+        "a" * 64
+    assert _call(_mw())["json"] is not None
+
+
+def test_other_scopes_pass_through_untouched():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope)
+
+    mw = _mw(app=app)
+    asyncio.run(mw({"type": "lifespan"}, None, None))
+    assert seen == [{"type": "lifespan"}]
+
+
+def test_headers_over_the_bound_are_431_and_at_the_bound_pass():
+    m = Metrics()
+    h = {"x-a": "b" * 20}                                  # 3 + 20 = 23 bytes
+    assert _call(_mw(metrics=m, max_header_bytes=23), headers=h)["status"] == 200
+    r = _call(_mw(metrics=m, max_header_bytes=22), headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request headers over 22 bytes"
+    assert r["json"]["request_id"] == r["headers"]["x-request-id"]
+    assert _count(m, "precheck", 431) == 1 and _count(m, "/ok", 200) == 1
+    assert _call(_mw(max_header_bytes=None), headers=h)["status"] == 200
+
+
+def test_a_body_without_the_key_is_refused_before_it_is_read():
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    paths = body_paths(_app())
+    assert paths == {"/echo", "/put"}
+    m = Metrics()
+    mw = _mw(metrics=m, api_key="k1", body_paths=paths)
+    json_h = {"content-type": "application/json"}
+    r = _call(mw, "POST", "/echo", json_h, receive=receive)
+    assert r["status"] == 401 and reads == []
+    assert r["headers"]["www-authenticate"] == "Bearer"
+    assert r["json"]["detail"] == "missing or invalid credentials"
+    assert _count(m, "precheck", 401) == 1
+    assert _call(mw, "PUT", "/put", json_h, receive=receive)["status"] == 401
+    ok = _call(mw, "POST", "/echo", {**json_h, "authorization": "bearer k1"}, receive=receive)
+    assert ok["status"] == 200 and reads == [1]
+    # no body: the routes decide; a path that takes no body: the router answers (405)
+    assert _call(mw, "GET", "/ok")["status"] == 200
+    assert _call(mw, "POST", "/ok", json_h, receive=receive)["status"] == 405
+    # without the list of paths every body needs the key; without a key none does
+    assert _call(_mw(api_key="k1"), "POST", "/ok", json_h, receive=receive)["status"] == 401
+    assert _call(_mw(), "POST", "/echo", json_h, receive=receive)["status"] == 200
+
+
+def test_declared_length_over_the_limit_or_not_a_number_is_413_unread():
+    m = Metrics()
+    mw = _mw(metrics=m, max_body_bytes=10)
+    for length in ("11", "-1", "1e3", "ten"):
+        r = _call(mw, "POST", "/echo", {"content-length": length, "content-type": "text/plain"},
+                  [b"x" * 5])
+        assert r["status"] == 413, length
+        assert r["json"]["detail"] == "body over the limit of 10 bytes"
+    assert _count(m, "precheck", 413) == 4
+    r = _call(mw, "POST", "/echo", {"content-length": "10", "content-type": "text/plain"},
+              [b"x" * 10])
+    assert r["status"] == 200 and r["json"]["n"] == 10
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/json"])
+def test_a_streamed_body_over_the_limit_is_413(ctype):
+    m = Metrics()
+    mw = _mw(metrics=m, max_body_bytes=10)
+    r = _call(mw, "POST", "/echo", {"content-type": ctype}, [b"[1,", b"2,3,4,5,", b"6]"])
+    assert r["status"] == 413
+    assert r["json"]["detail"] == "body over the limit of 10 bytes"
+    # exactly at the limit, in pieces
+    r = _call(mw, "POST", "/echo", {"content-type": ctype}, [b"[1,2", b",3,45]"])
+    assert r["status"] == 200 and r["json"]["n"] == 10
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "application/problem+json",
+                                   "Application/JSON; charset=utf-8"])
+def test_a_json_body_is_prechecked_and_replayed_whole(ctype):
+    m = Metrics()
+    mw = _mw(metrics=m, max_body_bytes=10_000)
+    bad = json.dumps({f"k{i}": 1 for i in range(33)}).encode()
+    r = _call(mw, "POST", "/echo", {"content-type": ctype}, [bad[:50], bad[50:]])
+    assert r["status"] == 422
+    assert r["json"]["detail"] == "body: an object has more than 32 fields"
+    assert _count(m, "precheck", 422) == 1
+    good = json.dumps({f"k{i}": 1 for i in range(32)}).encode()
+    r = _call(mw, "POST", "/echo", {"content-type": ctype}, [good[:50], good[50:]])
+    assert r["status"] == 200 and r["json"]["n"] == len(good)
+
+
+def test_only_json_bodies_on_body_paths_are_prechecked():
+    bad = json.dumps({f"k{i}": 1 for i in range(33)}).encode()
+    # text, or a path outside the body paths: passed on unchecked
+    assert _call(_mw(max_body_bytes=10_000), "POST", "/echo", {"content-type": "text/plain"},
+                 [bad])["status"] == 200
+    assert _call(_mw(max_body_bytes=10_000), "POST", "/echo",
+                 {"content-type": "application/jsonx"}, [bad])["status"] == 200
+    mw = _mw(max_body_bytes=10_000, body_paths=frozenset({"/put"}))
+    assert _call(mw, "POST", "/echo", {"content-type": "application/json"}, [bad])["status"] \
+        == 200
+    assert _call(mw, "PUT", "/put", {"content-type": "application/json"}, [bad])["status"] \
+        == 422
+
+
+def test_after_the_replayed_body_reads_wait_for_the_disconnect():
+    got = []
+
+    async def app(scope, receive, send):
+        got.append(await receive())
+        got.append(await receive())
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    msgs = [{"type": "http.request", "body": b"[1]", "more_body": False},
+            {"type": "http.disconnect"}]
+
+    async def receive():
+        return msgs.pop(0)
+
+    r = _call(_mw(app=app), "POST", "/x", {"content-type": "application/json"}, receive=receive)
+    assert r["status"] == 204
+    assert got == [{"type": "http.request", "body": b"[1]", "more_body": False},
+                   {"type": "http.disconnect"}]
+
+
+def test_a_plain_body_read_after_its_end_has_no_deadline():
+    got = []
+
+    async def app(scope, receive, send):
+        got.append(await receive())
+        got.append(await receive())        # past the deadline: waits for the disconnect
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        if not got:
+            return {"type": "http.request", "body": b"ab", "more_body": False}
+        await asyncio.sleep(0.15)
+        return {"type": "http.disconnect"}
+
+    r = _call(_mw(app=app, body_timeout_s=0.05), "POST", "/x", {"content-type": "text/plain"},
+              receive=receive)
+    assert r["status"] == 204 and got[1] == {"type": "http.disconnect"}
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/json"])
+def test_a_body_that_never_comes_is_408_with_retry_after(ctype):
+    m = Metrics()
+    r = _call(_mw(metrics=m, body_timeout_s=0.05), "POST", "/echo", {"content-type": ctype})
+    assert r["status"] == 408
+    assert r["headers"]["retry-after"] == "1"
+    assert r["json"]["detail"] == "request body not received within 0.05 s"
+
+
+def test_a_client_gone_is_499_not_a_server_error(caplog):
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    m = Metrics()
+    caplog.set_level(logging.INFO, "dualread.access")
+    r = _call(_mw(metrics=m), "POST", "/echo", {"content-type": "application/json"},
+              receive=receive)
+    assert r["start"] is None
+    assert _count(m, "precheck", CLIENT_CLOSED) == 1
+    events = [json.loads(x.getMessage()) for x in caplog.records]
+    assert events[0] == {"request_id": events[1]["request_id"], "event": "client_disconnected"}
+    assert events[1]["status"] == 499 and events[1]["route"] == "precheck"
+
+
+@pytest.mark.parametrize("error", [OSError("reset"), RuntimeError("transport closed"),
+                                   ClientDisconnect()])
+def test_a_reply_to_a_closed_transport_counts_as_the_client_gone(error):
+    m = Metrics()
+    r = _call(_mw(metrics=m), send_error=error)
+    assert r["start"] is None
+    # labelled by its route, which the router had set
+    assert _count(m, "/ok", 499) == 1 and _count(m, "/ok", 500) is None
+
+
+def test_other_send_errors_and_unexpected_errors_are_a_json_500(caplog):
+    async def boom(scope, receive, send):
+        raise KeyError("x")
+
+    caplog.set_level(logging.INFO, "dualread.access")
+    m = Metrics()
+    r = _call(_mw(app=boom, metrics=m), "GET", "/boom")
+    assert r["status"] == 500
+    assert r["json"] == {"detail": "internal error", "request_id": r["headers"]["x-request-id"]}
+    assert _count(m, "unmatched", 500) == 1
+    logged = [json.loads(x.getMessage()) for x in caplog.records]
+    assert {"request_id": r["headers"]["x-request-id"], "event": "unhandled",
+            "error": "KeyError"} in logged
+    done = logged[-1]
+    assert done == {"request_id": r["headers"]["x-request-id"], "route": "unmatched",
+                    "method": "GET", "status": 500, "latency_ms": done["latency_ms"],
+                    "batch_size": None}
+    assert 0 <= done["latency_ms"] < 10_000
+    # a wrong message order is a server fault, not a client gone: logged as unhandled, and
+    # no second reply is started over the first
+    caplog.clear()
+    m = Metrics()
+    r = _call(_mw(metrics=m), send_error=RuntimeError("Unexpected message"))
+    assert r["start"] is None and _count(m, "/ok", 499) is None
+    assert _count(m, "/ok", 200) == 1
+    assert "RuntimeError" in [json.loads(x.getMessage()).get("error") for x in caplog.records]
+
+
+def test_an_error_after_the_reply_started_sends_nothing_more():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise ValueError("late")
+
+    m = Metrics()
+    r = _call(_mw(app=app, metrics=m))
+    assert r["status"] == 200 and r["json"] is None
+    assert _count(m, "unmatched", 200) == 1
+
+
+def test_unrouted_requests_are_labelled_unmatched():
+    m = Metrics()
+    assert _call(_mw(metrics=m), "GET", "/nowhere")["status"] == 404
+    assert _count(m, "unmatched", 404) == 1
+
+
+def test_a_body_without_a_content_type_is_passed_on_unchecked():
+    r = _call(_mw(), "POST", "/echo", {}, [b"{}"])
+    assert r["status"] == 200 and r["json"]["n"] == 2
