@@ -206,7 +206,9 @@ class DriftCollector:
             self.cached = (drift.version, drift.stats())
         stats = self.cached[1]
         svc = self.recert.service
-        if svc is not None and hasattr(svc, "rule_version"):
+        # answer-only (no heads): no rule decides, so none is claimed
+        if svc is not None and hasattr(svc, "rule_version") and \
+                getattr(svc, "heads", None) is not None:
             i = InfoMetricFamily("dualread_defer_rule", "The defer rule being served.")
             i.add_metric([], {"version": svc.rule_version})
             yield i

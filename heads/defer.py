@@ -119,15 +119,16 @@ def choose_threshold_sequence(confidence: np.ndarray, correct: np.ndarray,
                               grid: np.ndarray, target_risk: float = 0.05,
                               delta: float = 0.1) -> DeferPolicy:
     """τ by fixed-sequence testing (Bauer 1991; Angelopoulos et al. 2021, "Learn then
-    Test"): the thresholds of `grid`, fixed before these items were seen (highest first),
+    Test"): the thresholds of `grid`, chosen without these items' labels (highest first),
     are tested in order, each with the one-sided Clopper–Pearson bound at level δ itself;
     the scan stops at the first threshold whose bound exceeds r, and τ is the last one that
     passed. A false certificate needs the first threshold whose true risk exceeds r to
     pass its own test, which happens with probability ≤ δ: with probability ≥ 1 − δ over
     the draw of these items, the risk among released is ≤ r, as `choose_threshold`
     guarantees, but with no union bound over the tests (a level of δ, not δ / ⌈log2 m⌉).
-    Valid only when `grid` does not depend on these items (`sequence_grid` of a disjoint
-    part)."""
+    Valid only when `grid` does not depend on these items' labels (`sequence_grid` of a
+    disjoint part; re-certification also sizes it by how many test items the detectors
+    release, which reads no label)."""
     c = np.asarray(confidence, float)
     err = 1 - np.asarray(correct, int)
     best = None

@@ -337,4 +337,6 @@ def test_answer_only_says_so_on_calibration(actors, actor_dirs, tmp_path):
         assert "loading" not in cal["reason"]
         r = c.post("/calibration/rollback", headers=OP)
         assert r.status_code == 409 and "answer-only" in r.text
+        # no rule decides, so /metrics claims none
+        assert ("dualread_defer_rule_info", None) not in _gauges(c)
     assert not (tmp_path / "rules.json").exists()
