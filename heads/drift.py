@@ -2,8 +2,10 @@
 two-sample Kolmogorov–Smirnov test of the served scores in a rolling window against the
 distribution the active rule was fitted on.
 
-The reference of each score: for the shipped rule, each detector's clean conformal
-calibration scores (stored with the heads, `Novelty.t["calibration"]`); for a re-certified
+The reference of each score: for the shipped rule, each detector's `clean_scores()` (a
+single detector's clean conformal calibration scores; a composite detector's stored clean
+sample of its combined score, whose rows share images, so the exported KS p-value is
+optimistic — the alert reads the statistic); for a re-certified
 rule, the scores of the window it was certified on (`DeferRule.drift_reference`, which
 also holds DualRead's confidence). No request content is kept: one float per score.
 """
