@@ -265,7 +265,9 @@ class Heads:
             return []
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
         with torch.inference_mode():
-            f = Scored(self.with_images(extract_many(readouts, self.kappa), images))
+            feats = extract_many(readouts, self.kappa)
+            # the confidences alone read no image (probe routes, `confidence`)
+            f = Scored(self.with_images(feats, images) if novelty else feats)
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
             nov = self.novelty.read(f, self.novelty_alpha) \
