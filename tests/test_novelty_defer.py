@@ -193,6 +193,43 @@ def test_answer_reads_the_pixels_when_the_detector_has_a_pixel_part(actor_dirs, 
     assert calm["novelty"]["novel"] is False and calm["defer"] is False
 
 
+def test_a_batch_reads_each_item_with_its_own_image(actor_dirs, qwen_heads, tmp_path,
+                                                   monkeypatch):
+    """In one batch the pixel part reads item k's image for item k: a noise image and a
+    fitted flat one, in both orders, are flagged where the noise image sits."""
+    import time
+
+    from PIL import Image
+
+    from app.serving import AnswerItem
+    from heads.novelty import CompositeNovelty
+    from heads.pixel_novelty import PixelNovelty, pixel_descriptors
+
+    heads = Heads.load(qwen_heads)
+    flat = [Image.new("RGB", (40, 32), (200 + k, 200, 200)) for k in range(10)]
+    px = PixelNovelty(max_bank=500).fit(pixel_descriptors(flat))
+    px.t["calibration"] = torch.full((399,), 0.01, dtype=torch.float64)
+    heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "pixels": px})
+    heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)
+    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
+    service = Service(actor_dirs["qwen3_vl"], str(tmp_path / "h"))
+
+    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
+        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
+                                 cue=False)
+        for r in rs:
+            r.finished = True
+        return Answers(rs, StageTimings(0.0, 0.0))
+
+    monkeypatch.setattr(service.actor, "answer", answer)
+    noisy, calm = random_image(0), Image.new("RGB", (40, 32), (205, 200, 200))
+    for images, want in (([noisy, calm], [True, False]), ([calm, noisy], [False, True])):
+        items = [AnswerItem(im, Q, 8) for im in images]
+        out = service.answer_batch(items, [time.monotonic() + 60] * 2)
+        assert [r.novelty.novel for r in out] == want
+        assert [r.defer for r in out] == want
+
+
 @pytest.mark.parametrize("flag_everything", [True, False])
 def test_answer_defers_on_novelty_alone(actor_dirs, qwen_heads, tmp_path, monkeypatch,
                                         flag_everything):
