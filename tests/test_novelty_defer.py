@@ -148,11 +148,9 @@ def _with_detector(folder: str, target, flag_everything: bool) -> Heads:
     return heads
 
 
-def _served(actor_dir: str, heads_dir, monkeypatch, image=None) -> dict:
-    service = Service(actor_dir, str(heads_dir))
-
+def _scripted(service: Service, monkeypatch) -> Service:
+    """The service's actor answers TRAJ, finished: the parse check cannot be why it defers."""
     def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        # a well-formed, finished response: the parse check cannot be why it defers
         rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
                                  cue=False)
         for r in rs:
@@ -160,6 +158,11 @@ def _served(actor_dir: str, heads_dir, monkeypatch, image=None) -> dict:
         return Answers(rs, StageTimings(0.0, 0.0))
 
     monkeypatch.setattr(service.actor, "answer", answer)
+    return service
+
+
+def _served(actor_dir: str, heads_dir, monkeypatch, image=None) -> dict:
+    service = _scripted(Service(actor_dir, str(heads_dir)), monkeypatch)
     monkeypatch.setattr(service, "needs_tag", True)
     with TestClient(create_app(Settings(max_new_tokens=8, batch_wait_ms=1), service)) as c:
         im = random_image(0) if image is None else image
@@ -212,16 +215,7 @@ def test_a_batch_reads_each_item_with_its_own_image(actor_dirs, qwen_heads, tmp_
     heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "pixels": px})
     heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)
     heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
-    service = Service(actor_dirs["qwen3_vl"], str(tmp_path / "h"))
-
-    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
-                                 cue=False)
-        for r in rs:
-            r.finished = True
-        return Answers(rs, StageTimings(0.0, 0.0))
-
-    monkeypatch.setattr(service.actor, "answer", answer)
+    service = _scripted(Service(actor_dirs["qwen3_vl"], str(tmp_path / "h")), monkeypatch)
     noisy, calm = random_image(0), Image.new("RGB", (40, 32), (205, 200, 200))
     for images, want in (([noisy, calm], [True, False]), ([calm, noisy], [False, True])):
         items = [AnswerItem(im, Q, 8) for im in images]
