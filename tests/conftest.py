@@ -58,3 +58,23 @@ def images():
 QUESTIONS = ["what color is the shape?", "is there a red circle?", "what shape is it?",
              "is the lesion on the left?", "what modality is this?", "is there a blue shape?",
              "how many shapes?", "what is the red shape?"]
+
+
+# The app on the tiny Qwen3-VL actor with random heads and small limits, one per test
+# module: the hardening tests probe limits and error shapes, not quality. A module that
+# needs another service defines its own `service`/`api`, which take precedence.
+@pytest.fixture(scope="module")
+def service(actor_dirs, actors, tmp_path_factory):
+    from app.service import Service
+    from tests.helpers import random_heads
+
+    heads = random_heads(tmp_path_factory.mktemp("heads"), actors["qwen3_vl"])
+    return Service(actor_dirs["qwen3_vl"], heads)
+
+
+@pytest.fixture(scope="module")
+def api(service):
+    from tests.helpers import small_limits_client
+
+    with small_limits_client(service) as c:
+        yield c

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from clients.bench import ServeProcess
 from heads.defer import choose_threshold
 from heads.dualread import Heads
 from models.actor import Answers, StageTimings
+
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
 def random_heads(folder, actor, seed: int = 0) -> str:
@@ -78,10 +81,12 @@ def probe_items(folder: Path, n_images: int, seed: int, box: list[int] | None = 
     return f"jsonl:{path}", [r["id"] for r in rows]
 
 
-def stub_answers(monkeypatch, service, texts: list[str], finished: bool = True) -> None:
-    """Make the actor 'generate' the given texts: readouts come from teacher forcing them."""
+def stub_answers(monkeypatch, service, texts: list[str] | str, finished: bool = True) -> None:
+    """Make the actor 'generate' the given texts (one text: every item answers it), finished
+    unless told otherwise: readouts come from teacher forcing them."""
     def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        rs = service.actor.score(list(images), list(questions), texts[: len(images)], cue=False)
+        out = [texts] * len(images) if isinstance(texts, str) else texts[: len(images)]
+        rs = service.actor.score(list(images), list(questions), out, cue=False)
         for r in rs:
             r.finished = finished
         return Answers(rs, StageTimings(0.0, 0.0))
@@ -172,6 +177,19 @@ def drop_fingerprint_scheme(folder) -> None:
     card = json.loads(path.read_text())
     del card["fingerprint_scheme"]
     path.write_text(json.dumps(card))
+
+
+def assert_error(r, status: int, *needles: str) -> dict:
+    """The service's one error shape: a JSON detail and request id, the header equal to the
+    body's id, and each of `needles` in the detail."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"detail", "request_id"}, body
+    assert isinstance(body["detail"], str) and HEX32.match(body["request_id"])
+    assert r.headers["x-request-id"] == body["request_id"]
+    for n in needles:
+        assert n in body["detail"], (n, body["detail"])
+    return body
 
 
 def small_limits_client(service, **settings):

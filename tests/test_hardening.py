@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import DeadlineExceeded
 from app.main import create_app
-from app.service import Service
 from app.serving import AnswerItem
 from app.settings import Settings
 from app.text import plain_question
@@ -45,42 +44,24 @@ from models.images import (
 from models.parse import parse_response
 from models.quality import TRUNCATED, repeated_run, response_problem, uses_answer_tag
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads, small_limits_client, stub_answers
+from tests.helpers import (
+    assert_error,
+    b64,
+    png_bytes,
+    small_limits_client,
+    stub_answers,
+)
 
 Q = "what color is the shape?"
 ROOT = Path(__file__).resolve().parent.parent
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
-@pytest.fixture(scope="module")
-def service(actor_dirs, actors, tmp_path_factory):
-    heads = random_heads(tmp_path_factory.mktemp("heads"), actors["qwen3_vl"])
-    return Service(actor_dirs["qwen3_vl"], heads)
-
-
 make = small_limits_client
-
-
-@pytest.fixture(scope="module")
-def api(service):
-    with make(service) as c:
-        yield c
 
 
 IMG = b64(png_bytes(random_image(0)))
 WIDE = b64(png_bytes(Image.new("RGB", (300, 1), (200, 10, 10))))
-
-
-def assert_error(r, status: int, *needles: str) -> dict:
-    """The one error shape: JSON detail + request id, header equal to the body's id."""
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"detail", "request_id"}, body
-    assert isinstance(body["detail"], str) and HEX32.match(body["request_id"])
-    assert r.headers["x-request-id"] == body["request_id"]
-    for n in needles:
-        assert n in body["detail"], (n, body["detail"])
-    return body
 
 
 def metric(api, name: str, labels: dict | None = None) -> float:

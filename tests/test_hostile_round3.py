@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.service import Service
 from models.images import ImageInvalid, log_warning, log_warnings, open_image
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads, small_limits_client
+from tests.helpers import assert_error, b64, png_bytes, small_limits_client
 
 pydicom = pytest.importorskip("pydicom")
 
@@ -107,29 +106,7 @@ def deflated(size: int) -> bytes:
 GREY = Image.fromarray((np.arange(64 * 64).reshape(64, 64) % 251).astype(np.uint8))
 
 
-@pytest.fixture(scope="module")
-def service(actor_dirs, actors, tmp_path_factory):
-    heads = random_heads(tmp_path_factory.mktemp("heads"), actors["qwen3_vl"])
-    return Service(actor_dirs["qwen3_vl"], heads)
-
-
 make = small_limits_client
-
-
-@pytest.fixture(scope="module")
-def api(service):
-    with make(service) as c:
-        yield c
-
-
-def assert_error(r, status: int, *needles: str) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"detail", "request_id"}, body
-    assert r.headers["x-request-id"] == body["request_id"]
-    for n in needles:
-        assert n in body["detail"], (n, body["detail"])
-    return body
 
 
 # ------------------------------------------------------------------ 1. deflated DICOM

@@ -21,11 +21,10 @@ from heads.features import extract
 from heads.fit import fit_heads, fit_novelty, novelty_items, splits_of
 from heads.novelty import Novelty, features, p_values
 from heads.pixel_novelty import with_pixels
-from models.actor import Answers, StageTimings
 from models.data import Item, load
 from models.shift import FAMILIES
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes, random_heads
+from tests.helpers import b64, png_bytes, random_heads, stub_answers
 
 Q = "what color is the shape?"
 TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
@@ -150,14 +149,7 @@ def _with_detector(folder: str, target, flag_everything: bool) -> Heads:
 
 def _scripted(service: Service, monkeypatch) -> Service:
     """The service's actor answers TRAJ, finished: the parse check cannot be why it defers."""
-    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
-                                 cue=False)
-        for r in rs:
-            r.finished = True
-        return Answers(rs, StageTimings(0.0, 0.0))
-
-    monkeypatch.setattr(service.actor, "answer", answer)
+    stub_answers(monkeypatch, service, TRAJ)
     return service
 
 

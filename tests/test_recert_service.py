@@ -24,10 +24,9 @@ from heads.defer import DeferPolicy
 from heads.dualread import Heads
 from heads.features import extract_many
 from heads.novelty import Novelty, features
-from models.actor import Answers, StageTimings
 from models.shift import corrupt
 from tests.conftest import random_image
-from tests.helpers import LiveServer, b64, png_bytes, random_heads
+from tests.helpers import LiveServer, b64, png_bytes, random_heads, stub_answers
 
 Q = "what color is the shape?"
 TRAJ = "<think>I see a red circle.</think><answer>red</answer><confidence>9</confidence>"
@@ -74,16 +73,8 @@ def heads_dir(actors, tmp_path_factory) -> str:
 
 def _service(actor_dir: str, heads_dir: str, monkeypatch) -> Service:
     service = Service(actor_dir, heads_dir)
-
-    def answer(images, questions, max_new_tokens=64, readout="capture", deadlines=None):
-        # a well-formed, finished response: the parse check is not what defers it
-        rs = service.actor.score(list(images), list(questions), [TRAJ] * len(images),
-                                 cue=False)
-        for r in rs:
-            r.finished = True
-        return Answers(rs, StageTimings(0.0, 0.0))
-
-    monkeypatch.setattr(service.actor, "answer", answer)
+    # a well-formed, finished response: the parse check is not what defers it
+    stub_answers(monkeypatch, service, TRAJ)
     monkeypatch.setattr(service, "needs_tag", True)
     return service
 
