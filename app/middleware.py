@@ -11,7 +11,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import HTTPException
@@ -41,6 +41,10 @@ CLIENT_CLOSED = 499   # nginx's code for a client that went away before the repl
 # every byte a digit or not: a run of digits is then one `bytes.find` (linear; a regex
 # `[0-9]{4301}` rescans a shorter run from each of its digits)
 _DIGITS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+# Bytes scanned by one regex call. The scan runs in a worker thread, but re and translate
+# hold the GIL for a whole call: 30 MB of blanks between two tokens stalled the event loop
+# for about a second. Python hands the GIL over between calls (every 5 ms).
+WINDOW = 1 << 18
 
 
 def long_number(gap: bytes) -> bool:
@@ -49,16 +53,65 @@ def long_number(gap: bytes) -> bool:
     parser fails on it with a 400 and pydantic's with a 422; refused here, on every route,
     with the one status of a body that cannot be used (422)."""
     limit = sys.get_int_max_str_digits()
-    return 0 < limit < len(gap) and gap.translate(_DIGITS).find(b"0" * (limit + 1)) >= 0
+    if not 0 < limit < len(gap):
+        return False
+    run = b"0" * (limit + 1)
+    # window by window (overlapping by a run's length), so no one C call holds the GIL
+    # over a whole 30 MB gap: the event loop gets it back between windows
+    for i in range(0, len(gap), WINDOW):
+        if gap[max(0, i - limit):i + WINDOW].translate(_DIGITS).find(run) >= 0:
+            return True
+    return False
 
 
 # One JSON token: a whole string (escapes included) or a structural character. Numbers,
 # literals and whitespace are skipped; the route's parser still checks the syntax. The
-# string pattern is possessive and always matches (group 1 is its closing quote, None when
-# the string never closes): a backtracking pattern rescanned an unclosed string full of
-# escaped quotes from every quote, quadratic time with the GIL held.
-_TOKEN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(")?|[][{}:,]', re.S)
+# next token is a `find` (memchr) in a copy of the body with every token byte marked, and
+# a string's end a `find` of its closing quote; only escapes go through a regex, possessive
+# (a backtracking one rescanned an unclosed string of escaped quotes from every quote) and
+# a window at a time: re and translate hold the GIL for a whole call, and 30 MB of blanks
+# or of one base64 string scanned by regex stalled the event loop for about a second.
+_MARKS = bytes(33 if b in b'[]{}:,"' else 32 for b in range(256))
+_ESCAPED = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+', re.S)
 _QUOTE, _OPEN, _CLOSE = ord('"'), b"{[", b"}]"
+
+
+def _string_end(body: bytes, j: int) -> int:
+    """Where the string whose text starts at `j` ends (past its closing quote), -1 when it
+    never closes."""
+    n = len(body)
+    while j < n:
+        k = body.find(b'"', j)
+        if k < 0:
+            return -1
+        if body.find(b"\\", j, k) < 0:
+            return k + 1
+        e = _ESCAPED.match(body, j, min(n, j + max(WINDOW, 2))).end()
+        if e < n and body[e] == _QUOTE:
+            return e + 1
+        if e == j:                 # a lone backslash at the very end
+            return -1
+        j = e                      # the window's end, or an escape it cut in two
+    return -1
+
+
+def _tokens(body: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) of each token in order; a string that never closes ends at -1 (last).
+    Token bytes are marked a window at a time, as the scan reaches it (no copy of a whole
+    32 MB body; each byte is marked at most once)."""
+    n, base, marks, pos = len(body), 0, b"", 0
+    while pos < n:
+        if pos >= base + len(marks):
+            base, marks = pos, body[pos:pos + WINDOW].translate(_MARKS)
+        i = marks.find(b"!", pos - base)
+        if i < 0:
+            pos = base + len(marks)
+            continue
+        start = base + i
+        pos = _string_end(body, start + 1) if body[start] == _QUOTE else start + 1
+        yield start, pos
+        if pos < 0:
+            return
 
 
 def json_problem(body: bytes) -> str | None:
@@ -76,15 +129,15 @@ def json_problem(body: bytes) -> str | None:
     values = 0
     last = (0, 0)              # the latest string token (a key when ':' follows it)
     end = 0                    # where the previous token ended
-    for m in _TOKEN.finditer(body):
-        if long_number(body[end:m.start()]):
+    for start, stop in _tokens(body):
+        if long_number(body[end:start]):
             return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
-        end = m.end()
-        c = body[m.start()]
+        end = stop
+        c = body[start]
         if c == _QUOTE:
-            if m.group(1) is None:
+            if stop < 0:
                 return None        # a string that never closes: invalid, the parser says so
-            last = m.span()
+            last = (start, stop)
             continue
         if c in _OPEN:
             stack.append([c == _OPEN[0], 0, set()])

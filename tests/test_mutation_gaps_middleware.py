@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
+import re
 import sys
 
 import pytest
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
+from app import middleware
 from app.metrics import Metrics
 from app.middleware import (
     CLIENT_CLOSED,
@@ -29,6 +32,39 @@ LIMIT = sys.get_int_max_str_digits()
 
 
 # ------------------------------------------------------------------ JSON pre-check
+# The tokens as one regex reads them (what the windowed scan replaced): a whole string,
+# escapes included, -1 as the end of one that never closes, or a structural character.
+_REFERENCE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(")?|[][{}:,]', re.S)
+
+
+def _reference_tokens(body: bytes) -> list[tuple[int, int]]:
+    out = []
+    for m in _REFERENCE.finditer(body):
+        unclosed = body[m.start()] == ord('"') and m.group(1) is None
+        out.append((m.start(), -1 if unclosed else m.end()))
+        if unclosed:
+            break
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 7, 1 << 18])
+def test_the_windowed_token_scan_reads_what_one_regex_reads(monkeypatch, window):
+    # tiny windows cut strings, escapes and gaps at every place a real one could
+    monkeypatch.setattr(middleware, "WINDOW", window)
+    rng = random.Random(window)
+    for _ in range(3000):
+        body = bytes(rng.choice(b'"\\[]{}:, a1') for _ in range(rng.randint(0, 40)))
+        assert list(middleware._tokens(body)) == _reference_tokens(body), body
+
+
+def test_a_long_number_across_a_window_edge_is_found(monkeypatch):
+    monkeypatch.setattr(middleware, "WINDOW", 1000)
+    for lead in range(0, 1001, 250):
+        gap = b" " * lead + b"5" * (LIMIT + 1)
+        assert long_number(gap), lead
+        assert not long_number(b" " * lead + b"5" * LIMIT + b" 5")
+
+
 def test_long_number_is_more_digits_than_python_converts():
     assert not long_number(b"1" * LIMIT)
     assert long_number(b"1" * (LIMIT + 1))
