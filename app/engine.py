@@ -114,13 +114,17 @@ class Batcher:
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def stop(self) -> None:
-        """Refuse queued jobs, let the running batch end (its deadlines bound it), close."""
+    def refuse_queued(self) -> None:
+        """Close to new jobs and fail every queued one with ShuttingDown (503)."""
         self.closed = True
         for job in self.queue:
             if not job.future.done():
                 job.future.set_exception(ShuttingDown())
         self.queue.clear()
+
+    async def stop(self) -> None:
+        """Refuse queued jobs, let the running batch end (its deadlines bound it), close."""
+        self.refuse_queued()
         self.arrived.set()
         if self.task:
             await asyncio.gather(self.task, return_exceptions=True)

@@ -25,7 +25,6 @@ from ray import serve
 from ray.serve import Application
 
 from app.engine import Batcher, Job
-from app.errors import ShuttingDown
 from app.main import create_app
 from app.ray_proxy import PROXY_ENV
 from app.service import Service
@@ -70,11 +69,7 @@ class ServeBatcher(Batcher):
 
     async def stop(self) -> None:
         """Refuse what no batch has taken, let running batches end, close."""
-        self.closed = True
-        for job in self.queue:
-            if not job.future.done():
-                job.future.set_exception(ShuttingDown())
-        self.queue.clear()
+        self.refuse_queued()
         if self.pending:
             await asyncio.gather(*self.pending, return_exceptions=True)
         self.pool.shutdown(wait=False)
