@@ -82,29 +82,42 @@ def _window_sum(x: torch.Tensor, k: int, stride: int, n: int, dim: int) -> torch
     return out
 
 
-_SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]]) / 8.0
+def _sobel(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sobel gradients (x, y; kernel [[-1, 0, 1], [-2, 0, 2], [-1, 0, 1]] / 8) of maps
+    padded by one pixel, from shifted views: elementwise, so equal neighbourhoods give
+    equal gradients, and cheaper than a convolution call on a small image."""
+    h, w = p.shape[-2] - 2, p.shape[-1] - 2
+
+    def at(dy: int, dx: int) -> torch.Tensor:
+        return p[..., dy:dy + h, dx:dx + w]
+
+    gx = ((at(0, 2) - at(0, 0)) + 2.0 * (at(1, 2) - at(1, 0)) + (at(2, 2) - at(2, 0))) / 8.0
+    gy = ((at(2, 0) - at(0, 0)) + 2.0 * (at(2, 1) - at(0, 1)) + (at(2, 2) - at(0, 2))) / 8.0
+    return gx, gy
 
 
 def descriptor_maps(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
     """Descriptors [N, DIM, H', W'] at every `stride`-th pixel of images [N, 3, H, W] in
     [0, 1] (H' = ⌈H / stride⌉)."""
     n, c, h, w = x.shape
-    maps = [_box(x, k, stride) for k in COLOUR_WINDOWS]
-    flat = x.reshape(n * c, 1, h, w)
-    padded = F.pad(flat, (1, 1, 1, 1), mode="replicate")
-    gx = F.conv2d(padded, _SOBEL_X[None, None])
-    gy = F.conv2d(padded, _SOBEL_X.T.contiguous()[None, None])
+    gx, gy = _sobel(F.pad(x, (1, 1, 1, 1), mode="replicate"))
     mag = (gx * gx + gy * gy).sqrt()
     ang = torch.atan2(gy, gx) % np.pi                       # an edge's direction, sign-free
     pos = ang / np.pi * BINS - 0.5                          # soft binning between neighbours
     lo = pos.floor()
     frac = pos - lo
-    votes = torch.zeros(n * c, BINS, h, w)
-    votes.scatter_add_(1, (lo.long() % BINS), mag * (1 - frac))
-    votes.scatter_add_(1, ((lo.long() + 1) % BINS), mag * frac)
-    votes = votes.reshape(n, c, BINS, h, w).sum(1) * GRADIENT_WEIGHT
-    maps += [_box(votes, k, stride) for k in GRADIENT_WINDOWS]
-    return torch.cat(maps, 1)
+    lo = lo.long()
+    votes = torch.zeros(n, BINS, h, w)            # every colour channel votes in one map
+    votes.scatter_add_(1, lo % BINS, mag * (1 - frac))
+    votes.scatter_add_(1, (lo + 1) % BINS, mag * frac)
+    votes = votes * GRADIENT_WEIGHT
+    # colours and votes that share a window are boxed in one pass
+    boxed = {}
+    for k in sorted(set(COLOUR_WINDOWS) | set(GRADIENT_WINDOWS)):
+        parts = [v for v, ks in ((x, COLOUR_WINDOWS), (votes, GRADIENT_WINDOWS)) if k in ks]
+        boxed[k] = _box(torch.cat(parts, 1), k, stride).split([v.shape[1] for v in parts], 1)
+    return torch.cat([boxed[k][0] for k in COLOUR_WINDOWS]
+                     + [boxed[k][-1] for k in GRADIENT_WINDOWS], 1)
 
 
 def pixel_descriptors(images: Sequence[Image.Image], side: int = SIDE,
@@ -173,8 +186,8 @@ def coreset(z: torch.Tensor, size: int, pool: int = CORESET_POOL, seed: int = 0
 # roundings at most, each within u of a term no larger than 2(|a|² + |b|²); doubled
 F32_SLACK = 4 * (DIM + 4) * 2.0 ** -24
 ROWS = 512            # descriptors matched against the whole bank at once (bounded memory)
-CENTRES = 128         # bank rows (k-centre) that route a descriptor to a part of the bank
-NEAR_CENTRE = 512     # bank rows kept with each centre: those nearest to it
+CENTRES = 64          # bank rows (k-centre) that route a descriptor to a part of the bank
+NEAR_CENTRE = 256     # bank rows kept with each centre: those nearest to it
 PIECE = 16            # descriptors per block of the routed products (padding is wasted work)
 TOP = 8               # descriptors of each image whose nearest distance bounds its score
 
