@@ -243,9 +243,13 @@ class BankIndex:
 
     def upper(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 squared distance of each row to the nearest bank row kept with its
-        nearest centre: at least its nearest distance (up to the float32 bound)."""
-        route = torch.cat([_d2(rows[s:s + ROWS], self.centres, self.c2).argmin(1)
-                           for s in range(0, len(rows), ROWS)])
+        nearest centre: at least its nearest distance (up to the float32 bound). In
+        blocks of rows (a calibration split's descriptors are hundreds of thousands)."""
+        block = 16 * ROWS
+        if len(rows) > block:
+            return torch.cat([self.upper(rows[s:s + block])
+                              for s in range(0, len(rows), block)])
+        route = _d2(rows, self.centres, self.c2).argmin(1)
         # rows of one centre in pieces of at most PIECE, padded: one batched product
         order = torch.argsort(route, stable=True)
         ids, group, counts = torch.unique_consecutive(route[order], return_inverse=True,

@@ -177,3 +177,14 @@ def test_a_bank_of_other_width_is_refused(tmp_path, test_images):
     part.save(tmp_path, "novelty.pixels")
     with pytest.raises(ValueError, match="bank: rows of"):
         PixelNovelty.load(tmp_path, "novelty.pixels")
+
+
+def test_many_descriptors_are_read_in_blocks_with_the_same_result(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    bank = torch.rand(2000, DIM, generator=g, dtype=torch.float64)
+    x = (bank[torch.randint(0, 2000, (6, 300), generator=g)]
+         + 0.05 * torch.randn(6, 300, DIM, generator=g, dtype=torch.float64)).float()
+    whole = largest_nearest(x, BankIndex(bank))
+    monkeypatch.setattr(pn, "ROWS", 7)          # blocks of 7 and 112 rows
+    assert torch.equal(largest_nearest(x, BankIndex(bank)), whole)
+    assert np.allclose(whole.numpy(), brute_force(x, bank), rtol=1e-12, atol=1e-12)
