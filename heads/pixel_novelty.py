@@ -18,7 +18,9 @@ far is whatever the fitting images never showed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +42,11 @@ CHUNK = 128           # images described at once
 CORESET_POOL = 80_000  # descriptors the coreset is chosen from (a deterministic subsample)
 DIM = 3 * len(COLOUR_WINDOWS) + BINS * len(GRADIENT_WINDOWS)
 
+# what a saved part records of its descriptors; `PixelNovelty.load` refuses any other
+DESCRIBED = {"side": SIDE, "stride": STRIDE,
+             "descriptor": f"mean colour over {COLOUR_WINDOWS} px windows, orientation "
+                           f"histograms ({BINS} bins) over {GRADIENT_WINDOWS} px windows"}
+
 # the composite detector reads this part's input from a feature dict like the others
 FEATURES.setdefault(PIXEL_FEATURE, lambda f: f[PIXEL_FEATURE])
 
@@ -51,34 +58,66 @@ def _as_tensor(image: Image.Image, side: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)
 
 
-def _box(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Mean over a k×k window at every pixel (edges replicated)."""
+def _box(x: torch.Tensor, k: int, stride: int = 1) -> torch.Tensor:
+    """Mean over a k×k window at every `stride`-th pixel (edges replicated): sums along
+    the columns then the rows, each only where it is kept. Each window is summed in one
+    fixed order, so equal windows give equal means wherever they are (`distinct_rows`
+    and the score rely on that); a k×k `avg_pool2d` at every pixel, then subsampled, was
+    nine tenths of the descriptors' cost (its CPU kernel does not vectorise small
+    windows). The same means up to float rounding."""
     p = k // 2
-    return F.avg_pool2d(F.pad(x, (p, p, p, p), mode="replicate"), k, stride=1)
+    x = F.pad(x, (p, p, p, p), mode="replicate")
+    h, w = x.shape[-2] - 2 * p, x.shape[-1] - 2 * p
+    return _window_sum(_window_sum(x, k, stride, h, -2), k, stride, w, -1) / (k * k)
 
 
-_SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]]) / 8.0
+def _window_sum(x: torch.Tensor, k: int, stride: int, n: int, dim: int) -> torch.Tensor:
+    """Sums of k consecutive entries along `dim` (-2 or -1) of a padded x, at every
+    `stride`-th of its first n positions: k strided views added one after the other."""
+    out = None
+    for i in range(k):
+        v = x.narrow(dim, i, n)
+        v = v[..., ::stride, :] if dim == -2 else v[..., ::stride]
+        out = v.clone() if out is None else out.add_(v)
+    return out
 
 
-def descriptor_maps(x: torch.Tensor) -> torch.Tensor:
-    """Per-pixel descriptors [N, DIM, H, W] of images [N, 3, H, W] in [0, 1]."""
+def _sobel(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sobel gradients (x, y; kernel [[-1, 0, 1], [-2, 0, 2], [-1, 0, 1]] / 8) of maps
+    padded by one pixel, from shifted views: elementwise, so equal neighbourhoods give
+    equal gradients, and cheaper than a convolution call on a small image."""
+    h, w = p.shape[-2] - 2, p.shape[-1] - 2
+
+    def at(dy: int, dx: int) -> torch.Tensor:
+        return p[..., dy:dy + h, dx:dx + w]
+
+    gx = ((at(0, 2) - at(0, 0)) + 2.0 * (at(1, 2) - at(1, 0)) + (at(2, 2) - at(2, 0))) / 8.0
+    gy = ((at(2, 0) - at(0, 0)) + 2.0 * (at(2, 1) - at(0, 1)) + (at(2, 2) - at(0, 2))) / 8.0
+    return gx, gy
+
+
+def descriptor_maps(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """Descriptors [N, DIM, H', W'] at every `stride`-th pixel of images [N, 3, H, W] in
+    [0, 1] (H' = ⌈H / stride⌉)."""
     n, c, h, w = x.shape
-    maps = [_box(x, k) for k in COLOUR_WINDOWS]
-    flat = x.reshape(n * c, 1, h, w)
-    padded = F.pad(flat, (1, 1, 1, 1), mode="replicate")
-    gx = F.conv2d(padded, _SOBEL_X[None, None])
-    gy = F.conv2d(padded, _SOBEL_X.T.contiguous()[None, None])
+    gx, gy = _sobel(F.pad(x, (1, 1, 1, 1), mode="replicate"))
     mag = (gx * gx + gy * gy).sqrt()
     ang = torch.atan2(gy, gx) % np.pi                       # an edge's direction, sign-free
     pos = ang / np.pi * BINS - 0.5                          # soft binning between neighbours
     lo = pos.floor()
     frac = pos - lo
-    votes = torch.zeros(n * c, BINS, h, w)
-    votes.scatter_add_(1, (lo.long() % BINS), mag * (1 - frac))
-    votes.scatter_add_(1, ((lo.long() + 1) % BINS), mag * frac)
-    votes = votes.reshape(n, c, BINS, h, w).sum(1) * GRADIENT_WEIGHT
-    maps += [_box(votes, k) for k in GRADIENT_WINDOWS]
-    return torch.cat(maps, 1)
+    lo = lo.long()
+    votes = torch.zeros(n, BINS, h, w)            # every colour channel votes in one map
+    votes.scatter_add_(1, lo % BINS, mag * (1 - frac))
+    votes.scatter_add_(1, (lo + 1) % BINS, mag * frac)
+    votes = votes * GRADIENT_WEIGHT
+    # colours and votes that share a window are boxed in one pass
+    boxed = {}
+    for k in sorted(set(COLOUR_WINDOWS) | set(GRADIENT_WINDOWS)):
+        parts = [v for v, ks in ((x, COLOUR_WINDOWS), (votes, GRADIENT_WINDOWS)) if k in ks]
+        boxed[k] = _box(torch.cat(parts, 1), k, stride).split([v.shape[1] for v in parts], 1)
+    return torch.cat([boxed[k][0] for k in COLOUR_WINDOWS]
+                     + [boxed[k][-1] for k in GRADIENT_WINDOWS], 1)
 
 
 def pixel_descriptors(images: Sequence[Image.Image], side: int = SIDE,
@@ -91,8 +130,14 @@ def pixel_descriptors(images: Sequence[Image.Image], side: int = SIDE,
     # fit or evaluation over thousands of images would hold gigabytes of them at once
     for i in range(0, len(images), CHUNK):
         x = torch.stack([_as_tensor(im, side) for im in images[i:i + CHUNK]])
-        d = descriptor_maps(x)[:, :, ::stride, ::stride]
-        out.append(d.flatten(2).transpose(1, 2).contiguous())
+        # several questions on one image (an evaluation's items): each described once
+        first: dict[bytes, int] = {}
+        rows = torch.tensor([first.setdefault(im.numpy().tobytes(), k)
+                             for k, im in enumerate(x)])
+        keep = torch.tensor(sorted(set(rows.tolist())))
+        d = descriptor_maps(x[keep], stride)
+        d = d.flatten(2).transpose(1, 2).contiguous()
+        out.append(d[torch.searchsorted(keep, rows)] if len(keep) < len(x) else d)
     return torch.cat(out)
 
 
@@ -136,6 +181,165 @@ def coreset(z: torch.Tensor, size: int, pool: int = CORESET_POOL, seed: int = 0
     return z[torch.tensor(sorted(chosen))]
 
 
+# bounds the float32 error of a squared distance |a|² + |b|² − 2a·b of DIM-vectors (and of
+# the bank's rounding to float32) as a multiple of u·(|a|² + |b|²), u = 2⁻²⁴: DIM + 4
+# roundings at most, each within u of a term no larger than 2(|a|² + |b|²); doubled
+F32_SLACK = 4 * (DIM + 4) * 2.0 ** -24
+ROWS = 512            # descriptors matched against the whole bank at once (bounded memory)
+CENTRES = 64          # bank rows (k-centre) that route a descriptor to a part of the bank
+NEAR_CENTRE = 256     # bank rows kept with each centre: those nearest to it
+PIECE = 16            # descriptors per block of the routed products (padding is wasted work)
+TOP = 8               # descriptors of each image whose nearest distance bounds its score
+
+
+def distinct(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct rows of flat [M, D], the index of each row among them). Grouped by a
+    fixed linear key, then checked: a row unequal to its group's first row (two rows
+    with one key) stands alone, so the grouping is exact. Much cheaper than
+    `torch.unique(dim=0)`, which sorts whole rows."""
+    m = len(flat)
+    key = flat.double() @ torch.linspace(1.0, 2.0, flat.shape[1], dtype=torch.float64
+                                         ).sqrt()
+    _, inv = torch.unique(key, return_inverse=True)
+    n = int(inv.max()) + 1 if m else 0
+    first = torch.full((n,), m, dtype=torch.long).scatter_reduce_(
+        0, inv, torch.arange(m), "amin")
+    rows = flat[first]
+    alone = (~(flat == rows[inv]).all(1)).nonzero()[:, 0]
+    if len(alone):
+        inv = inv.clone()
+        inv[alone] = n + torch.arange(len(alone))
+        rows = torch.cat([rows, flat[alone]])
+    return rows, inv
+
+
+def _d2(a: torch.Tensor, bank: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """float32 squared distances [A, B] of rows a to bank rows, |b|² − 2a·b + |a|²."""
+    return torch.addmm(b2, a, bank.T, alpha=-2.0).add_((a * a).sum(1, keepdim=True))
+
+
+def _nearest_d2(a: torch.Tensor, bank: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """float32 squared distance of each row of a to its nearest bank row: the smallest
+    |b|² − 2a·b, then |a|² added once (not to every entry)."""
+    return torch.addmm(b2, a, bank.T, alpha=-2.0).amin(1) + (a * a).sum(1)
+
+
+class BankIndex:
+    """A pixel bank ready for `largest_nearest`, built once per bank: float32 rows and
+    squared norms, and a routing table: `CENTRES` bank rows chosen by greedy k-centre,
+    each with the `NEAR_CENTRE` bank rows nearest to it. The table only bounds distances
+    from above (its rows are bank rows); the score itself is exact."""
+
+    def __init__(self, bank: torch.Tensor) -> None:
+        self.bank64 = bank.double().contiguous()
+        self.bank = bank.float().contiguous()
+        self.b2 = (self.bank * self.bank).sum(1)
+        self.b2max = float(self.b2.max()) if len(bank) else 0.0
+        c = coreset_order(self.bank, min(CENTRES, len(bank)))
+        self.centres, self.c2 = self.bank[c], self.b2[c]
+        near = _d2(self.centres, self.bank, self.b2).topk(
+            min(NEAR_CENTRE, len(bank)), dim=1, largest=False).indices   # [C, M]
+        self.groups, self.g2 = self.bank[near], self.b2[near]            # [C, M, D], [C, M]
+
+    def upper(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 squared distance of each row to the nearest bank row kept with its
+        nearest centre: at least its nearest distance (up to the float32 bound). In
+        blocks of rows (a calibration split's descriptors are hundreds of thousands)."""
+        block = 16 * ROWS
+        if len(rows) > block:
+            return torch.cat([self.upper(rows[s:s + block])
+                              for s in range(0, len(rows), block)])
+        route = _d2(rows, self.centres, self.c2).argmin(1)
+        # rows of one centre in pieces of at most PIECE, padded: one batched product
+        order = torch.argsort(route, stable=True)
+        ids, group, counts = torch.unique_consecutive(route[order], return_inverse=True,
+                                                      return_counts=True)
+        rank = torch.arange(len(rows)) - (torch.cumsum(counts, 0) - counts)[group]
+        pieces = torch.div(counts + PIECE - 1, PIECE, rounding_mode="floor")
+        piece = (torch.cumsum(pieces, 0) - pieces)[group] + torch.div(
+            rank, PIECE, rounding_mode="floor")
+        slot = rank % PIECE
+        q = rows.new_zeros(int(piece[-1]) + 1, PIECE, rows.shape[1])
+        q[piece, slot] = rows[order]
+        c = torch.zeros(len(q), dtype=torch.long)
+        c[piece] = route[order]
+        d2 = torch.baddbmm(self.g2[c][:, None, :], q, self.groups[c].transpose(1, 2),
+                           alpha=-2.0).amin(2)
+        out = torch.empty(len(rows))
+        out[order] = d2[piece, slot] + (rows[order] ** 2).sum(1)
+        return out
+
+    def nearest(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 squared distance of each row to its nearest bank row, in blocks."""
+        if not len(rows):
+            return torch.zeros(0)
+        return torch.cat([_nearest_d2(rows[s:s + ROWS], self.bank, self.b2)
+                          for s in range(0, len(rows), ROWS)])
+
+
+def coreset_order(z: torch.Tensor, size: int) -> torch.Tensor:
+    """The first `size` rows greedy k-centre picks from z (starting at row 0), in order."""
+    if size <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    norms = (z * z).sum(1)
+    chosen = [0]
+    dist = norms + norms[0] - 2.0 * (z @ z[0])
+    for _ in range(size - 1):
+        i = int(dist.argmax())
+        chosen.append(i)
+        dist = torch.minimum(dist, norms + norms[i] - 2.0 * (z @ z[i]))
+    return torch.tensor(chosen)
+
+
+def largest_nearest(x: torch.Tensor, index: BankIndex) -> torch.Tensor:
+    """For each image of x [N, P, D] (float32), the largest over its descriptors of the
+    distance to the nearest bank row, in float64: the value a brute-force float64
+    `cdist(x[i], bank).min(1).max()` gives, up to float64 rounding.
+
+    Cost, in steps that each keep that value exact:
+    - descriptors repeat within and across images (flat regions): each distinct one is
+      matched once;
+    - float32 matrix products stand in for distances, their error on a squared distance
+      bounded by `tol` (F32_SLACK);
+    - a descriptor's distance to the rows kept with its nearest centre bounds its nearest
+      distance from above; the `TOP` descriptors of an image with the largest such bounds
+      are matched against the whole bank, and the largest of those (less `tol`) bounds the
+      image's score from below: a descriptor whose upper bound is under it cannot hold
+      the score and is dropped (on easy-VQA scenes, all but a few per cent);
+    - of those left, only the ones whose float32 nearest distance comes within 2·tol of
+      their image's largest are read again in float64, against the bank rows within
+      2·tol of their float32 nearest: no other descriptor can hold the largest distance,
+      and no other bank row the nearest."""
+    n, p, dim = x.shape
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    rows, inv = distinct(x.reshape(-1, dim))
+    inv = inv.reshape(n, p)
+    tol = F32_SLACK * ((rows * rows).sum(1).double() + index.b2max)
+    ub = index.upper(rows).double() + tol                   # ≥ each exact nearest d²
+    top = inv.gather(1, ub[inv].topk(min(TOP, p), dim=1).indices)
+    near = torch.full((len(rows),), -np.inf, dtype=torch.float64)
+    t = torch.unique(top)
+    near[t] = index.nearest(rows[t]).double()
+    low = (near[top] - tol[top]).max(1, keepdim=True).values   # ≤ each image's score
+    keep = torch.unique(inv[ub[inv] > low])
+    keep = keep[near[keep] == -np.inf]
+    near[keep] = index.nearest(rows[keep]).double()
+    # a dropped descriptor keeps −inf: its image's score is held by another
+    per = near[inv]
+    cand = per >= per.max(1, keepdim=True).values - 2.0 * tol[inv]
+    ids = torch.unique(inv[cand])
+    exact = torch.full((len(rows),), -np.inf, dtype=torch.float64)
+    for s in range(0, len(ids), ROWS):
+        i = ids[s:s + ROWS]
+        d2 = _d2(rows[i], index.bank, index.b2).double()
+        r, j = (d2 <= d2.amin(1, keepdim=True) + 2.0 * tol[i, None]).nonzero(as_tuple=True)
+        e = (rows[i][r].double() - index.bank64[j]).square().sum(1)
+        exact[i] = torch.full((len(i),), np.inf, dtype=torch.float64).scatter_reduce_(
+            0, r, e, "amin")
+    return exact[inv].max(1).values.sqrt()
+
+
 class PixelNovelty(Novelty):
     """The largest distance of any pixel-patch descriptor of an image to its nearest bank
     descriptor; the bank a coreset of the fitting images' descriptors (and of benign
@@ -175,14 +379,21 @@ class PixelNovelty(Novelty):
         return self
 
     def score(self, x: torch.Tensor) -> np.ndarray:
-        """The largest nearest-bank distance of any descriptor of each image. Flat regions
-        repeat one descriptor many times: each distinct one is looked up once (the same
-        maximum, a fraction of the cost on easy-VQA-like scenes)."""
+        """The largest nearest-bank distance of any descriptor of each image [N, P, D],
+        exact (float64 from the float32 descriptors), read in one pass over the batch
+        (`largest_nearest`)."""
         x = torch.as_tensor(x)
-        out = np.empty(len(x))
-        for i, img in enumerate(x):
-            out[i] = float(self._nearest(torch.unique(img.float(), dim=0), 1).max())
-        return out
+        if x.dim() != 3:
+            raise ValueError("a pixel novelty part scores [N, P, D] descriptors")
+        return largest_nearest(x.float(), self.index()).numpy()
+
+    def index(self) -> BankIndex:
+        """The bank ready for scoring, built once per bank (`extend_bank` replaces it)."""
+        bank = self.t["bank"]
+        cached = getattr(self, "_index", None)
+        if cached is None or cached[0] is not bank:
+            cached = self._index = (bank, BankIndex(bank))
+        return cached[1]
 
     def recalibrated(self, x_cal: torch.Tensor) -> PixelNovelty:
         other = PixelNovelty(KIND, self.feature, self.k, self.max_bank)
@@ -190,10 +401,27 @@ class PixelNovelty(Novelty):
         return other.calibrate(x_cal)
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "side": SIDE, "stride": STRIDE,
-                "descriptor": f"mean colour over {COLOUR_WINDOWS} px windows, orientation "
-                              f"histograms ({BINS} bins) over {GRADIENT_WINDOWS} px windows",
+        return {**super().to_dict(), **DESCRIBED,
                 "bank": int(self.t["bank"].shape[0]) if "bank" in self.t else 0}
+
+    @classmethod
+    def load(cls, folder: str | Path, prefix: str = "novelty") -> PixelNovelty:
+        """A saved pixel part; refused when its card records descriptors other than this
+        code computes (another side, stride or descriptor): its bank and calibration
+        scores would be compared with descriptors of another kind, silently."""
+        card = json.loads((Path(folder) / f"{prefix}.json").read_text())
+        wrong = [f"{k}: the part records {card.get(k, 'nothing')!r}, this code computes "
+                 f"{v!r}" for k, v in DESCRIBED.items() if card.get(k) != v]
+        part = super().load(folder, prefix)
+        bank = part.t.get("bank")
+        if bank is not None and (bank.dim() != 2 or bank.shape[1] != DIM):
+            wrong.append(f"bank: rows of {list(bank.shape[1:])} values, this code "
+                         f"describes a patch by {DIM}")
+        if wrong:
+            raise ValueError(f"pixel novelty part {prefix} in {folder} was fitted with other "
+                             "descriptors; refit it (`dualread fit-detectors`). "
+                             + "; ".join(wrong))
+        return part
 
 
 PART_CLASSES[KIND] = PixelNovelty
