@@ -76,9 +76,10 @@ def test_each_window_is_tested_at_its_spent_level_and_the_count_persists(tmp_pat
 
 
 def test_a_borderline_stream_retried_often_switches_rarely():
-    """A stream whose released risk sits just above r, retried window after window: at a
-    fixed δ a switch gets likelier with every try; with spending the share of histories
-    that ever switch stays near or under δ."""
+    """A stream whose risk sits just above r at every threshold (about 0.11 wrong, the
+    confidence uninformative), retried window after window: at a fixed δ some histories
+    switch by luck, more of them the longer they try; with spending the share of histories
+    that ever switch stays under δ (up to sampling)."""
     base = _base()
     fixed = spent = 0
     histories, tries = 12, 8
@@ -86,7 +87,7 @@ def test_a_borderline_stream_retried_often_switches_rarely():
         rng = np.random.default_rng(700 + h)
         any_fixed = any_spent = False
         for t in range(1, tries + 1):
-            rows = stream(rng, 300, base, shift=6.0, accuracy_offset=1.0, informative=0.6,
+            rows = stream(rng, 300, base, accuracy_offset=3.8, informative=0.0,
                           tag=f"h{h}t{t}")
             v = verdicts(rows)
             f, _ = certify(v, base, "f", target_risk=R, delta=DELTA, min_per_class=10)
@@ -96,7 +97,7 @@ def test_a_borderline_stream_retried_often_switches_rarely():
             any_spent |= g is not None
         fixed += any_fixed
         spent += any_spent
-    assert spent <= fixed
+    assert fixed > spent, (fixed, spent)       # the problem exists, and spending helps
     assert spent / histories <= 2 * DELTA, (spent, fixed)
 
 
