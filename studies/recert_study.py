@@ -32,7 +32,7 @@ from heads.recert import Served, Verdict, certify, dualread_at, spent_delta
 # three-part detector on most items (docs/recert/study.md, the 40-item pilot);
 # contrast:5 is answered about half the time. `--streams` names others.
 STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~margin:1", 2000),
-           "harmful": ("easyvqa:test~contrast:5", 1500)}
+           "harmful": ("easyvqa:test~contrast:5", 2000)}
 SEARCHES = ("sequence", "binary")
 
 
