@@ -148,7 +148,8 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
                  "shipped_released": round(s_cov, 4), "shipped_risk": round(s_risk, 4),
                  "shipped_risk_upper_95": round(clopper_pearson_upper(
                      round(s_risk * k), k, 0.05), 4),
-                 "drift": drift_of(heads, shipped, stream[:500]), "windows": {}}
+                 "drift": drift_of(heads, shipped, stream[:500]),
+                 "risk_of_most_confident": most_confident(heads, stream), "windows": {}}
         for window in windows:
             if len(stream) <= window:
                 continue
@@ -159,6 +160,17 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
                                                          flip, search, r, d_t)
         out[name] = entry
     return out
+
+
+def most_confident(heads, rows: list[dict], shares=(0.3, 0.5, 0.7)) -> dict:
+    """Risk among the `share` of `rows` with the highest DualRead confidence (shipped
+    temperatures, detectors ignored): the least risk any τ releasing that share can reach
+    with these confidences (a re-certified rule refits the branch temperatures, which
+    can reorder items, so this is a diagnostic, not a bound)."""
+    x = np.array([r["served"]["logits"] for r in rows])
+    p = dualread_at(x, heads.temperature("psr"), heads.temperature("per"))
+    z = np.array([r["correct"] for r in rows])[np.argsort(-p, kind="stable")]
+    return {str(s): round(float(1 - z[: max(1, int(s * len(z)))].mean()), 4) for s in shares}
 
 
 def drift_reference_of(heads, shipped) -> dict:
@@ -182,8 +194,14 @@ def markdown(report: dict, command: str) -> str:
              f"random splits of the stream into a window of verdicts and the next "
              f"{report['next']} items (fewer when the stream is shorter).", "",
              "## Streams under the shipped rule", "",
+             "Drift over each stream's first 500 items. Risk of the most confident x%: the "
+             "wrong share among the x% of the stream with the highest DualRead confidence "
+             "(shipped temperatures, detectors ignored): the least risk a threshold "
+             "releasing that share can reach at those temperatures (a re-certified rule "
+             "refits the two branches' temperatures, which can change the order).", "",
              "| stream | n | accuracy | released | risk | UB 95% | drift: flagged share | "
-             "drift: KS statistic by score |", "|---|---|---|---|---|---|---|---|"]
+             "drift: KS statistic by score | risk of the most confident 30% / 50% / 70% |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in STREAMS:
         e = report.get(name)
         if e is None:
@@ -191,7 +209,9 @@ def markdown(report: dict, command: str) -> str:
         ks = ", ".join(f"{k} {v}" for k, v in e["drift"]["ks"].items()) or "none"
         lines.append(f"| {name} (`{STREAMS[name][0]}`) | {e['n']} | {e['accuracy']} | "
                      f"{e['shipped_released']} | {e['shipped_risk']} | "
-                     f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} |")
+                     f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} | "
+                     + " / ".join(str(v) for v in e["risk_of_most_confident"].values())
+                     + " |")
     lines += ["", "## Re-certified on a window, applied to the next items", "",
               "released / risk: means over the windows whose certificate held; risk max and "
               f"'> r': the worst window and how many of them had risk above r = {r} on their "
