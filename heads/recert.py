@@ -16,7 +16,10 @@ window's detector scores become a second conformal reference of each detector th
 take one (`extend_reference`: an input then passes when it looks like the fitting data or
 like the window); the τ-part items are judged with leave-one-out p-values against the
 window, so the certificate is on the rule that would be served. The guarantee is for items
-exchangeable with the window's; each window is its own claim.
+exchangeable with the window's. A store runs window after window, so it spends its δ
+across them (`spent_delta`: the t-th test at δ/(t(t+1)), all of them together at most δ),
+and counts one verdict per input (`Served.key`): near-duplicates are not independent
+evidence.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
 branch log-odds, its detector scores and p-values, whether its response parsed, and the
