@@ -149,7 +149,8 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
                  "shipped_risk_upper_95": round(clopper_pearson_upper(
                      round(s_risk * k), k, 0.05), 4),
                  "drift": drift_of(heads, shipped, stream[:500]),
-                 "risk_of_most_confident": most_confident(heads, stream), "windows": {}}
+                 "risk_of_most_confident": most_confident(heads, stream),
+                 "wrong_by_answer_kind": by_kind(STREAMS[name][0], stream), "windows": {}}
         for window in windows:
             if len(stream) <= window:
                 continue
@@ -171,6 +172,23 @@ def most_confident(heads, rows: list[dict], shares=(0.3, 0.5, 0.7)) -> dict:
     p = dualread_at(x, heads.temperature("psr"), heads.temperature("per"))
     z = np.array([r["correct"] for r in rows])[np.argsort(-p, kind="stable")]
     return {str(s): round(float(1 - z[: max(1, int(s * len(z)))].mean()), 4) for s in shares}
+
+
+def by_kind(spec: str, rows: list[dict]) -> dict:
+    """Wrong share by the kind of gold answer (yes/no, a colour word, a shape word): where
+    a transform's errors are (one that draws a frame may be read as a shape)."""
+    from models.data import load
+
+    gold = {it.id: it for it in load(spec)}
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        it = gold[r["id"]]
+        kind = "yes/no" if it.answer in ("yes", "no") else \
+            ("colour" if "colo" in it.question else "shape")
+        n = out.setdefault(kind, [0, 0])
+        n[0] += 1
+        n[1] += not r["correct"]
+    return {k: {"n": n, "wrong": round(w / n, 4)} for k, (n, w) in sorted(out.items())}
 
 
 def drift_reference_of(heads, shipped) -> dict:
@@ -200,8 +218,8 @@ def markdown(report: dict, command: str) -> str:
              "releasing that share can reach at those temperatures (a re-certified rule "
              "refits the two branches' temperatures, which can change the order).", "",
              "| stream | n | accuracy | released | risk | UB 95% | drift: flagged share | "
-             "drift: KS statistic by score | risk of the most confident 30% / 50% / 70% |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "drift: KS statistic by score | risk of the most confident 30% / 50% / 70% | "
+             "wrong by gold answer kind |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in STREAMS:
         e = report.get(name)
         if e is None:
@@ -211,6 +229,8 @@ def markdown(report: dict, command: str) -> str:
                      f"{e['shipped_released']} | {e['shipped_risk']} | "
                      f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} | "
                      + " / ".join(str(v) for v in e["risk_of_most_confident"].values())
+                     + " | " + ", ".join(f"{k} {v['wrong']} ({v['n']})"
+                                         for k, v in e["wrong_by_answer_kind"].items())
                      + " |")
     lines += ["", "## Re-certified on a window, applied to the next items", "",
               "released / risk: means over the windows whose certificate held; risk max and "
