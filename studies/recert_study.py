@@ -28,9 +28,10 @@ from heads.defer import clopper_pearson_upper
 from heads.recert import Served, Verdict, certify, dualread_at, spent_delta
 
 # stream: (data spec, items). benign: a 2-px grey scanner-bed margin (a development
-# family, docs/defer/suites.md), answered about as well as clean items and flagged by the
-# three-part detector on most items (docs/recert/study.md, the 40-item pilot);
-# contrast:5 is answered about half the time. `--streams` names others.
+# family, docs/defer/suites.md), the development transform the three-part detector flagged
+# most (about half the items) with accuracy near clean's (0.89 vs 0.92; its errors turned
+# out confident ones, docs/operations.md); contrast:5 is answered about half the time.
+# `--streams` names others.
 STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~margin:1", 2000),
            "harmful": ("easyvqa:test~contrast:5", 2000)}
 SEARCHES = ("sequence", "binary")
