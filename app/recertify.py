@@ -187,7 +187,7 @@ class RecertHooks(MetricsHooks):
         if served is not None:
             scores.update(served.scores)
         flagged = result.novelty is not None and result.novelty.novel
-        self.drift.record(scores, flagged)
+        self.drift.record(scores, flagged, getattr(served, "key", ""))
 
 
 class DriftCollector:

@@ -29,7 +29,7 @@ from app.serving import (
 )
 from app.text import CONTROL, mixed_script_letter, plain_question
 from heads.dualread import Assessment, FingerprintMismatch, Heads
-from heads.recert import SHIPPED, DeferRule, Served
+from heads.recert import SHIPPED, DeferRule, Served, input_key
 from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
 from models.quality import response_problem, uses_answer_tag
@@ -186,8 +186,9 @@ class Service:
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
                 out.append(DeadlineExceeded("deadline passed while generating"))
                 continue
-            out.append(self._guard(lambda r=r, c=scored.get(k), im=items[k].image:
-                                   self._answer(r, res.timings, c, heads, im)))
+            out.append(self._guard(lambda r=r, c=scored.get(k), it=items[k]:
+                                   self._answer(r, res.timings, c, heads, it.image,
+                                                it.question)))
         return res, out
 
     def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None,
@@ -213,7 +214,8 @@ class Service:
         return {k: (c, each) for k, c in zip(readouts, confs)}
 
     def _answer(self, r: Response, timings, scored: tuple[Assessment, float] | None = None,
-                heads: Heads | None = None, image: Any = None) -> AnswerResult:
+                heads: Heads | None = None, image: Any = None, question: str | None = None
+                ) -> AnswerResult:
         if (heads or self.heads) is None:
             return self._answer_only(r, timings)
         t = time.perf_counter()
@@ -231,7 +233,8 @@ class Service:
         served = None if a.logits is None else Served(
             getattr(heads, "rule_version", SHIPPED), a.logits,
             {k: v.score for k, v in read.items()}, {k: v.p_value for k, v in read.items()},
-            problem is not None)
+            problem is not None,
+            "" if question is None else input_key(image, question))
         return AnswerResult(
             answer=r.answer, canonical=r.canonical, response=r.text, confidence=conf,
             defer=defer, defer_reason=reason,

@@ -16,7 +16,10 @@ window's detector scores become a second conformal reference of each detector th
 take one (`extend_reference`: an input then passes when it looks like the fitting data or
 like the window); the τ-part items are judged with leave-one-out p-values against the
 window, so the certificate is on the rule that would be served. The guarantee is for items
-exchangeable with the window's; each window is its own claim.
+exchangeable with the window's. A store runs window after window, so it spends its δ
+across them (`spent_delta`: the t-th test at δ/(t(t+1)), all of them together at most δ),
+and counts one verdict per input (`Served.key`): near-duplicates are not independent
+evidence.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
 branch log-odds, its detector scores and p-values, whether its response parsed, and the
@@ -82,17 +85,66 @@ class Served:
     scores: dict[str, float] = field(default_factory=dict)   # detector score, by detector
     p_values: dict[str, float] = field(default_factory=dict)  # as served, by detector
     problem: bool = False                      # the response did not parse
+    # digest of the decoded image and the question (`input_key`): the same input sent
+    # under several request ids counts once; "" when unknown (older records)
+    key: str = ""
 
     def to_dict(self) -> dict:
         return {"version": self.version, "logits": list(self.logits), "scores": self.scores,
-                "p_values": self.p_values, "problem": self.problem}
+                "p_values": self.p_values, "problem": self.problem, "key": self.key}
 
     @classmethod
     def from_dict(cls, d: dict) -> Served:
         return cls(d["version"], tuple(float(x) for x in d["logits"]),
                    {k: float(v) for k, v in d.get("scores", {}).items()},
                    {k: float(v) for k, v in d.get("p_values", {}).items()},
-                   bool(d.get("problem", False)))
+                   bool(d.get("problem", False)), str(d.get("key", "")))
+
+
+def input_key(image: Any, question: str) -> str:
+    """A digest of what was asked: the decoded pixels (mode, size, bytes: the same picture
+    re-encoded or re-sent has one key) and the question with case and spacing folded. Not
+    the content: nothing can be read back from it."""
+    h = hashlib.sha256()
+    if image is not None:
+        h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+        h.update(image.tobytes())
+    h.update(b"\0" + " ".join(question.lower().split()).encode())
+    return h.hexdigest()[:32]
+
+
+def distinct_inputs(verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """One verdict per input (`Served.key`), the first counted: near-duplicates (one image
+    and question under several request ids) are not independent evidence. Verdicts
+    without a key are kept."""
+    seen: set[str] = set()
+    out = []
+    for v in verdicts:
+        k = v.served.key
+        if k and k in seen:
+            continue
+        seen.add(k)
+        out.append(v)
+    return out
+
+
+def spent_delta(delta: float, attempt: int) -> float:
+    """α-spending over a rule history's certificate attempts: the t-th (from 1) is tested
+    at δ_t = δ / (t (t + 1)). Σ_t δ_t = δ, so the chance that any certificate of the
+    history holds while its rule's risk on its stream is above r is at most δ, however
+    many windows are tried (a union bound over attempts)."""
+    if attempt < 1:
+        raise ValueError("attempts count from 1")
+    return delta / (attempt * (attempt + 1))
+
+
+def spending_view(delta: float, attempts: int) -> dict:
+    """Where a history stands: δ spent by its `attempts` tests (δ (1 − 1/(t+1))) and the
+    level of the next one."""
+    return {"scheme": "delta_t = delta / (t (t + 1)), t = 1, 2, ...; sum <= delta",
+            "delta_total": delta, "tests": attempts,
+            "delta_spent": round(delta * (1 - 1 / (attempts + 1)), 8),
+            "next_delta": round(spent_delta(delta, attempts + 1), 8)}
 
 
 def dualread_at(logits: np.ndarray, t_pre: float, t_post: float) -> np.ndarray:
@@ -206,12 +258,14 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
     "binary" (the offline binary search always; what `studies.recert_study` compares)."""
     if search not in ("sequence", "binary"):
         raise ValueError("search is 'sequence' or 'binary'")
+    given = len(verdicts)
+    verdicts = distinct_inputs(verdicts)
     n = len(verdicts)
     z = np.array([v.correct for v in verdicts], int)
     cert: dict[str, Any] = {
         "n": n, "n_correct": int(z.sum()), "n_wrong": int(n - z.sum()),
         "target_risk": target_risk, "delta": delta, "min_per_class": min_per_class,
-        "temperature_share": temperature_share,
+        "temperature_share": temperature_share, "duplicates_dropped": given - n,
         "bound": "one-sided Clopper-Pearson upper bound of the risk among released",
         "holds": False, "reason": None}
     if n == 0 or min(cert["n_correct"], cert["n_wrong"]) < min_per_class:
@@ -393,7 +447,10 @@ class RuleStore:
         self.window: list[Verdict] = []
         self.counted: set[str] = set()
         self.events: list[dict] = []
+        self.keys: set[str] = set()                # inputs (Served.key) in the window
         self.attempts = 0
+        # certificate tests run in this history: the α-spending index (`spent_delta`)
+        self.tests = 0
         self.last_attempt: dict | None = None
         self._load(shipped)
 
@@ -423,8 +480,11 @@ class RuleStore:
         self.pinned = bool(state.get("pinned", False))
         self.window = [Verdict.from_dict(v) for v in state.get("window", [])]
         self.counted = {v.request_id for v in self.window}
+        self.keys = {v.served.key for v in self.window if v.served.key}
         self.events = list(state.get("events", []))
         self.attempts = int(state.get("attempts", 0))
+        # an older file spent δ on every attempt: count them all as spent
+        self.tests = int(state.get("tests", self.attempts))
         self.last_attempt = state.get("last_attempt")
 
     def _save(self) -> None:
@@ -433,6 +493,7 @@ class RuleStore:
                  "rules": {k: r.to_dict() for k, r in self.rules.items()},
                  "window": [v.to_dict() for v in self.window],
                  "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,
+                 "tests": self.tests, "alpha_spending": self.spending(),
                  "last_attempt": self.last_attempt}
         atomic_write(self.path, json.dumps(state))
 
@@ -440,6 +501,17 @@ class RuleStore:
     @property
     def active(self) -> DeferRule:
         return self.rules[self.chain[-1]]
+
+    def levels(self) -> tuple[float, float]:
+        """(r, δ): the settings', else the shipped policy's; δ is the whole history's."""
+        s, shipped = self.settings, self.rules[SHIPPED]
+        r = s.target_risk if s.target_risk is not None else \
+            (shipped.policy or {}).get("target_risk", 0.05)
+        d = s.delta if s.delta is not None else (shipped.policy or {}).get("delta", 0.1)
+        return float(r), float(d)
+
+    def spending(self) -> dict:
+        return spending_view(self.levels()[1], self.tests)
 
     def view(self) -> dict:
         """What `/calibration` shows (no request content: ids stay out of it)."""
@@ -450,7 +522,7 @@ class RuleStore:
                                "correct": sum(v.correct for v in w),
                                "wrong": sum(not v.correct for v in w),
                                "opened_at": _iso(w[0].at) if w else None},
-                    "last_attempt": self.last_attempt,
+                    "last_attempt": self.last_attempt, "alpha_spending": self.spending(),
                     "rules": [self.rules[k].summary() for k in self.rules],
                     "chain": list(self.chain), "history": self.events[-50:]}
 
@@ -461,8 +533,13 @@ class RuleStore:
         with self.lock:
             if request_id in self.counted:
                 return {"counted": False, "reason": "already_counted"}
+            if served.key and served.key in self.keys:
+                # the same image and question under another request id: not new evidence
+                return {"counted": False, "reason": "duplicate_input"}
             self.window.append(Verdict(request_id, served, bool(correct), time.time(), who))
             self.counted.add(request_id)
+            if served.key:
+                self.keys.add(served.key)
             if len(self.window) < self.settings.window:
                 self._save()
                 return {"counted": True, "window": len(self.window)}
@@ -471,16 +548,27 @@ class RuleStore:
     def _close(self, who: str) -> dict:
         """Certify the full window, switch when the certificate holds and no rule is
         pinned, open a new window; one save for all of it."""
-        rows, self.window, self.counted = self.window, [], set()
+        rows, self.window, self.counted, self.keys = self.window, [], set(), set()
         self.attempts += 1
-        s, shipped = self.settings, self.rules[SHIPPED]
-        r = s.target_risk if s.target_risk is not None else \
-            (shipped.policy or {}).get("target_risk", 0.05)
-        d = s.delta if s.delta is not None else (shipped.policy or {}).get("delta", 0.1)
+        s = self.settings
+        r, d = self.levels()
+        t = self.tests + 1
         version = f"r{self.attempts}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
-        rule, cert = certify(rows, self.base, version, target_risk=r, delta=d,
-                             min_per_class=s.min_per_class,
+        rule, cert = certify(rows, self.base, version, target_risk=r,
+                             delta=spent_delta(d, t), min_per_class=s.min_per_class,
                              temperature_share=s.temperature_share, who=who)
+        if "tau" in cert:
+            # a test ran: it spent δ_t of the history's δ (a window refused for its label
+            # balance tested nothing and spends nothing)
+            self.tests = t
+            spend = {"test": t, "delta_total": d, "delta_this_test": spent_delta(d, t),
+                     "delta_spent": round(d * (1 - 1 / (t + 1)), 8)}
+        else:
+            spend = {"test": None, "delta_total": d,
+                     "note": "no test ran (label balance): nothing spent"}
+        cert = {**cert, "alpha_spending": spend}
+        if rule is not None:
+            rule.certificate = cert
         window = {"n": len(rows), "first_at": _iso(rows[0].at), "last_at": _iso(rows[-1].at),
                   "correct": cert["n_correct"], "wrong": cert["n_wrong"],
                   "decided_by": sorted({v.served.version for v in rows})}

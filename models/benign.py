@@ -21,6 +21,7 @@ BENIGN_PARAMS: dict[str, tuple[float, ...]] = {
     "upscale": (1.25, 1.5, 2.0, 3.0, 4.0),     # bicubic enlargement factor
     "noise-mild": (1, 2, 3, 4, 5),             # Gaussian σ in grey levels (of 255)
     "crop": (1, 2, 3, 4, 5),                   # pixels cut from every side
+    "margin": (0.03, 0.045, 0.06, 0.09, 0.12),  # grey scanner-bed margin, share of the side
     # held out
     "webp": (95, 90, 85, 80, 70),              # WebP quality
     "gamma": (1.05, 1.1, 1.15, 1.2, 1.3),      # exponent on [0, 1] intensities
@@ -28,9 +29,10 @@ BENIGN_PARAMS: dict[str, tuple[float, ...]] = {
     "downup": (0.9, 0.8, 0.75, 0.7, 0.6),      # bicubic down by this factor, then back up
     "sharpen": (50, 80, 110, 140, 180),        # unsharp-mask percent (radius 1)
 }
-BENIGN_SPLIT = {"dev": ("jpeg-q", "upscale", "noise-mild", "crop"),
+BENIGN_SPLIT = {"dev": ("jpeg-q", "upscale", "noise-mild", "crop", "margin"),
                 "heldout": ("webp", "gamma", "pad", "downup", "sharpen")}
 BENIGN_FAMILIES = BENIGN_SPLIT["dev"] + BENIGN_SPLIT["heldout"]
+MARGIN_GREY = 190.0
 
 
 def _u8(im: Image.Image) -> np.ndarray:
@@ -64,6 +66,11 @@ def apply_benign(im: Image.Image, family: str, severity: int, rng: np.random.Gen
     if family == "gamma":
         x = (_u8(im) / 255) ** p
         return Image.fromarray(np.clip(x * 255 + 0.5, 0, 255).astype(np.uint8))
+    if family == "margin":
+        # a scanner bed seen around the picture: a flat light-grey frame (190 of 255)
+        k = max(1, round(p * min(w, h)))
+        x = np.pad(_u8(im), ((k, k), (k, k), (0, 0)), constant_values=MARGIN_GREY)
+        return Image.fromarray(x.astype(np.uint8))
     if family == "crop":
         k = int(p)
         return im.crop((k, k, w - k, h - k))

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 
 from heads.defer import clopper_pearson_upper
-from heads.recert import Served, Verdict, certify, dualread_at
+from heads.recert import Served, Verdict, certify, dualread_at, spent_delta
 
-# stream: (data spec, items); noise:3 is answered as well as clean items (docs/eval-shift:
-# accuracy 0.895 vs 0.89); contrast:5 is answered about half the time
-STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~noise:3", 2000),
-           "harmful": ("easyvqa:test~contrast:5", 500)}
+# stream: (data spec, items). benign: a 2-px grey scanner-bed margin (a development
+# family, docs/defer/suites.md), the development transform the three-part detector flagged
+# most (about half the items) with accuracy near clean's (0.89 vs 0.92; its errors turned
+# out confident ones, docs/operations.md); contrast:5 is answered about half the time.
+# `--streams` names others.
+STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~margin:1", 2000),
+           "harmful": ("easyvqa:test~contrast:5", 2000)}
 SEARCHES = ("sequence", "binary")
 
 
@@ -47,19 +51,16 @@ def collect(spec: str, n: int, seed: int, batch: int = 16, done: list[dict] | No
     pick = np.random.default_rng(seed).permutation(len(items))[len(done):n]
     svc = Service(None, None)
     rows = done
-    try:
-        for s in range(0, len(pick), batch):
-            its = [items[i] for i in pick[s: s + batch]]
-            res = svc.answer_batch([AnswerItem(it.image(), it.question, 64) for it in its],
-                                   [time.monotonic() + 600] * len(its))
-            print(f"{spec}: {s + len(its)}/{len(pick)}", flush=True)
-            for it, r in zip(its, res):
-                if isinstance(r, Exception) or r.served is None:
-                    continue
-                rows.append({"id": it.id, "served": r.served.to_dict(), "defer": r.defer,
-                             "correct": bool(is_correct(r.answer, it.answer))})
-    finally:
-        svc.close()
+    for s in range(0, len(pick), batch):
+        its = [items[i] for i in pick[s: s + batch]]
+        res = svc.answer_batch([AnswerItem(it.image(), it.question, 64) for it in its],
+                               [time.monotonic() + 600] * len(its))
+        print(f"{spec}: {s + len(its)}/{len(pick)}", flush=True)
+        for it, r in zip(its, res):
+            if isinstance(r, Exception) or r.served is None:
+                continue
+            rows.append({"id": it.id, "served": r.served.to_dict(), "defer": r.defer,
+                         "correct": bool(is_correct(r.answer, it.answer))})
     return rows
 
 
@@ -127,14 +128,17 @@ def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
 
 
 def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int,
-          poison: float) -> dict:
+          poison: float, attempt: int = 1) -> dict:
     from heads.dualread import Heads
     from heads.recert import shipped_rule
 
     heads = Heads.load(None)
     shipped = shipped_rule(heads)
     r, d = shipped.policy["target_risk"], shipped.policy["delta"]
-    out = {"target_risk": r, "delta": d, "windows": windows, "next": nxt, "splits": splits,
+    # the service tests its t-th window at δ/(t(t+1)) (α-spending, heads.recert)
+    d_t = spent_delta(d, attempt)
+    out = {"target_risk": r, "delta": d, "attempt": attempt, "delta_tested": d_t,
+           "windows": windows, "next": nxt, "splits": splits,
            "shipped_tau": shipped.tau,
            "drift_reference": {k: len(v) for k, v in
                                drift_reference_of(heads, shipped).items()}}
@@ -145,7 +149,9 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
                  "shipped_released": round(s_cov, 4), "shipped_risk": round(s_risk, 4),
                  "shipped_risk_upper_95": round(clopper_pearson_upper(
                      round(s_risk * k), k, 0.05), 4),
-                 "drift": drift_of(heads, shipped, stream[:500]), "windows": {}}
+                 "drift": drift_of(heads, shipped, stream[:500]),
+                 "risk_of_most_confident": most_confident(heads, stream),
+                 "wrong_by_answer_kind": by_kind(STREAMS[name][0], stream), "windows": {}}
         for window in windows:
             if len(stream) <= window:
                 continue
@@ -153,9 +159,37 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
             for search in SEARCHES:
                 for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
                     w[f"{search}_{label}"] = recertified(heads, stream, window, nxt, splits,
-                                                         flip, search, r, d)
+                                                         flip, search, r, d_t)
         out[name] = entry
     return out
+
+
+def most_confident(heads, rows: list[dict], shares=(0.3, 0.5, 0.7)) -> dict:
+    """Risk among the `share` of `rows` with the highest DualRead confidence (shipped
+    temperatures, detectors ignored): the least risk any τ releasing that share can reach
+    with these confidences (a re-certified rule refits the branch temperatures, which
+    can reorder items, so this is a diagnostic, not a bound)."""
+    x = np.array([r["served"]["logits"] for r in rows])
+    p = dualread_at(x, heads.temperature("psr"), heads.temperature("per"))
+    z = np.array([r["correct"] for r in rows])[np.argsort(-p, kind="stable")]
+    return {str(s): round(float(1 - z[: max(1, int(s * len(z)))].mean()), 4) for s in shares}
+
+
+def by_kind(spec: str, rows: list[dict]) -> dict:
+    """Wrong share by the kind of gold answer (yes/no, a colour word, a shape word): where
+    a transform's errors are (one that draws a frame may be read as a shape)."""
+    from models.data import load
+
+    gold = {it.id: it for it in load(spec)}
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        it = gold[r["id"]]
+        kind = "yes/no" if it.answer in ("yes", "no") else \
+            ("colour" if "colo" in it.question else "shape")
+        n = out.setdefault(kind, [0, 0])
+        n[0] += 1
+        n[1] += not r["correct"]
+    return {k: {"n": n, "wrong": round(w / n, 4)} for k, (n, w) in sorted(out.items())}
 
 
 def drift_reference_of(heads, shipped) -> dict:
@@ -171,13 +205,22 @@ def markdown(report: dict, command: str) -> str:
              "Produced by one command (served rows cached in `--cache`; the report is "
              "`report.json` next to this page):", "", f"    {command}", "",
              f"Shipped rule: τ = {report['shipped_tau']:.4f}, r = {r}, δ = "
-             f"{report['delta']}. Drift reference of the shipped rule (items): "
+             f"{report['delta']}; each window is tested as the service's attempt "
+             f"{report['attempt']} of a history, at δ_t = δ/(t(t+1)) = "
+             f"{report['delta_tested']:.4g} (α-spending). Drift reference of the shipped "
+             "rule (items): "
              f"{report['drift_reference'] or 'none'}. Each window size: {report['splits']} "
              f"random splits of the stream into a window of verdicts and the next "
              f"{report['next']} items (fewer when the stream is shorter).", "",
              "## Streams under the shipped rule", "",
+             "Drift over each stream's first 500 items. Risk of the most confident x%: the "
+             "wrong share among the x% of the stream with the highest DualRead confidence "
+             "(shipped temperatures, detectors ignored): the least risk a threshold "
+             "releasing that share can reach at those temperatures (a re-certified rule "
+             "refits the two branches' temperatures, which can change the order).", "",
              "| stream | n | accuracy | released | risk | UB 95% | drift: flagged share | "
-             "drift: KS statistic by score |", "|---|---|---|---|---|---|---|---|"]
+             "drift: KS statistic by score | risk of the most confident 30% / 50% / 70% | "
+             "wrong by gold answer kind |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in STREAMS:
         e = report.get(name)
         if e is None:
@@ -185,7 +228,11 @@ def markdown(report: dict, command: str) -> str:
         ks = ", ".join(f"{k} {v}" for k, v in e["drift"]["ks"].items()) or "none"
         lines.append(f"| {name} (`{STREAMS[name][0]}`) | {e['n']} | {e['accuracy']} | "
                      f"{e['shipped_released']} | {e['shipped_risk']} | "
-                     f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} |")
+                     f"{e['shipped_risk_upper_95']} | {e['drift']['flagged_share']} | {ks} | "
+                     + " / ".join(str(v) for v in e["risk_of_most_confident"].values())
+                     + " | " + ", ".join(f"{k} {v['wrong']} ({v['n']})"
+                                         for k, v in e["wrong_by_answer_kind"].items())
+                     + " |")
     lines += ["", "## Re-certified on a window, applied to the next items", "",
               "released / risk: means over the windows whose certificate held; risk max and "
               f"'> r': the worst window and how many of them had risk above r = {r} on their "
@@ -206,7 +253,54 @@ def markdown(report: dict, command: str) -> str:
                              f"{v['next_released_mean']} | {v['next_released_min']} | "
                              f"{v['next_risk_mean']} | {v['next_risk_max']} | "
                              f"{v['next_risk_above_r']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + targets(report)) + "\n"
+
+
+def targets(report: dict) -> list[str]:
+    """The issue's targets, read off the report (docs/operations.md): one line each, per
+    window size, with the figures that decide it."""
+    r, clean, out = report["target_risk"], report.get("clean"), []
+    if clean is None:
+        return out
+    floor = round(clean["shipped_released"] - 0.05, 4)
+    out += ["## Targets", "",
+            f"Clean coverage: the shipped rule releases {clean['shipped_released']} of the "
+            f"clean stream, so the benign target is next-items released ≥ {floor} with "
+            f"risk ≤ r = {r} (means over the windows that certified; the service's search, "
+            "honest verdicts).", "",
+            "| target | window | figures | met |", "|---|---|---|---|"]
+    b, h = report.get("benign"), report.get("harmful")
+    for window, w in (b or {}).get("windows", {}).items():
+        v = w["sequence_honest"]
+        ok = v["next_released_mean"] is not None and v["next_released_mean"] >= floor \
+            and v["next_risk_mean"] <= r
+        out.append(f"| benign re-certifies and releases | {window} | certified "
+                   f"{v['certified']}, released {v['next_released_mean']} (≥ {floor}), risk "
+                   f"{v['next_risk_mean']} (≤ {r}), windows over r {v['next_risk_above_r']} "
+                   f"| {'yes' if ok else 'no'} |")
+    if h is not None:
+        d = h["drift"]
+        fires = d["n"] >= 100 and max(d["ks"].values(), default=0) > 0.25
+        out.append(f"| harmful: drift alert condition | first {d['n']} | KS "
+                   f"{max(d['ks'].values(), default=None)} (> 0.25), flagged "
+                   f"{d['flagged_share']} | {'yes' if fires else 'no'} |")
+        for window, w in h["windows"].items():
+            held = {k: v["certified"] for k, v in w.items() if k.endswith("_honest")}
+            none = all(x.startswith("0/") for x in held.values())
+            out.append(f"| harmful: certificate fails, keeps deferring | {window} | "
+                       + ", ".join(f"{k} {x}" for k, x in held.items())
+                       + f" | {'yes' if none else 'no'} |")
+    for name, e in (("benign", b), ("harmful", h)):
+        for window, w in (e or {}).get("windows", {}).items():
+            for k, v in w.items():
+                if not k.startswith("sequence_poisoned"):
+                    continue
+                worst = v["next_risk_max"]
+                ok = worst is None or worst <= 2 * r
+                out.append(f"| poisoned ({k.split('_', 1)[1]}): risk ≤ 2r or refused | "
+                           f"{window} ({name}) | certified {v['certified']}, worst next "
+                           f"risk {worst} (≤ {2 * r}) | {'yes' if ok else 'no'} |")
+    return out
 
 
 def main() -> None:
@@ -217,32 +311,41 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="items per stream, e.g. "
                     "clean=300,benign=500 (default: STREAMS' counts); the first items of "
                     "the same seeded order, so a smaller size reuses a larger run's cache")
+    ap.add_argument("--streams", default="", help="another data spec for a stream, e.g. "
+                    "benign=easyvqa:test~crop:5 (default: STREAMS)")
     ap.add_argument("--windows", default="300,1000,1500",
                     help="window sizes (verdicts), comma-separated")
     ap.add_argument("--next", type=int, default=500)
     ap.add_argument("--splits", type=int, default=20)
     ap.add_argument("--poison", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attempt", type=int, default=1, help="test each window as the "
+                    "service's t-th certificate test, at δ/(t(t+1))")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     cache_dir = a.cache or a.out
     cache_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in a.sizes.split(",") if kv)}
+    for kv in (x for x in a.streams.split(",") if x):
+        name, spec = kv.split("=", 1)
+        STREAMS[name] = (spec, STREAMS[name][1])
     for name, (spec, n) in STREAMS.items():
         n = sizes.get(name, n)
-        cache = cache_dir / f"{name}.json"
+        # one cache file per data spec: a stream given another spec is served again
+        cache = cache_dir / f"{name}-{re.sub(r'[^A-Za-z0-9.-]+', '_', spec)}.json"
         have = json.loads(cache.read_text()) if cache.exists() else []
         if len(have) < n:
             cache.write_text(json.dumps(collect(spec, n, a.seed, done=have)))
         rows[name] = json.loads(cache.read_text())[:n]
         print(name, len(rows[name]), flush=True)
     windows = [int(w) for w in a.windows.split(",") if w]
-    report = study(rows, windows, a.next, a.splits, a.poison)
+    report = study(rows, windows, a.next, a.splits, a.poison, a.attempt)
     (a.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     command = "python -m studies.recert_study --cache CACHE --out " + str(a.out) + \
+        (f" --streams {a.streams}" if a.streams else "") + \
         (f" --sizes {a.sizes}" if a.sizes else "") + f" --windows {a.windows} --next " \
-        f"{a.next} --splits {a.splits} --poison {a.poison:g} --seed {a.seed}"
+        f"{a.next} --splits {a.splits} --poison {a.poison:g} --seed {a.seed} --attempt {a.attempt}"
     (a.out / "study.md").write_text(markdown(report, command))
     print(json.dumps(report, indent=2))
 

@@ -331,3 +331,36 @@ def test_answer_only_says_so_on_calibration(actors, actor_dirs, tmp_path):
         # no rule decides, so /metrics claims none
         assert ("dualread_defer_rule_info", None) not in _gauges(c)
     assert not (tmp_path / "rules.json").exists()
+
+
+def test_an_api_client_cannot_move_what_operators_alert_on(actor_dirs, heads_dir, tmp_path,
+                                                           monkeypatch):
+    """An API-key client replaying one image: the drift window takes it once (the gauge
+    cannot be filled, raised or masked with one input); its verdicts feed the monitor only,
+    never the certificate's window or the drift reference; the operator's verdicts on the
+    same image and question under other request ids count once."""
+    svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
+    settings = _settings(heads_dir, tmp_path / "rules.json").model_copy(
+        update={"api_key": "client-key"})
+    api = {"Authorization": "Bearer client-key"}
+    with TestClient(create_app(settings, svc)) as c:
+        c.headers.update(api)
+        bodies = _answers(c, [benign(0)] * 30)
+        drift = c.app.state.recert.drift
+        assert len(drift.rows) == 1
+        reference = {k: v.copy() for k, v in drift.reference.items()}
+        got = _verdicts(c, bodies[:20], lambda k: False, headers=api)
+        assert all(v["accepted"] and not v["counted"] for v in got)
+        cal = c.get("/calibration").json()
+        assert cal["window"]["counted"] == 0 and cal["alpha_spending"]["tests"] == 0
+        assert drift.reference.keys() == reference.keys()
+        assert all(np.array_equal(drift.reference[k], reference[k]) for k in reference)
+        # the operator: the same input under ten request ids is one verdict
+        got = _verdicts(c, bodies[20:], lambda k: True, headers={**api, **OP})
+        assert [v["counted"] for v in got] == [True] + [False] * 9
+        assert c.get("/calibration").json()["window"]["counted"] == 1
+        # distinct inputs each count, and each enter the drift window
+        more = _answers(c, [benign(1 + k) for k in range(5)])
+        assert all(v["counted"] for v in _verdicts(c, more, lambda k: True,
+                                                   headers={**api, **OP}))
+        assert len(drift.rows) == 6
