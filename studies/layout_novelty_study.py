@@ -7,6 +7,14 @@ re-encoded once by every development benign family, as the shipped fit does), ca
 images of it, and prints the share of images of each development suite the part flags at
 its own α (α / 4 of the shipped α = 0.02: the Bonferroni share of one part of four), the
 median score, and the cost per image. Nothing is fitted on a suite.
+
+    python -m studies.layout_novelty_study --shipped heads/embedded --split heldout \
+        --per-suite 60 --out docs/defer/layout-heldout.md
+
+reads the shipped heads' layout part instead (fitted by `dualread fit-detectors`) on the
+suites of one side of the split: on the held-out side a diagnostic of which share of each
+suite's images that part alone flags, run after the held-out evaluation, never a design
+input.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from models.data import load, sample
 from models.shift import per_family
 
 COMMAND = "python -m studies.layout_novelty_study --per-suite 200 --out docs/defer/layout-dev.md"
+SHIPPED_COMMAND = ("python -m studies.layout_novelty_study --shipped heads/embedded --split "
+                   "heldout --per-suite 60 --out docs/defer/layout-heldout.md")
 
 
 def unique_images(items):
@@ -45,7 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-suite", type=int, default=200)
     ap.add_argument("--alpha", type=float, default=0.02 / 4)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shipped", type=Path, default=None,
+                    help="heads folder: read its layout part instead of fitting one")
+    ap.add_argument("--split", choices=("dev", "heldout"), default="dev")
     a = ap.parse_args(argv)
+    if a.shipped is not None:
+        return shipped(a)
 
     imgs = sample(unique_images(load("easyvqa:heldout")), a.fit_images + a.cal_images, seed=1)
     order = np.random.default_rng(0).permutation(len(imgs))
@@ -85,6 +100,36 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", f"Cost: {1000 * secs / max(1, n_img):.2f} ms an image (descriptor + "
                   f"nearest scene, one CPU thread; wall time on a shared machine, "
                   f"os.getloadavg() {os.getloadavg()[0]:.1f} at the end)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out is not None:
+        a.out.write_text(text)
+
+
+def shipped(a: argparse.Namespace) -> None:
+    from heads.novelty import load_detector
+
+    det = load_detector(a.shipped)
+    part = det.parts["layout"]
+    alpha = 0.02 / len(det.parts)
+    lines = ["# The shipped layout part alone on the " + a.split + " suites", "",
+             f"    {SHIPPED_COMMAND if a.split == 'heldout' else ''}", "",
+             f"The layout part of the detector in `{a.shipped}` (as `dualread fit-detectors` "
+             f"fitted it: {part.n_fit} fitting scenes, {len(part.t['calibration'])} calibration "
+             f"images), read alone at its Bonferroni share alpha {alpha:.4f} on the images of "
+             f"{a.per_suite} items of each suite (their images; the same items "
+             f"`dualread evaluate --limit {a.per_suite}` reads). What the whole rule did is in "
+             "results.md; this says which share of each suite's images this part flags.", "",
+             "| suite | kind | images | flagged | median score | objects 1 / 2 / 3+ |",
+             "|---|---|---|---|---|---|"]
+    for spec, kind in suite_kinds(a.split):
+        items = unique_images(sample(load(spec), a.per_suite))
+        x = layout_descriptors([it.image() for it in items])
+        s = part.score(x)
+        flagged = float((part.p_values_of(s) < alpha).mean())
+        lines.append(f"| `{spec}` | {kind} | {len(items)} | {flagged:.3f} | {np.median(s):.3f} "
+                     f"| {_objects(x[:, 0].numpy())} |")
+        print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out is not None:
