@@ -343,7 +343,7 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     assert not hasattr(heads, "image_check")               # retired (issue 27)
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
-    for part in ("image", "question", "pixels"):
+    for part in ("image", "question", "pixels", "layout"):
         assert (folder / f"novelty.{part}.safetensors").exists()
     card = json.loads((folder / "heads_card.json").read_text())
     nov = card["novelty"]
@@ -375,11 +375,21 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     px = back.novelty.parts["pixels"]
     assert parts["pixels"]["n_images"] == len(reader_img)
     assert len(px.t["calibration"]) == len(first_per_image(cal, ids))
-    # the combined p-value of a row is Bonferroni over the three parts
-    row = with_pixels({k: v[:3] for k, v in clean.items()}, [it.image() for it in items[:3]])
+    # the layout part: the reader images, each re-encoded once by every augment family
+    lay = back.novelty.parts["layout"]
+    assert parts["layout"]["n_images"] == len(reader_img)
+    assert parts["layout"]["n_augmented"] == len(AUGMENT_FAMILIES) * len(reader_img)
+    assert lay.t["bank"].shape[0] == (1 + len(AUGMENT_FAMILIES)) * len(reader_img)
+    assert len(lay.t["calibration"]) == len(first_per_image(cal, ids))
+    # the combined p-value of a row is Bonferroni over the four parts, read as /answer
+    # reads it (`Heads.with_images`: the pixel and layout parts get the decoded image)
+    images = [it.image() for it in items[:3]]
+    row = back.with_images({k: v[:3] for k, v in clean.items()}, images)
+    assert torch.equal(row["pixel_patches"], with_pixels({}, images)["pixel_patches"])
     each = back.novelty.part_p_values(row)
     assert np.allclose(back.novelty.p_values(row), np.minimum(
-        1, 3 * np.minimum(np.minimum(each["image"], each["question"]), each["pixels"])))
+        1, 4 * np.min(np.stack([each[k] for k in ("image", "question", "pixels", "layout")]),
+                      0)))
 
 
 def test_the_novelty_stage_logs_its_flag_rates_out_of_sample(actors, own_or_wrong_data,
