@@ -1,7 +1,7 @@
 """The defer rule's novelty detectors (SPEC §8): fitted on clean training data and benign
 re-encodings of it, calibrated on a disjoint clean split, nothing else.
 
-Two one-class parts, read as one conformal detector (`CompositeNovelty`, Bonferroni):
+One-class parts, read as one conformal detector (`CompositeNovelty`, Bonferroni):
 - `image`: patch-level (PatchCore-style). Each image token's state (the actor's final
   layer, which the readout captures anyway) is compared with a bank of image-token states
   of the fitting images and of benign re-encodings of them (JPEG, resampling, mild noise,
@@ -9,6 +9,9 @@ Two one-class parts, read as one conformal detector (`CompositeNovelty`, Bonferr
   token, so one region showing something the actor never saw is enough.
 - `question`: the prompt state's distance to the nearest prompt state of the fitting
   questions: a question of a kind never asked lands far from all of them.
+- `pixels` (`heads.pixel_novelty`): patch-level kNN on the decoded image.
+- `layout` (`heads.layout_novelty`): the decoded image's objects (how many, their
+  outlines, sizes and colours), the distance to the nearest fitting scene.
 No corrupted or novel input is used for fitting: what the detectors flag is whatever is
 far from the training data, not a list of named shifts.
 """
@@ -20,6 +23,7 @@ import torch
 from rich.console import Console
 
 from heads.collect import Collector
+from heads.layout_novelty import LAYOUT_FEATURE, LayoutNovelty, layout_descriptors
 from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
 from heads.pixel_novelty import PIXEL_BANK, PIXEL_FEATURE, PixelNovelty, pixel_descriptors
 from heads.splits import splits_of
@@ -60,12 +64,15 @@ def augment_items(items: list[Item], per_family: int = AUGMENT_PER_FAMILY, seed:
 def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
                   calibration_questions: dict, bank: int = IMAGE_BANK,
                   pixels: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  pixel_bank: int = PIXEL_BANK) -> CompositeNovelty:
+                  pixel_bank: int = PIXEL_BANK,
+                  layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> CompositeNovelty:
     """The composite detector from feature dicts (`extract`'s keys): image tokens of the
     fitting images (+ `augmented`), prompt states of the fitting questions; each part
     calibrated on its own clean split. `pixels`: the pixel part's descriptors
     (`heads.pixel_novelty.pixel_descriptors`) of the fitting images with their benign
-    re-encodings, and of the calibration images; without it, no pixel part."""
+    re-encodings, and of the calibration images; without it, no pixel part. `layout`: the
+    layout part's vectors (`heads.layout_novelty.layout_descriptors`) of the same images;
+    without it, no layout part."""
     img = Novelty("token_knn", IMAGE_FEATURE, max_bank=bank)
     x = features(IMAGE_FEATURE, fit)
     if augmented is not None:
@@ -77,6 +84,8 @@ def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
     parts = {"image": img, "question": q}
     if pixels is not None:
         parts["pixels"] = PixelNovelty(max_bank=pixel_bank).fit(pixels[0]).calibrate(pixels[1])
+    if layout is not None:
+        parts["layout"] = LayoutNovelty().fit(layout[0]).calibrate(layout[1])
     return CompositeNovelty(parts)
 
 
@@ -94,25 +103,32 @@ def _descriptors(items: list[Item], rows: torch.Tensor, cache: dict) -> torch.Te
     return torch.stack([cache[items[i].image_id] for i in rows.tolist()])
 
 
+def _layouts(items: list[Item], rows: torch.Tensor) -> torch.Tensor:
+    """Layout vectors of the image of each row (cheap: no cache needed)."""
+    return layout_descriptors([items[i].image() for i in rows.tolist()])
+
+
 def _clean_rows(det: CompositeNovelty, items: list[Item], feats: dict, rows: torch.Tensor,
                 described: dict | None = None) -> dict:
-    """Feature rows of `rows`, with each row's image descriptors when a part reads the
-    pixels (the clean sample and its checks read every part)."""
+    """Feature rows of `rows`, with what each part reads from the rows' images (the clean
+    sample and its checks read every part)."""
     out = _rows(feats, rows)
-    if det.reads_pixels:
+    if PIXEL_FEATURE in det.image_features:
         out[PIXEL_FEATURE] = _descriptors(items, rows, {} if described is None else described)
+    if LAYOUT_FEATURE in det.image_features:
+        out[LAYOUT_FEATURE] = _layouts(items, rows)
     return out
 
 
 def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
                    per_family: int = AUGMENT_PER_FAMILY, seed: int = 0,
-                   alpha: float = DETECTOR_ALPHA, pixels: bool = True
+                   alpha: float = DETECTOR_ALPHA, pixels: bool = True, layout: bool = True
                    ) -> tuple[CompositeNovelty, dict]:
     """Readouts of benign re-encodings of reader-split images, the composite detector
     fitted on the reader split and calibrated on the temperature and defer splits, and
     what the card logs (clean flag rates out of sample, per part and combined).
     `pixels`: with the pixel part (`heads.pixel_novelty`), fitted on the same images and
-    re-encodings."""
+    re-encodings. `layout`: with the layout part (`heads.layout_novelty`), likewise."""
     reader = splits["reader"]
     ids = [it.image_id for it in items]
     reader_img = first_per_image(reader, ids)
@@ -130,8 +146,16 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
         if aug_items:
             fit_px = torch.cat([fit_px, pixel_descriptors([it.image() for it in aug_items])])
         pix = (fit_px, _descriptors(items, cal_img, described))
+    lay, lay_aug = None, []
+    if layout:
+        # the layout part is cheap (no readout): every reader image re-encoded once by
+        # each development family joins its bank, where the readout parts take a sample
+        lay_aug = augment_items([items[i] for i in reader_img.tolist()], len(reader_img), seed)
+        fit_lay = torch.cat([_layouts(items, reader_img),
+                             layout_descriptors([it.image() for it in lay_aug])])
+        lay = (fit_lay, _layouts(items, cal_img))
     det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal),
-                        pixels=pix)
+                        pixels=pix, layout=lay)
     # drift's reference: the combined score of the clean calibration items
     det.keep_clean_sample(_clean_rows(det, items, feats, cal, described))
     m = len(det.parts)
@@ -166,6 +190,18 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
             "bank_descriptors": int(part.t["bank"].shape[0]),
             "calibrated_on": "temperature and defer split images, one row per image",
             "n_calibration": len(cal_img)}
+    if lay is not None:
+        part = det.parts["layout"]
+        log["parts"]["layout"] = {
+            "kind": "layout_knn (scene layout of the decoded image, nearest fitting scene)",
+            "feature": part.to_dict()["descriptor"], "side": part.to_dict()["side"],
+            "fitted_on": "reader-split images, one row per image, and each of them "
+                         "re-encoded once by every augment family (severities 1..5 in turn)",
+            "augment_families": list(AUGMENT_FAMILIES),
+            "n_images": len(reader_img), "n_augmented": len(lay_aug),
+            "bank_scenes": int(part.t["bank"].shape[0]),
+            "calibrated_on": "temperature and defer split images, one row per image",
+            "n_calibration": len(cal_img)}
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: too few calibration items for a p-value "
                     f"below alpha {alpha}; it will never flag[/yellow]")
@@ -186,6 +222,9 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
             parts["pixels"] = det.parts["pixels"].recalibrated(
                 _descriptors(items, ia_img, described))
             read[PIXEL_FEATURE] = _descriptors(items, ib, described)
+        if lay is not None:
+            parts["layout"] = det.parts["layout"].recalibrated(_layouts(items, ia_img))
+            read[LAYOUT_FEATURE] = _layouts(items, ib)
         rates.append(float((CompositeNovelty(parts).p_values(read) < alpha).mean()))
     if rates:
         log["cross_flag_rate"] = round(float(np.mean(rates)), 4)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+import heads.layout_novelty  # noqa: F401  (registers the layout part's class for loading)
 import heads.methods  # noqa: F401  (registers the shipped methods)
 import heads.pixel_novelty  # noqa: F401  (registers the pixel part's class for loading)
 from heads import registry
@@ -27,7 +28,14 @@ from heads.methods import dualread as dualread_method
 from heads.methods import state_baselines
 from heads.methods.dualread import branch_log_odds
 from heads.modules import Reader
-from heads.novelty import ALPHA, CompositeNovelty, Novelty, NoveltyReading, load_detector
+from heads.novelty import (
+    ALPHA,
+    IMAGE_FEATURES,
+    CompositeNovelty,
+    Novelty,
+    NoveltyReading,
+    load_detector,
+)
 from heads.registry import Method, Scored
 from models.loading import FINGERPRINT_SCHEME, LEGACY_FINGERPRINTS
 
@@ -297,13 +305,20 @@ class Heads:
 
     # ------------------------------------------------------------- the defer rule
     def with_images(self, feats: dict, images: Sequence | None) -> dict:
-        """`feats` with the pixel descriptors of `images` when the detector reads them."""
-        if not getattr(self.novelty, "reads_pixels", False):
+        """`feats` with what the detector's parts read from `images` (the pixel part's
+        descriptors, the layout part's vectors) when it has such parts."""
+        need = getattr(self.novelty, "image_features", ())
+        if not need:
             return feats
         if images is None:
-            raise ValueError("these heads' novelty detector reads the image (a pixel part): "
-                             "pass each readout's decoded image")
-        return heads.pixel_novelty.with_pixels(feats, images)
+            raise ValueError("these heads' novelty detector reads the image (a pixel or "
+                             "layout part): pass each readout's decoded image")
+        out = heads.pixel_novelty.with_pixels(feats, images) \
+            if heads.pixel_novelty.PIXEL_FEATURE in need else dict(feats)
+        for name in need:
+            if name in IMAGE_FEATURES:
+                out[name] = IMAGE_FEATURES[name](images)
+        return out
 
     def novelty_of(self, readout, image=None) -> NoveltyReading | None:
         """Score, conformal p-value and flag of one readout (and its decoded image, which

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +71,11 @@ FEATURES: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     # patch descriptors of the decoded image (heads.pixel_novelty), [N, P, D]
     "pixel_patches": lambda f: f["pixel_patches"],
 }
+
+# Features read from the decoded image rather than the actor's states, by name: the function
+# that computes them from a list of images. A module defining a part that reads the image
+# registers its feature (heads.layout_novelty); the pixel part's is `pixel_patches`.
+IMAGE_FEATURES: dict[str, Callable[[Sequence], torch.Tensor]] = {}
 
 
 def features(name: str, feats: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -457,9 +462,16 @@ class CompositeNovelty:
 
     @property
     def reads_pixels(self) -> bool:
-        """Whether a part reads the decoded image (`heads.pixel_novelty`): its callers then
-        add the image's descriptors to the feature dict (`with_pixels`)."""
-        return any(p.feature == "pixel_patches" for p in self.parts.values())
+        """Whether a part reads the decoded image (`heads.pixel_novelty`,
+        `heads.layout_novelty`): its callers then add what it reads to the feature dict
+        (`image_features`)."""
+        return bool(self.image_features)
+
+    @property
+    def image_features(self) -> tuple[str, ...]:
+        """The features its parts read from the decoded image, in part order."""
+        return tuple(p.feature for p in self.parts.values()
+                     if p.feature == "pixel_patches" or p.feature in IMAGE_FEATURES)
 
     def save_clean_sample(self, folder: str | Path, prefix: str = "novelty") -> None:
         """`{prefix}.safetensors`: the clean sample, with a digest of the parts' calibration

@@ -246,10 +246,11 @@ def embedded():
 
 def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
     """Fitted on scenes without red, green and triangles (the recipe's renderer), the
-    composite detector flags scenes showing them far more often than held-out scenes of
-    the colours and shapes it was fitted on."""
+    composite detector (image, question, pixel and layout parts) flags scenes showing them
+    far more often than held-out scenes of the colours and shapes it was fitted on."""
     from heads.detectors import fit_detectors
     from heads.features import extract_many
+    from heads.layout_novelty import layout_descriptors
     from heads.pixel_novelty import pixel_descriptors
     from models.render import Scene, _background, _place
 
@@ -273,7 +274,8 @@ def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
     fit, cal = feats(fit_im), feats(cal_im)
     det = fit_detectors(fit, None, cal, cal, pixels=(pixel_descriptors(fit_im),
                                                      pixel_descriptors(cal_im)),
-                        pixel_bank=2000)
+                        pixel_bank=2000,
+                        layout=(layout_descriptors(fit_im), layout_descriptors(cal_im)))
     seen_im = scenes(40, 2, kept_c, kept_s)
     unseen_im = scenes(40, 3, ("red", "green"), ("triangle",))
     seen = det.parts["image"].p_value(feats(seen_im)["img_tokens"])
@@ -285,6 +287,12 @@ def test_detectors_refit_without_two_colours_and_a_shape_flag_them(embedded):
     for colours, shapes in ((("red",), kept_s), (("green",), kept_s), (kept_c, ("triangle",))):
         novel = px.p_value(pixel_descriptors(scenes(30, 4, colours, shapes)))
         assert (novel < 0.05).mean() >= (seen_px < 0.05).mean() + 0.3, (colours, shapes)
+    # the layout part, likewise (heads.layout_novelty)
+    lay = det.parts["layout"]
+    seen_lay = lay.p_value(layout_descriptors(seen_im))
+    for colours, shapes in ((("red",), kept_s), (("green",), kept_s), (kept_c, ("triangle",))):
+        novel = lay.p_value(layout_descriptors(scenes(30, 4, colours, shapes)))
+        assert (novel < 0.05).mean() >= (seen_lay < 0.05).mean() + 0.5, (colours, shapes)
 
 
 def test_pooled_rows_add_up_counts():

@@ -216,6 +216,39 @@ def test_a_batch_reads_each_item_with_its_own_image(actor_dirs, qwen_heads, tmp_
         assert [r.defer for r in out] == want
 
 
+def test_answer_reads_the_layout_when_the_detector_has_a_layout_part(actor_dirs, qwen_heads,
+                                                                     tmp_path, monkeypatch):
+    """/answer hands the decoded image to the layout part (heads/layout_novelty.py) and
+    defers by `Heads.defer_reasons`, the rule `evaluate` applies: fitted on one-object
+    scenes, the part flags a two-object scene (p = 1/400, Bonferroni over two parts: 2/400)
+    and keeps a one-object one (p = 1)."""
+    from heads.layout_novelty import LayoutNovelty, layout_descriptors
+    from heads.novelty import CompositeNovelty
+    from models.render import Obj, Scene, render
+
+    def scene(*objs):
+        return render(Scene(tuple(objs), (240, 240, 240)))
+
+    one = [scene(Obj(s, c, (20 + 4 * k, 30, 70 + 4 * k, 80))) for k, (s, c) in
+           enumerate([("circle", "red"), ("rectangle", "blue"), ("triangle", "teal")] * 3)]
+    part = LayoutNovelty().fit(layout_descriptors(one))
+    # calibration scores above any one-object scene's, below a second object's distance
+    part.t["calibration"] = torch.full((399,), 0.5, dtype=torch.float64)
+    heads = Heads.load(qwen_heads)
+    heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "layout": part})
+    heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)      # novelty alone decides
+    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
+    two = scene(Obj("circle", "red", (10, 10, 50, 50)), Obj("rectangle", "blue",
+                                                            (70, 70, 110, 100)))
+    body = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch, two)
+    assert body["novelty"]["novel"] is True and body["defer"] is True
+    assert body["novelty"]["p_value"] == pytest.approx(2 / 400)
+    calm = _served(actor_dirs["qwen3_vl"], tmp_path / "h", monkeypatch,
+                   scene(Obj("circle", "red", (30, 34, 80, 84))))
+    assert calm["novelty"]["novel"] is False and calm["defer"] is False
+    assert calm["novelty"]["p_value"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("flag_everything", [True, False])
 def test_answer_defers_on_novelty_alone(actor_dirs, qwen_heads, tmp_path, monkeypatch,
                                         flag_everything):
@@ -302,7 +335,7 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     assert not hasattr(heads, "image_check")               # retired (issue 27)
     heads.save(tmp_path / "heads", {"command": "test", **info})
     folder = tmp_path / "heads"
-    for part in ("image", "question", "pixels"):
+    for part in ("image", "question", "pixels", "layout"):
         assert (folder / f"novelty.{part}.safetensors").exists()
     card = json.loads((folder / "heads_card.json").read_text())
     nov = card["novelty"]
@@ -334,11 +367,21 @@ def test_fit_with_novelty_writes_the_detector_and_the_card(actors, own_or_wrong_
     px = back.novelty.parts["pixels"]
     assert parts["pixels"]["n_images"] == len(reader_img)
     assert len(px.t["calibration"]) == len(first_per_image(cal, ids))
-    # the combined p-value of a row is Bonferroni over the three parts
-    row = with_pixels({k: v[:3] for k, v in clean.items()}, [it.image() for it in items[:3]])
+    # the layout part: the reader images, each re-encoded once by every augment family
+    lay = back.novelty.parts["layout"]
+    assert parts["layout"]["n_images"] == len(reader_img)
+    assert parts["layout"]["n_augmented"] == len(AUGMENT_FAMILIES) * len(reader_img)
+    assert lay.t["bank"].shape[0] == (1 + len(AUGMENT_FAMILIES)) * len(reader_img)
+    assert len(lay.t["calibration"]) == len(first_per_image(cal, ids))
+    # the combined p-value of a row is Bonferroni over the four parts, read as /answer
+    # reads it (`Heads.with_images`: the pixel and layout parts get the decoded image)
+    images = [it.image() for it in items[:3]]
+    row = back.with_images({k: v[:3] for k, v in clean.items()}, images)
+    assert torch.equal(row["pixel_patches"], with_pixels({}, images)["pixel_patches"])
     each = back.novelty.part_p_values(row)
     assert np.allclose(back.novelty.p_values(row), np.minimum(
-        1, 3 * np.minimum(np.minimum(each["image"], each["question"]), each["pixels"])))
+        1, 4 * np.min(np.stack([each[k] for k in ("image", "question", "pixels", "layout")]),
+                      0)))
 
 
 def test_the_novelty_stage_logs_its_flag_rates_out_of_sample(actors, own_or_wrong_data,

@@ -87,7 +87,7 @@ def test_the_service_refuses_such_heads(actor_dirs, actors, tmp_path):
 def test_the_shipped_heads_have_no_image_check():
     heads = Heads.load(ROOT / "heads" / "embedded")
     assert "image-check" not in heads.defer_rule and not heads.card.get("image_check")
-    assert set(heads.novelty.parts) == {"image", "question", "pixels"}
+    assert set(heads.novelty.parts) == {"image", "question", "pixels", "layout"}
     assert not list((ROOT / "heads" / "embedded").glob("image_check*"))
 
 
