@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +79,6 @@ class Service:
         self.heads_id = None if heads is None else heads.card.get("heads_id") or \
             f"{heads.actor_fingerprint}-{heads.card.get('git_commit', '')[:8]}"
         self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
-        # describes a batch's images for the detector while the actor decodes it: both
-        # mostly run outside the GIL (torch, numpy), so a free core takes the description
-        # off the answer's path
-        self._describer = ThreadPoolExecutor(1, thread_name_prefix="describe-images")
 
     def use_rule(self, rule: DeferRule) -> None:
         """Serve `rule` from the next batch on (one reference swap: a batch reads one
@@ -179,15 +174,13 @@ class Service:
         """`answer_batch`, with the actor's responses too (`readout`: how the states are
         read; the service captures them, the benchmark also times replay)."""
         heads = self.heads       # the rule this batch is decided by, start to end
-        early = self._describe(heads, [i.image for i in items]) if readout != "none" else None
         res = self.actor.answer([i.image for i in items], [i.question for i in items],
                                 [i.max_new_tokens for i in items], readout=readout,
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
         scored = self._assess_batch({k: res[k].readout for k in live}, heads,
-                                    {k: items[k].image for k in live},
-                                    _rows(early, live))
+                                    {k: items[k].image for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -198,16 +191,8 @@ class Service:
                                                 it.question)))
         return res, out
 
-    def _describe(self, heads: Heads | None, images: list) -> Future | None:
-        """The detector's image features of a batch, computed beside decoding; None when
-        no part of the detector reads the image."""
-        if heads is None or not getattr(heads.novelty, "image_features", ()):
-            return None
-        return self._describer.submit(heads.image_features, images)
-
     def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None,
-                      images: dict[int, Any] | None = None,
-                      described: dict[str, Any] | None = None
+                      images: dict[int, Any] | None = None
                       ) -> dict[int, tuple[Assessment, float]]:
         """Served confidences and novelty of a whole batch in one call of the readers (each
         readout's decoded image in `images`: the detector's pixel part reads it), with each
@@ -218,8 +203,7 @@ class Service:
         t = time.perf_counter()
         try:
             h, rs = heads or self.heads, list(readouts.values())
-            confs = h.assess(rs) if images is None else \
-                h.assess(rs, [images[k] for k in readouts], described=described)
+            confs = h.assess(rs) if images is None else h.assess(rs, [images[k] for k in readouts])
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),
@@ -297,15 +281,3 @@ class Service:
     def __repr__(self) -> str:
         return f"Service(actor={self.actor.fingerprint}, heads={self.heads_id})"
 
-
-def _rows(early: Future | None, live: list[int]) -> dict[str, Any] | None:
-    """The rows of `live` items from a batch's image features; None when there are none
-    or describing failed (the features are then computed again, per item if need be, so a
-    bad image fails only its own item)."""
-    if early is None:
-        return None
-    try:
-        described = early.result()
-    except Exception:
-        return None
-    return {name: t[live] for name, t in described.items()}

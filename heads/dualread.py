@@ -263,20 +263,19 @@ class Heads:
         item, the readers' calls and not their arithmetic were most of the cost."""
         return [a.confidence for a in self.assess(readouts, novelty=False)]
 
-    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True,
-               described: dict[str, torch.Tensor] | None = None) -> list[Assessment]:
+    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True
+               ) -> list[Assessment]:
         """Served confidences and the novelty reading of several readouts, from one
         feature pass: what `/answer` needs before the defer rule. `images`: the decoded
-        image of each readout, which a detector with a pixel part reads (`described`: what
-        it reads of them, already computed by `image_features`). `novelty=False`: the
-        confidences alone (no reading)."""
+        image of each readout, which a detector with a pixel part reads. `novelty=False`:
+        the confidences alone (no reading)."""
         if not readouts:
             return []
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
         with torch.inference_mode():
             feats = extract_many(readouts, self.kappa)
             # the confidences alone read no image (probe routes, `confidence`)
-            f = Scored(self.with_images(feats, images, described) if novelty else feats)
+            f = Scored(self.with_images(feats, images) if novelty else feats)
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
             nov = self.novelty.read(f, self.novelty_alpha) \
@@ -305,33 +304,21 @@ class Heads:
         return True if self.policy is None else self.policy.defer(p)
 
     # ------------------------------------------------------------- the defer rule
-    def image_features(self, images: Sequence) -> dict[str, torch.Tensor]:
-        """What the detector's parts read from the decoded `images` (the pixel part's
-        descriptors, the layout part's vectors), row k from image k; {} when no part reads
-        the image. It needs no readout, so the service computes it while the actor
-        decodes."""
+    def with_images(self, feats: dict, images: Sequence | None) -> dict:
+        """`feats` with what the detector's parts read from `images` (the pixel part's
+        descriptors, the layout part's vectors) when it has such parts."""
         need = getattr(self.novelty, "image_features", ())
-        out: dict[str, torch.Tensor] = {}
-        if heads.pixel_novelty.PIXEL_FEATURE in need:
-            out[heads.pixel_novelty.PIXEL_FEATURE] = heads.pixel_novelty.pixel_descriptors(
-                images)
+        if not need:
+            return feats
+        if images is None:
+            raise ValueError("these heads' novelty detector reads the image (a pixel or "
+                             "layout part): pass each readout's decoded image")
+        out = heads.pixel_novelty.with_pixels(feats, images) \
+            if heads.pixel_novelty.PIXEL_FEATURE in need else dict(feats)
         for name in need:
             if name in IMAGE_FEATURES:
                 out[name] = IMAGE_FEATURES[name](images)
         return out
-
-    def with_images(self, feats: dict, images: Sequence | None,
-                    described: dict[str, torch.Tensor] | None = None) -> dict:
-        """`feats` with what the detector's parts read from `images` when it has such
-        parts; `described`: those features already computed (`image_features`)."""
-        if not getattr(self.novelty, "image_features", ()):
-            return feats
-        if described is None:
-            if images is None:
-                raise ValueError("these heads' novelty detector reads the image (a pixel "
-                                 "or layout part): pass each readout's decoded image")
-            described = self.image_features(images)
-        return {**feats, **described}
 
     def novelty_of(self, readout, image=None) -> NoveltyReading | None:
         """Score, conformal p-value and flag of one readout (and its decoded image, which

@@ -216,59 +216,6 @@ def test_a_batch_reads_each_item_with_its_own_image(actor_dirs, qwen_heads, tmp_
         assert [r.defer for r in out] == want
 
 
-def test_images_described_beside_decoding_are_the_ones_the_rule_reads(actor_dirs, qwen_heads,
-                                                                       tmp_path, monkeypatch):
-    """The service describes a batch's images while the actor decodes (one call a batch);
-    the live items' rows are the ones read (an item past its deadline drops out), and the
-    verdicts equal those of describing after decoding; a description that fails is done
-    again after decoding."""
-    import time
-
-    from PIL import Image
-
-    from app.serving import AnswerItem
-    from heads.novelty import CompositeNovelty
-    from heads.pixel_novelty import PixelNovelty, pixel_descriptors
-
-    heads = Heads.load(qwen_heads)
-    flat = [Image.new("RGB", (40, 32), (200 + k, 200, 200)) for k in range(10)]
-    px = PixelNovelty(max_bank=500).fit(pixel_descriptors(flat))
-    px.t["calibration"] = torch.full((399,), 0.01, dtype=torch.float64)
-    heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "pixels": px})
-    heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)
-    heads.save(tmp_path / "h", {k: v for k, v in heads.card.items() if k != "novelty"})
-    service = _scripted(Service(actor_dirs["qwen3_vl"], str(tmp_path / "h")), monkeypatch)
-    noisy, calm = random_image(0), Image.new("RGB", (40, 32), (205, 200, 200))
-    items = [AnswerItem(im, Q, 8) for im in (calm, noisy, calm, noisy)]
-    now = time.monotonic()
-    deadlines = [now - 1, now + 60, now + 60, now + 60]          # item 0 has expired
-
-    def verdicts(out):
-        return [None if isinstance(r, Exception) else (r.novelty.p_value, r.defer)
-                for r in out]
-
-    calls = []
-    real = service.heads.image_features
-    monkeypatch.setattr(service.heads, "image_features",
-                        lambda ims: calls.append(len(ims)) or real(ims))
-    early = verdicts(service.answer_batch(items, deadlines))
-    assert calls == [4]                         # the whole batch, once, beside decoding
-    assert early[0] is None and [v[1] for v in early[1:]] == [True, False, True]
-
-    monkeypatch.setattr(service, "_describe", lambda heads, images: None)
-    calls.clear()
-    assert verdicts(service.answer_batch(items, deadlines)) == early
-    assert calls == [3]                         # after decoding, the live items only
-
-    def broken(ims):
-        raise RuntimeError("describing failed")
-    monkeypatch.undo()
-    service = _scripted(Service(actor_dirs["qwen3_vl"], str(tmp_path / "h")), monkeypatch)
-    monkeypatch.setattr(service, "_describe",
-                        lambda heads, images: service._describer.submit(broken, images))
-    assert verdicts(service.answer_batch(items, deadlines)) == early
-
-
 def test_answer_reads_the_layout_when_the_detector_has_a_layout_part(actor_dirs, qwen_heads,
                                                                      tmp_path, monkeypatch):
     """/answer hands the decoded image to the layout part (heads/layout_novelty.py) and
