@@ -306,10 +306,10 @@ def largest_nearest(x: torch.Tensor, index: BankIndex) -> torch.Tensor:
       are matched against the whole bank, and the largest of those (less `tol`) bounds the
       image's score from below: a descriptor whose upper bound is under it cannot hold
       the score and is dropped (on easy-VQA scenes, all but a few per cent);
-    - of those left, only the ones whose float32 nearest distance comes within 2·tol of
-      their image's largest are read again in float64, against the bank rows within
-      2·tol of their float32 nearest: no other descriptor can hold the largest distance,
-      and no other bank row the nearest."""
+    - of those left, only the ones whose float32 nearest distance plus its tol reaches
+      their image's largest float32 distance less that one's tol are read again in
+      float64, against the bank rows within 2·tol of their float32 nearest: no other
+      descriptor can hold the largest distance, and no other bank row the nearest."""
     n, p, dim = x.shape
     if n == 0:
         return torch.zeros(0, dtype=torch.float64)
@@ -326,8 +326,11 @@ def largest_nearest(x: torch.Tensor, index: BankIndex) -> torch.Tensor:
     keep = keep[near[keep] == -np.inf]
     near[keep] = index.nearest(rows[keep]).double()
     # a dropped descriptor keeps −inf: its image's score is held by another
-    per = near[inv]
-    cand = per >= per.max(1, keepdim=True).values - 2.0 * tol[inv]
+    per, err = near[inv], tol[inv]
+    # each row's own bound on both sides: the row holding the score is within its tol of
+    # it, and the largest float32 value within its (maybe larger) tol; 2·(own tol) would
+    # drop a small-norm row whose image's largest value is a large-norm row's overestimate
+    cand = per + err >= (per - err).max(1, keepdim=True).values
     ids = torch.unique(inv[cand])
     exact = torch.full((len(rows),), -np.inf, dtype=torch.float64)
     for s in range(0, len(ids), ROWS):

@@ -188,3 +188,28 @@ def test_many_descriptors_are_read_in_blocks_with_the_same_result(monkeypatch):
     monkeypatch.setattr(pn, "ROWS", 7)          # blocks of 7 and 112 rows
     assert torch.equal(largest_nearest(x, BankIndex(bank)), whole)
     assert np.allclose(whole.numpy(), brute_force(x, bank), rtol=1e-12, atol=1e-12)
+
+
+class _SkewedIndex(BankIndex):
+    """A bank index whose float32 nearest distances err by up to the bound the score
+    allows for (F32_SLACK): up for rows of large norm, down for small ones."""
+
+    def nearest(self, rows: torch.Tensor) -> torch.Tensor:
+        exact = torch.cdist(rows.double(), self.bank64).min(1).values ** 2
+        tol = pn.F32_SLACK * ((rows * rows).sum(1).double() + self.b2max)
+        big = (rows * rows).sum(1) > 1.0
+        return (exact + torch.where(big, 0.99, -0.99) * tol).float()
+
+
+def test_the_score_stays_exact_when_float32_errs_by_its_whole_bound():
+    # a small-norm descriptor holds the score (d² 1 to the origin); a large-norm one
+    # (d² 0.5 to a far bank row) has the larger error bound, and its float32 value errs
+    # up by nearly all of it: the exact recheck must still read the small one
+    far = torch.zeros(DIM, dtype=torch.float64)
+    far[1] = 1000.0
+    bank = torch.stack([torch.zeros(DIM, dtype=torch.float64), far])
+    small, large = torch.zeros(DIM), far.float().clone()
+    small[0], large[0] = 1.0, 0.5 ** 0.5
+    x = torch.stack([small, large])[None]
+    got = largest_nearest(x, _SkewedIndex(bank)).numpy()
+    assert np.allclose(got, brute_force(x, bank), rtol=1e-12, atol=1e-12)
