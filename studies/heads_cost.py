@@ -4,7 +4,8 @@
 
 Captures readouts of easy-VQA test items with the embedded actor, then times (median of
 repeated calls, torch threads 1) the features, each part of the composite novelty
-detector (the pixel part split into descriptors and score) and the whole `Heads.assess`,
+detector (the parts that read the image split into what they compute from it and
+the score) and the whole `Heads.assess`,
 at batch 1 and in batches of 8. CPU time leaves out waiting for a core, not the slowdown
 a loaded machine's shared caches cause: compare parts within one run.
 """
@@ -22,7 +23,7 @@ import torch
 
 from heads.dualread import EMBEDDED_HEADS, Heads
 from heads.features import extract_many
-from heads.novelty import features
+from heads.novelty import IMAGE_FEATURES, features
 from heads.pixel_novelty import pixel_descriptors
 from models.data import load, sample
 from models.loading import load_actor
@@ -62,6 +63,12 @@ def main() -> None:
             n = len(groups) * b
             timed = {"features (extract_many)": each(lambda r, i: extract_many(r, heads.kappa)),
                      "pixel descriptors": each(lambda r, i: pixel_descriptors(i))}
+            # what the other parts that read the decoded image compute from it (the
+            # layout part's vectors)
+            for name in heads.novelty.image_features:
+                if name in IMAGE_FEATURES:
+                    timed[f"image feature `{name}`"] = \
+                        each(lambda r, i, f=IMAGE_FEATURES[name]: f(i))
             for name, part in heads.novelty.parts.items():
                 xs = [features(part.feature, heads.with_images(extract_many(r, heads.kappa), i))
                       for r, i in groups]
