@@ -11,9 +11,10 @@ also holds DualRead's confidence). No request content is kept: one float per sco
 
 One input counts once in the window: an answer whose input digest (`heads.recert.
 input_key`: decoded pixels and question) is already in the window is not recorded, so a
-client replaying one image under many requests cannot fill the window with it (and so
-cannot raise or mask the gauge with one input). Distinct inputs do move it: drift is a
-property of the traffic, whoever sends it.
+client replaying one image and question under many requests cannot fill the window with
+it. The digest covers the question, so one image under many questions (or one pixel
+changed) is many inputs: distinct inputs do move it, drift is a property of the traffic,
+whoever sends it.
 """
 
 from __future__ import annotations
