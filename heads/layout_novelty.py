@@ -23,8 +23,10 @@ object count: what is far is whatever layout the fitting images never showed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,6 +55,14 @@ DIM = 1 + SLOTS * OBJECT_DIM
 LAYOUT_BANK = 50_000  # scenes kept in the bank (a deterministic subsample beyond it)
 
 _EIGHT = np.ones((3, 3), dtype=bool)
+
+# what a saved part records of its vectors; `LayoutNovelty.load` refuses any other (the
+# weights are not recorded: the shipped card predates this check)
+DESCRIBED = {"side": SIDE,
+             "descriptor": f"object count (components of >= {MIN_AREA} px differing by > "
+                           f"{FOREGROUND} from the border median), and for the {SLOTS} "
+                           f"largest: sqrt area share, log aspect, interior colour, "
+                           f"{GRID}x{GRID} soft-mask thumbnail"}
 
 
 def _as_array(image: Image.Image, side: int) -> np.ndarray:
@@ -201,12 +211,27 @@ class LayoutNovelty(Novelty):
         return other.calibrate(x_cal)
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "side": SIDE,
-                "descriptor": f"object count (components of >= {MIN_AREA} px differing by > "
-                              f"{FOREGROUND} from the border median), and for the {SLOTS} "
-                              f"largest: sqrt area share, log aspect, interior colour, "
-                              f"{GRID}x{GRID} soft-mask thumbnail",
+        return {**super().to_dict(), **DESCRIBED,
                 "bank": int(self.t["bank"].shape[0]) if "bank" in self.t else 0}
+
+    @classmethod
+    def load(cls, folder: str | Path, prefix: str = "novelty") -> LayoutNovelty:
+        """A saved layout part; refused when its card records another side or descriptor,
+        or its bank rows are not this code's DIM: its bank and calibration scores would be
+        compared with vectors of another kind (as `PixelNovelty.load`)."""
+        card = json.loads((Path(folder) / f"{prefix}.json").read_text())
+        wrong = [f"{k}: the part records {card.get(k, 'nothing')!r}, this code computes "
+                 f"{v!r}" for k, v in DESCRIBED.items() if card.get(k) != v]
+        part = super().load(folder, prefix)
+        bank = part.t.get("bank")
+        if bank is not None and (bank.dim() != 2 or bank.shape[1] != DIM):
+            wrong.append(f"bank: rows of {list(bank.shape[1:])} values, this code "
+                         f"describes a scene by {DIM}")
+        if wrong:
+            raise ValueError(f"layout novelty part {prefix} in {folder} was fitted with other "
+                             "descriptors; refit it (`dualread fit-detectors`). "
+                             + "; ".join(wrong))
+        return part
 
 
 PART_CLASSES[KIND] = LayoutNovelty

@@ -14,7 +14,7 @@ from heads.layout_novelty import (
     scene_descriptor,
     with_layout,
 )
-from heads.novelty import CompositeNovelty, Novelty, load_detector
+from heads.novelty import CompositeNovelty, Novelty, load_detector, load_part
 from models.data import COLOURS, SHAPES
 from models.render import Scene, _background, _place, render
 
@@ -133,3 +133,31 @@ def test_the_layout_part_saves_loads_and_joins_the_composite(tmp_path):
     assert back.part_p_values(feats)["layout"][1:].max() == pytest.approx(1 / 11)
     with pytest.raises(ValueError, match="layout"):
         LayoutNovelty().fit(torch.zeros(2, 3, ln.DIM))
+
+
+@pytest.mark.parametrize("field,value", [("side", 128), ("descriptor", "object count"),
+                                         ("descriptor", None)])
+def test_a_layout_part_recording_other_vectors_is_refused(tmp_path, field, value):
+    import json
+
+    x = layout_descriptors(_scenes(20, 9, COLOURS, SHAPES))
+    LayoutNovelty().fit(x[:12]).calibrate(x[12:]).save(tmp_path, "novelty.layout")
+    assert LayoutNovelty.load(tmp_path, "novelty.layout").t["bank"].shape[1] == ln.DIM
+    card_path = tmp_path / "novelty.layout.json"
+    card = json.loads(card_path.read_text())
+    if value is None:
+        del card[field]
+    else:
+        card[field] = value
+    card_path.write_text(json.dumps(card))
+    with pytest.raises(ValueError, match=f"{field}: the part records"):
+        load_part(tmp_path, "novelty.layout")     # as a composite loads its parts
+
+
+def test_a_layout_bank_of_other_width_is_refused(tmp_path):
+    x = layout_descriptors(_scenes(20, 9, COLOURS, SHAPES))
+    part = LayoutNovelty().fit(x[:12]).calibrate(x[12:])
+    part.t["bank"] = part.t["bank"][:, :-1].contiguous()
+    part.save(tmp_path, "novelty.layout")
+    with pytest.raises(ValueError, match="bank: rows of"):
+        LayoutNovelty.load(tmp_path, "novelty.layout")
