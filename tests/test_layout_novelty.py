@@ -1,6 +1,8 @@
 """The scene-layout part of the defer rule's detector (heads/layout_novelty.py): its
 descriptor worked out by hand, its fitting on data, and its place in the composite."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -138,8 +140,6 @@ def test_the_layout_part_saves_loads_and_joins_the_composite(tmp_path):
 @pytest.mark.parametrize("field,value", [("side", 128), ("descriptor", "object count"),
                                          ("descriptor", None)])
 def test_a_layout_part_recording_other_vectors_is_refused(tmp_path, field, value):
-    import json
-
     x = layout_descriptors(_scenes(20, 9, COLOURS, SHAPES))
     LayoutNovelty().fit(x[:12]).calibrate(x[12:]).save(tmp_path, "novelty.layout")
     assert LayoutNovelty.load(tmp_path, "novelty.layout").t["bank"].shape[1] == ln.DIM
