@@ -540,7 +540,8 @@ def fit_order_head(
     threads: Annotated[int, typer.Option(
         "--threads", help="torch CPU threads (1 is fastest on a shared machine)")] = 1,
 ) -> None:
-    """EMVR's order head (BCE + adjacent hinge) vs BCE only: mask-trained, tested on blur."""
+    """EMVR's order head (BCE + adjacent hinge) vs BCE only and the native confidence:
+    mask-trained, tested on blur; writes report.md/json and trajectories.jsonl."""
     import torch
 
     from clients.probes.order import (
