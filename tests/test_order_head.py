@@ -162,3 +162,16 @@ def test_collect_masks_as_the_emvr_probe_and_reads_native_confidence(tmp_path):
     assert not any(np.array_equal(np.asarray(s), np.asarray(gray)) for s in seen)
     assert mask.x.shape == (1, 3, 5) and mask.z.tolist() == [[1.0, 1.0, 1.0]]
     assert np.allclose(order.native_confidence(mask), 0.3)
+
+
+def test_small_rise_diagnostic_is_apart_from_emvr():
+    """A confidence pinned near 1 that rises in the fourth decimal violates EMVR (the
+    paper's strict count) but not the labelled diagnostic beside it."""
+    c = np.array([[0.9990, 0.9995, 0.9992, 0.5], [0.9, 0.8, 0.95, 0.1]])
+    conf = {row: c for row in order.ROWS}
+    r = order.summarise(conf, np.ones_like(c), resamples=10)
+    assert r["emvr_native"] == pytest.approx(2 / 6)
+    assert r["emvr_above_small_rise_native"] == pytest.approx(1 / 6)
+    assert "Diagnostic, not EMVR" in order.markdown(
+        {"n_trajectories": 2, "folds": 2, "order_weight": 1.0, "margin": 0.0, "mask": r,
+         "blur": r}, "cmd")
