@@ -540,10 +540,18 @@ def fit_order_head(
     threads: Annotated[int, typer.Option(
         "--threads", help="torch CPU threads (1 is fastest on a shared machine)")] = 1,
 ) -> None:
-    """EMVR's order head (BCE + adjacent hinge) vs BCE only: mask-trained, tested on blur."""
+    """EMVR's order head (BCE + adjacent hinge) vs BCE only and the native confidence:
+    mask-trained, tested on blur; writes report.md/json and trajectories.jsonl."""
     import torch
 
-    from clients.probes.order import collect, compare, fit_head, markdown
+    from clients.probes.order import (
+        MASK_FILL,
+        collect,
+        compare,
+        fit_head,
+        markdown,
+        trajectory_records,
+    )
     from clients.probes.runner import clean
     from models.data import load, sample
     from models.loading import load_actor
@@ -551,13 +559,19 @@ def fit_order_head(
     torch.set_num_threads(threads)
     act = load_actor(actor, device=device)
     items = sample(load(data), limit)
-    mask, blur = collect(act, items, (0.0, 0.25, 0.5, 0.75, 1.0))
-    res = compare(mask, blur, folds, order_weight, margin, steps, bootstrap)
+    sev = (0.0, 0.25, 0.5, 0.75, 1.0)
+    mask, blur = collect(act, items, sev)
+    res = compare(mask, blur, folds, order_weight, margin, steps, bootstrap,
+                  with_confidences=True)
+    conf = res.pop("confidences")
     cmd = f"dualread fit-order-head --data {data}" + (f" --limit {limit}" if limit else "") + \
         f" --out {out}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(clean({**res, "data": data, "limit": limit,
+                                                       "mask_fill": MASK_FILL,
                                                        "command": cmd}), indent=1) + "\n")
+    (out / "trajectories.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in trajectory_records(mask, blur, conf, sev)))
     (out / "report.md").write_text(markdown(res, cmd))
     # the deployable head: BCE + order on every mask trajectory
     head = fit_head(mask.x, mask.z, order_weight, margin, steps=steps)

@@ -1,4 +1,4 @@
-"""The CCG-AUC maths (docs/method.md §2) and the image-cluster bootstrap, with numpy only.
+"""The CCG-AUC maths (docs/method.md §2), AURC and the image-cluster bootstrap, numpy only.
 
 Shared by the probe clients and by `heads` (whose evaluation CIs resample images the same
 way), so an evaluator needs no model stack to recompute a number.
@@ -48,6 +48,27 @@ def ccg_auc(pairs: Sequence[Pair], strict: bool = False) -> float:
     if not e:
         return float("nan")
     return float(phi(np.array([p.c_real - p.c_hn for p in e])).mean())
+
+
+def aurc(c: np.ndarray, z: np.ndarray) -> float:
+    """Area under the risk-coverage curve, confidence high to low.
+
+    Items with equal confidence form one block; within it the expected risk under a random
+    order is used (errors spread evenly over the block's positions).
+    """
+    c, err = np.asarray(c, float), 1 - np.asarray(z, float)
+    n = len(c)
+    if n == 0:
+        return float("nan")
+    order = np.argsort(-c, kind="stable")
+    c, err = c[order], err[order]
+    starts = np.r_[0, np.nonzero(np.diff(c))[0] + 1]
+    sizes = np.diff(np.r_[starts, n])
+    block_err = np.add.reduceat(err, starts)
+    before = np.r_[0.0, np.cumsum(block_err)[:-1]]
+    pos = np.arange(n) - np.repeat(starts, sizes) + 1          # 1-based place in block
+    expected = np.repeat(before, sizes) + np.repeat(block_err / sizes, sizes) * pos
+    return float(np.mean(expected / np.arange(1, n + 1)))
 
 
 def resample_clusters_counted(clusters: Sequence[str], stat: Callable[[np.ndarray], float],

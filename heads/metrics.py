@@ -7,8 +7,10 @@ from collections.abc import Callable
 import numpy as np
 from sklearn.metrics import brier_score_loss, roc_auc_score
 
-# the bootstrap lives with the numpy-only client maths; imported here for older callers
+# the bootstrap and AURC live with the numpy-only client maths (the probes use them too);
+# imported here for older callers
 from clients.maths import (  # noqa: F401
+    aurc,
     cluster_bootstrap,
     resample_clusters,
     resample_clusters_counted,
@@ -43,27 +45,6 @@ def ece(c: np.ndarray, z: np.ndarray, bins: int = 15) -> float:
 
 def brier(c: np.ndarray, z: np.ndarray) -> float:
     return float(brier_score_loss(np.asarray(z, int), np.asarray(c, float), pos_label=1))
-
-
-def aurc(c: np.ndarray, z: np.ndarray) -> float:
-    """Area under the risk-coverage curve, confidence high to low.
-
-    Items with equal confidence form one block; within it the expected risk under a random
-    order is used (errors spread evenly over the block's positions).
-    """
-    c, err = np.asarray(c, float), 1 - np.asarray(z, float)
-    n = len(c)
-    if n == 0:
-        return float("nan")
-    order = np.argsort(-c, kind="stable")
-    c, err = c[order], err[order]
-    starts = np.r_[0, np.nonzero(np.diff(c))[0] + 1]
-    sizes = np.diff(np.r_[starts, n])
-    block_err = np.add.reduceat(err, starts)
-    before = np.r_[0.0, np.cumsum(block_err)[:-1]]
-    pos = np.arange(n) - np.repeat(starts, sizes) + 1          # 1-based place in block
-    expected = np.repeat(before, sizes) + np.repeat(block_err / sizes, sizes) * pos
-    return float(np.mean(expected / np.arange(1, n + 1)))
 
 
 def hce(c: np.ndarray, z: np.ndarray, at: float = 0.9) -> float:
