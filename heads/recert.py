@@ -557,15 +557,14 @@ class RuleStore:
         rule, cert = certify(rows, self.base, version, target_risk=r,
                              delta=spent_delta(d, t), min_per_class=s.min_per_class,
                              temperature_share=s.temperature_share, who=who)
-        if "tau" in cert:
-            # a test ran: it spent δ_t of the history's δ (a window refused for its label
-            # balance tested nothing and spends nothing)
-            self.tests = t
-            spend = {"test": t, "delta_total": d, "delta_this_test": spent_delta(d, t),
-                     "delta_spent": round(d * (1 - 1 / (t + 1)), 8)}
-        else:
-            spend = {"test": None, "delta_total": d,
-                     "note": "no test ran (label balance): nothing spent"}
+        # every closed window spends its δ_t, a test run or not: the balance check reads
+        # the window's labels, and spending on its refusals too keeps the union bound from
+        # resting on the test being valid given that check passed
+        self.tests = t
+        spend = {"test": t, "delta_total": d, "delta_this_test": spent_delta(d, t),
+                 "delta_spent": round(d * (1 - 1 / (t + 1)), 8)}
+        if "tau" not in cert:
+            spend["note"] = "no test ran (label balance); its share is spent all the same"
         cert = {**cert, "alpha_spending": spend}
         if rule is not None:
             rule.certificate = cert

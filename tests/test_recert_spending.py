@@ -44,7 +44,7 @@ def test_spent_levels_sum_to_at_most_delta():
 
 def test_each_window_is_tested_at_its_spent_level_and_the_count_persists(tmp_path):
     """The t-th test of a history runs at δ/(t(t+1)); the certificate and /calibration's
-    view say so; a window refused for its label balance spends nothing; a restart keeps
+    view say so; a window refused for its label balance spends its share too; a restart keeps
     the count."""
     base = _base()
     s = _store(tmp_path, base, window=300)
@@ -60,17 +60,17 @@ def test_each_window_is_tested_at_its_spent_level_and_the_count_persists(tmp_pat
         assert cert["alpha_spending"]["test"] == k + 1
         assert cert["alpha_spending"]["delta_total"] == DELTA
     assert seen == pytest.approx([DELTA / 2, DELTA / 6])
-    # all-correct verdicts: refused for the label balance before any test, nothing spent
+    # all-correct verdicts: refused for the label balance before any test, spent all the same
     for rid, served, _ in _keyed(stream(np.random.default_rng(50), 300, base, tag="b"),
                                  lambda i: f"b-{i}"):
         out = s.add(rid, served, True, "operator:a")
     assert out["certificate"]["reason"].startswith("label balance")
-    assert out["certificate"]["alpha_spending"]["test"] is None
+    assert out["certificate"]["alpha_spending"]["test"] == 3
     view = s.view()["alpha_spending"]
-    assert view["tests"] == 2 and view["next_delta"] == pytest.approx(DELTA / 12)
+    assert view["tests"] == 3 and view["next_delta"] == pytest.approx(DELTA / 20)
     state = json.loads(s.path.read_text())
-    assert state["tests"] == 2 and state["alpha_spending"]["tests"] == 2
-    assert _store(tmp_path, base).tests == 2                        # a restart
+    assert state["tests"] == 3 and state["alpha_spending"]["tests"] == 3
+    assert _store(tmp_path, base).tests == 3                        # a restart
     if s.active.certificate is not None:     # the switched rule carries its level
         assert s.active.certificate["alpha_spending"]["test"] in (1, 2)
 
