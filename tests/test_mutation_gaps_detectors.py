@@ -1,0 +1,1 @@
+"""Tests for mutants of heads/detectors.py that the module's own tests did not see."""
