@@ -77,3 +77,10 @@ def test_platt_fits_float32_scores_and_labels_as_their_float64_values():
     want = fit_platt(s.astype(np.float64), z.astype(np.float64))
     assert fit_platt(s, z.astype(np.float64)) == want
     assert fit_platt(s.astype(np.float64), z) == want
+
+
+def test_platt_maps_float32_scores_in_float64():
+    s = np.linspace(-2, 2, 41).astype(np.float32)
+    got = platt(s, (1.7, -0.3))
+    assert got.dtype == np.float64
+    assert np.array_equal(got, platt(s.astype(np.float64), (1.7, -0.3)))

@@ -183,5 +183,6 @@ def test_auroc_of_no_items_is_an_error_not_one_class():
     from heads.metrics import auroc
 
     assert np.isnan(auroc(np.array([0.2, 0.7]), np.array([1, 1])))
+    assert np.isnan(auroc(np.array([0.2, 0.7]), np.array([0, 0])))
     with pytest.raises(ValueError, match="0 sample"):
         auroc(np.array([]), np.array([], int))
