@@ -1,1 +1,58 @@
-"""Tests for mutants of heads/novelty.py that the module's own tests did not see."""
+"""Tests for mutants of heads/novelty.py that the module's own tests did not see: what a
+recalibrated copy keeps, the clean reference drift reads, and a twice-extended reference.
+
+No actor is built; expectations are conformal p-values counted by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from heads.novelty import Novelty
+
+
+def _x(n: int, seed: int, d: int = 3) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).normal(size=(n, d)))
+
+
+def test_recalibrated_keeps_kind_feature_k_and_the_bank_cap():
+    nov = Novelty("knn", "img_mean", k=2, max_bank=7).fit(_x(20, 0)).calibrate(_x(9, 1))
+    other = nov.recalibrated(_x(5, 2))
+    assert (other.kind, other.feature, other.k, other.max_bank) == ("knn", "img_mean", 2, 7)
+    q = _x(4, 3)
+    assert np.array_equal(other.score(q), nov.score(q))       # k = 2, not the default 5
+    tok = Novelty("token_knn", "img_token_set", max_bank=30).fit(
+        torch.from_numpy(np.random.default_rng(4).normal(size=(6, 4, 3))))
+    tok.calibrate(torch.from_numpy(np.random.default_rng(5).normal(size=(3, 4, 3))))
+    copy = tok.recalibrated(torch.from_numpy(np.random.default_rng(6).normal(size=(3, 4, 3))))
+    assert copy.max_bank == 30
+    copy.extend_bank(torch.from_numpy(np.random.default_rng(7).normal(size=(10, 4, 3))))
+    assert copy.t["bank"].shape[0] == 30                       # still capped
+
+
+def test_clean_scores_are_the_sorted_calibration_scores():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0))
+    assert nov.clean_scores() is None
+    cal = _x(6, 1)
+    nov.calibrate(cal)
+    assert np.array_equal(nov.clean_scores(), np.sort(nov.score(cal)))
+
+
+def test_a_reference_extended_twice_pools_both_streams():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(3, 9) * 4                                           # far: p = 1/5 against clean
+    s = nov.score(q)
+    first = nov.extend_reference(s[:1] + 1.0)
+    both = first.extend_reference(np.r_[s[1:] + 1.0, -1.0])
+    assert both.base is nov and np.array_equal(both.extra, np.sort(np.r_[s + 1.0, -1.0]))
+    assert first.extra.tolist() == [s[0] + 1.0]                # the first one unchanged
+    # against the pooled stream (4 scores): p = (1 + #{extra ≥ s}) / 5, counted
+    pooled = np.r_[s + 1.0, -1.0]
+    by_hand = np.array([(1 + (pooled >= v).sum()) / 5 for v in s])
+    p = both.p_value(q)
+    assert np.allclose(p, np.maximum(nov.p_value(q), by_hand))
+    assert (by_hand > nov.p_value(q)).any()                    # the stream's reference counts
+    for alpha in (0.3, 0.5, 0.7, 0.9):
+        assert both.novel(q, alpha=alpha).tolist() == (p < alpha).tolist()
+    assert both.novel(q, alpha=0.5).tolist() != nov.novel(q, alpha=0.5).tolist()
