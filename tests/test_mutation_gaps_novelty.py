@@ -7,6 +7,7 @@ No actor is built; expectations are conformal p-values counted by hand.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from heads.novelty import Novelty
@@ -56,3 +57,23 @@ def test_a_reference_extended_twice_pools_both_streams():
     for alpha in (0.3, 0.5, 0.7, 0.9):
         assert both.novel(q, alpha=alpha).tolist() == (p < alpha).tolist()
     assert both.novel(q, alpha=0.5).tolist() != nov.novel(q, alpha=0.5).tolist()
+
+
+def test_a_knn_bank_takes_new_rows_and_a_bankless_kind_says_why_not():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    far = _x(2, 1) + 50
+    before = nov.score(far)
+    nov.extend_bank(far)
+    assert tuple(nov.t["bank"].shape) == (12, 3) and np.allclose(nov.score(far), 0, atol=1e-4)
+    assert (before > 10).all()
+    maha = Novelty("mahalanobis", "h_pre").fit(_x(10, 0))
+    with pytest.raises(ValueError, match="mahalanobis has no reference bank"):
+        maha.extend_bank(far)
+
+
+def test_novel_is_a_p_value_strictly_below_alpha():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(2, 2) + 50                                          # beyond every reference
+    assert np.allclose(nov.p_value(q), 1 / 5)
+    assert not nov.novel(q, alpha=0.2).any()                   # p = α: not below it
+    assert nov.novel(q, alpha=0.2001).all()
