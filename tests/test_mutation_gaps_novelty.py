@@ -77,3 +77,23 @@ def test_novel_is_a_p_value_strictly_below_alpha():
     assert np.allclose(nov.p_value(q), 1 / 5)
     assert not nov.novel(q, alpha=0.2).any()                   # p = α: not below it
     assert nov.novel(q, alpha=0.2001).all()
+
+
+def test_reading_before_calibration_says_what_to_do():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    with pytest.raises(RuntimeError, match="^calibrate on a clean split before asking for p-v"):
+        nov.read({"h_pre": _x(2, 1)})
+
+
+def test_a_composite_extends_the_named_parts_or_every_part():
+    from heads.novelty import CompositeNovelty
+
+    def parts() -> dict[str, Novelty]:
+        return {"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1)),
+                "m": Novelty("knn", "img_mean", k=1).fit(_x(8, 2)).calibrate(_x(4, 3))}
+
+    feats = {"h_pre": _x(3, 4), "img_mean": _x(3, 5)}
+    one = CompositeNovelty(parts()).extend_bank(feats, ("q",))
+    assert len(one.parts["q"].t["bank"]) == 13 and len(one.parts["m"].t["bank"]) == 8
+    every = CompositeNovelty(parts()).extend_bank(feats)
+    assert len(every.parts["q"].t["bank"]) == 13 and len(every.parts["m"].t["bank"]) == 11
