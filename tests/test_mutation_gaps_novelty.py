@@ -97,3 +97,14 @@ def test_a_composite_extends_the_named_parts_or_every_part():
     assert len(one.parts["q"].t["bank"]) == 13 and len(one.parts["m"].t["bank"]) == 8
     every = CompositeNovelty(parts()).extend_bank(feats)
     assert len(every.parts["q"].t["bank"]) == 13 and len(every.parts["m"].t["bank"]) == 11
+
+
+def test_composite_reads_scores_below_zero_as_p_one_and_digests_uncalibrated_parts():
+    from heads.novelty import CompositeNovelty
+
+    part = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    det = CompositeNovelty({"q": part})
+    assert det.p_values_of(np.array([-1.0, 0.0, 2.0])) == pytest.approx([1.0, 1.0, 0.01])
+    before = det._parts_digest()                       # a part without calibration: "-"
+    part.calibrate(_x(4, 1))
+    assert det._parts_digest() != before
