@@ -108,3 +108,29 @@ def test_composite_reads_scores_below_zero_as_p_one_and_digests_uncalibrated_par
     before = det._parts_digest()                       # a part without calibration: "-"
     part.calibrate(_x(4, 1))
     assert det._parts_digest() != before
+
+
+def test_an_extended_reference_reads_the_base_score_and_the_larger_p_value():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(3, 9) * 4
+    s = nov.score(q)
+    ext = nov.extend_reference(np.r_[s + 1.0, -1.0])
+    got = ext.read({"h_pre": q}, alpha=0.5)
+    p = ext.p_value(q)
+    assert [r.score for r in got] == pytest.approx(s.tolist())
+    assert [r.p_value for r in got] == pytest.approx(p.tolist())
+    assert [r.novel for r in got] == (p < 0.5).tolist() and not any(r.novel for r in got)
+    assert all(r.novel for r in nov.read({"h_pre": q}, alpha=0.5))
+
+
+def test_composite_card_names_its_parts_features():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({
+        "q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1)),
+        "m": Novelty("knn", "img_mean", k=1).fit(_x(8, 2)).calibrate(_x(6, 3))})
+    card = det.to_dict()
+    assert card["kind"] == "composite" and card["feature"] == "h_pre+img_mean"
+    assert card["k"] is None and card["C"] is None and card["n_fit"] == 10
+    assert card["n_calibration"] == 4 and card["n_clean_sample"] is None
+    assert set(card["parts"]) == {"q", "m"} and card["parts"]["m"]["n_calibration"] == 6
