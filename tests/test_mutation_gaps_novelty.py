@@ -134,3 +134,17 @@ def test_composite_card_names_its_parts_features():
     assert card["k"] is None and card["C"] is None and card["n_fit"] == 10
     assert card["n_calibration"] == 4 and card["n_clean_sample"] is None
     assert set(card["parts"]) == {"q", "m"} and card["parts"]["m"]["n_calibration"] == 6
+    assert card["p_value"] == ("min(1, m * min_j p_j), p_j = (1 + #{i : s_i >= s(x)})"
+                               " / (n_j + 1)")
+
+
+def test_a_composite_saves_under_its_prefix_into_a_new_folder(tmp_path):
+    from heads.novelty import CompositeNovelty, load_detector
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(
+        _x(4, 1))}, clean=np.array([0.3, 0.1]))
+    folder = tmp_path / "a" / "b"
+    det.save(folder, "det")
+    assert (folder / "det.safetensors").exists() and (folder / "det.q.json").exists()
+    back = load_detector(folder, "det")
+    assert back.clean.tolist() == [0.1, 0.3]
