@@ -148,3 +148,12 @@ def test_a_composite_saves_under_its_prefix_into_a_new_folder(tmp_path):
     assert (folder / "det.safetensors").exists() and (folder / "det.q.json").exists()
     back = load_detector(folder, "det")
     assert back.clean.tolist() == [0.1, 0.3]
+
+
+def test_an_extended_reference_flags_strictly_below_alpha():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(2, 2) + 50                                          # beyond both references
+    ext = nov.extend_reference(np.zeros(4))
+    assert np.allclose(ext.p_value(q), 1 / 5)
+    assert not any(r.novel for r in ext.read({"h_pre": q}, alpha=0.2))
+    assert all(r.novel for r in ext.read({"h_pre": q}, alpha=0.2001))
