@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from heads.calibration import MIN_SLOPE, fit_oriented_platt, fuse, platt, platt_log
+from heads.calibration import MIN_SLOPE, fit_oriented_platt, fit_platt, fuse, platt, platt_log
 
 
 def test_a_statistic_that_ranks_backwards_is_flipped_and_logged():
@@ -47,3 +47,40 @@ def test_fuse_is_the_mean_of_the_two_logits_in_the_input_dtype():
     want = [0.75, 0.5]
     assert got.dtype == torch.float32
     assert got.numpy() == pytest.approx(want, abs=1e-6)
+
+
+def test_one_class_either_way_and_a_constant_statistic_keep_the_defined_map():
+    # all wrong, like all right, leaves the AUROC undefined: read as .5, not flipped
+    ab, zero = fit_oriented_platt(np.linspace(0, 1, 20), np.zeros(20))
+    assert zero["orientation"] == "as defined" and zero["fit_auroc_as_defined"] == 0.5
+    assert ab[0] >= 0
+    # a constant statistic ranks nothing: no slope at all (the floor is for statistics
+    # that vary), the intercept is the base rate
+    ab_c, _ = fit_oriented_platt(np.full(20, 0.5), np.array([1.0, 0.0, 0.0, 0.0] * 5))
+    assert ab_c[0] == 0.0
+    assert platt(0.5, ab_c) == pytest.approx(0.25, abs=1e-3)
+
+
+def test_the_log_rounds_to_six_places():
+    s = np.array([0.1, 0.2, 0.3, 0.4])
+    ab, log = fit_oriented_platt(s, np.array([1.0, 0.0, 1.0, 1.0]))   # AUROC 2/3
+    assert log["fit_auroc_as_defined"] == 0.666667 and log["fit_auroc_flipped"] == 0.333333
+    assert (log["slope"], log["intercept"]) == (round(ab[0], 6), round(ab[1], 6))
+    assert log["slope"] != round(ab[0], 7)          # the data leave a seventh digit
+
+
+def test_platt_fits_float32_scores_and_labels_as_their_float64_values():
+    # readers emit float32: the fit must not depend on the storage type of the same numbers
+    rng = np.random.default_rng(4)
+    s = rng.normal(size=300).astype(np.float32)
+    z = (rng.uniform(size=300) < 1 / (1 + np.exp(-2 * s))).astype(np.float32)
+    want = fit_platt(s.astype(np.float64), z.astype(np.float64))
+    assert fit_platt(s, z.astype(np.float64)) == want
+    assert fit_platt(s.astype(np.float64), z) == want
+
+
+def test_platt_maps_float32_scores_in_float64():
+    s = np.linspace(-2, 2, 41).astype(np.float32)
+    got = platt(s, (1.7, -0.3))
+    assert got.dtype == np.float64
+    assert np.array_equal(got, platt(s.astype(np.float64), (1.7, -0.3)))

@@ -219,3 +219,29 @@ def test_ccg_interval_is_the_cluster_bootstrap_with_the_given_count():
     lo, hi, nan = resample_clusters_counted([q.image_id for q in p],
                                             lambda i: ccg_auc([p[k] for k in i]), 300, 3)
     assert s["ccg_natural_ci"] == (lo, hi) and s["ccg_natural_ci_nan_resamples"] == nan
+
+
+def test_paired_intervals_are_seeded_and_resample_the_given_count():
+    # `paired_diff`'s interval is the cluster bootstrap with its count and seed (the same on
+    # every call), and `paired_vs` passes its count on to both of its intervals
+    from clients.maths import resample_clusters_counted
+
+    rng = np.random.default_rng(2)
+    z = (rng.uniform(size=30) < 0.5).astype(int)
+    scores = {"ref": z + rng.normal(0, .8, 30), "m": z + rng.normal(0, 1.5, 30)}
+    clusters = [f"c{k // 2}" for k in range(30)]
+    ref = lambda i: auroc(scores["ref"][i], z[i])                     # noqa: E731
+    m = lambda i: auroc(scores["m"][i], z[i])                         # noqa: E731
+    lo, hi, nan = resample_clusters_counted(clusters, lambda i: ref(i) - m(i), 40, 1)
+    got = grounding.paired_diff(clusters, ref, m, bootstrap=40, seed=1)
+    assert got["ci"] == (lo, hi) and got["nan_resamples"] == nan
+    assert grounding.paired_diff(clusters, ref, m, bootstrap=40, seed=1) == got
+    pairs = {"ref": _pairs(16), "m": [Pair(p.item_id, p.image_id, p.z_real, p.z_hn, 0.1, 0.9,
+                                           p.strict) for p in _pairs(16)][::-1]}
+    out = grounding.paired_vs("ref", scores, z, clusters, pairs, bootstrap=40)["m"]
+    assert out["auroc"]["ci"] == resample_clusters_counted(
+        clusters, lambda i: ref(i) - m(i), 40, 42)[:2]
+    a, b = pairs["ref"], pairs["m"]
+    assert out["ccg_natural"]["ci"] == resample_clusters_counted(
+        [p.image_id for p in a], lambda i: ccg_auc([a[k] for k in i]) - ccg_auc([b[k] for k in i]),
+        40, 42)[:2]

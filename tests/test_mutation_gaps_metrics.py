@@ -140,3 +140,49 @@ def test_state_tap_holds_hooks_only_while_entered():
     with tap:                                       # entered again: it keeps appending
         dec(x)
     assert len(tap.states["last"]) == 2 and tap.handles == []
+
+
+# ------------------------------------------------------------------ metrics
+def test_risk_coverage_reads_hard_decisions_as_confidences():
+    # a method that only says yes or no (boolean confidence) has a two-point curve, the
+    # same as its 0/1 confidences give
+    from heads.metrics import risk_coverage
+
+    c = np.array([True, False, True, True, False])
+    z = np.array([1, 0, 0, 1, 1])
+    cov, risk = risk_coverage(c, z)
+    assert cov.tolist() == [0.6, 1.0] and risk == pytest.approx([1 / 3, 2 / 5])
+    want = risk_coverage(c.astype(float), z)
+    assert np.array_equal(cov, want[0]) and np.array_equal(risk, want[1])
+
+
+def test_aurc_reads_hard_decisions_as_their_zero_one_confidences():
+    from heads.metrics import aurc
+
+    c = np.array([True, False, True, True, False])
+    z = np.array([1, 0, 0, 1, 1])
+    assert aurc(c, z) == aurc(c.astype(float), z)
+
+
+def test_float32_confidences_are_read_at_their_exact_values():
+    # heads emit float32: a metric of them is the metric of the same numbers in float64
+    # (float32(0.9) is just below 0.9, so it is not a confidence of at least 0.9)
+    from heads.metrics import METRICS
+
+    rng = np.random.default_rng(0)
+    c = np.r_[np.float32(0.9), rng.uniform(size=999)].astype(np.float32)
+    z = (rng.uniform(size=1000) < c).astype(int)
+    z[0] = 0
+    for name, f in METRICS.items():
+        assert f(c, z) == f(c.astype(np.float64), z), name
+
+
+def test_auroc_of_no_items_is_an_error_not_one_class():
+    # one class only is NaN (an AUROC is undefined); no items at all is a caller's slip,
+    # reported as scikit-learn reports it rather than read as one class
+    from heads.metrics import auroc
+
+    assert np.isnan(auroc(np.array([0.2, 0.7]), np.array([1, 1])))
+    assert np.isnan(auroc(np.array([0.2, 0.7]), np.array([0, 0])))
+    with pytest.raises(ValueError, match="0 sample"):
+        auroc(np.array([]), np.array([], int))

@@ -1,0 +1,159 @@
+"""Tests for mutants of heads/novelty.py that the module's own tests did not see: what a
+recalibrated copy keeps, the clean reference drift reads, and a twice-extended reference.
+
+No actor is built; expectations are conformal p-values counted by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from heads.novelty import Novelty
+
+
+def _x(n: int, seed: int, d: int = 3) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).normal(size=(n, d)))
+
+
+def test_recalibrated_keeps_kind_feature_k_and_the_bank_cap():
+    nov = Novelty("knn", "img_mean", k=2, max_bank=7).fit(_x(20, 0)).calibrate(_x(9, 1))
+    other = nov.recalibrated(_x(5, 2))
+    assert (other.kind, other.feature, other.k, other.max_bank) == ("knn", "img_mean", 2, 7)
+    q = _x(4, 3)
+    assert np.array_equal(other.score(q), nov.score(q))       # k = 2, not the default 5
+    tok = Novelty("token_knn", "img_token_set", max_bank=30).fit(
+        torch.from_numpy(np.random.default_rng(4).normal(size=(6, 4, 3))))
+    tok.calibrate(torch.from_numpy(np.random.default_rng(5).normal(size=(3, 4, 3))))
+    copy = tok.recalibrated(torch.from_numpy(np.random.default_rng(6).normal(size=(3, 4, 3))))
+    assert copy.max_bank == 30
+    copy.extend_bank(torch.from_numpy(np.random.default_rng(7).normal(size=(10, 4, 3))))
+    assert copy.t["bank"].shape[0] == 30                       # still capped
+
+
+def test_clean_scores_are_the_sorted_calibration_scores():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0))
+    assert nov.clean_scores() is None
+    cal = _x(6, 1)
+    nov.calibrate(cal)
+    assert np.array_equal(nov.clean_scores(), np.sort(nov.score(cal)))
+
+
+def test_a_reference_extended_twice_pools_both_streams():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(3, 9) * 4                                           # far: p = 1/5 against clean
+    s = nov.score(q)
+    first = nov.extend_reference(s[:1] + 1.0)
+    both = first.extend_reference(np.r_[s[1:] + 1.0, -1.0])
+    assert both.base is nov and np.array_equal(both.extra, np.sort(np.r_[s + 1.0, -1.0]))
+    assert first.extra.tolist() == [s[0] + 1.0]                # the first one unchanged
+    # against the pooled stream (4 scores): p = (1 + #{extra ≥ s}) / 5, counted
+    pooled = np.r_[s + 1.0, -1.0]
+    by_hand = np.array([(1 + (pooled >= v).sum()) / 5 for v in s])
+    p = both.p_value(q)
+    assert np.allclose(p, np.maximum(nov.p_value(q), by_hand))
+    assert (by_hand > nov.p_value(q)).any()                    # the stream's reference counts
+    for alpha in (0.3, 0.5, 0.7, 0.9):
+        assert both.novel(q, alpha=alpha).tolist() == (p < alpha).tolist()
+    assert both.novel(q, alpha=0.5).tolist() != nov.novel(q, alpha=0.5).tolist()
+
+
+def test_a_knn_bank_takes_new_rows_and_a_bankless_kind_says_why_not():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    far = _x(2, 1) + 50
+    before = nov.score(far)
+    nov.extend_bank(far)
+    assert tuple(nov.t["bank"].shape) == (12, 3) and np.allclose(nov.score(far), 0, atol=1e-4)
+    assert (before > 10).all()
+    maha = Novelty("mahalanobis", "h_pre").fit(_x(10, 0))
+    with pytest.raises(ValueError, match="mahalanobis has no reference bank"):
+        maha.extend_bank(far)
+
+
+def test_novel_is_a_p_value_strictly_below_alpha():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(2, 2) + 50                                          # beyond every reference
+    assert np.allclose(nov.p_value(q), 1 / 5)
+    assert not nov.novel(q, alpha=0.2).any()                   # p = α: not below it
+    assert nov.novel(q, alpha=0.2001).all()
+
+
+def test_reading_before_calibration_says_what_to_do():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    with pytest.raises(RuntimeError, match="^calibrate on a clean split before asking for p-v"):
+        nov.read({"h_pre": _x(2, 1)})
+
+
+def test_a_composite_extends_the_named_parts_or_every_part():
+    from heads.novelty import CompositeNovelty
+
+    def parts() -> dict[str, Novelty]:
+        return {"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1)),
+                "m": Novelty("knn", "img_mean", k=1).fit(_x(8, 2)).calibrate(_x(4, 3))}
+
+    feats = {"h_pre": _x(3, 4), "img_mean": _x(3, 5)}
+    one = CompositeNovelty(parts()).extend_bank(feats, ("q",))
+    assert len(one.parts["q"].t["bank"]) == 13 and len(one.parts["m"].t["bank"]) == 8
+    every = CompositeNovelty(parts()).extend_bank(feats)
+    assert len(every.parts["q"].t["bank"]) == 13 and len(every.parts["m"].t["bank"]) == 11
+
+
+def test_composite_reads_scores_below_zero_as_p_one_and_digests_uncalibrated_parts():
+    from heads.novelty import CompositeNovelty
+
+    part = Novelty("knn", "h_pre", k=1).fit(_x(10, 0))
+    det = CompositeNovelty({"q": part})
+    assert det.p_values_of(np.array([-1.0, 0.0, 2.0])) == pytest.approx([1.0, 1.0, 0.01])
+    before = det._parts_digest()                       # a part without calibration: "-"
+    part.calibrate(_x(4, 1))
+    assert det._parts_digest() != before
+
+
+def test_an_extended_reference_reads_the_base_score_and_the_larger_p_value():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(3, 9) * 4
+    s = nov.score(q)
+    ext = nov.extend_reference(np.r_[s + 1.0, -1.0])
+    got = ext.read({"h_pre": q}, alpha=0.5)
+    p = ext.p_value(q)
+    assert [r.score for r in got] == pytest.approx(s.tolist())
+    assert [r.p_value for r in got] == pytest.approx(p.tolist())
+    assert [r.novel for r in got] == (p < 0.5).tolist()
+    assert [r.novel for r in got] != [r.novel for r in nov.read({"h_pre": q}, alpha=0.5)]
+
+
+def test_composite_card_names_its_parts_features():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({
+        "q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1)),
+        "m": Novelty("knn", "img_mean", k=1).fit(_x(8, 2)).calibrate(_x(6, 3))})
+    card = det.to_dict()
+    assert card["kind"] == "composite" and card["feature"] == "h_pre+img_mean"
+    assert card["k"] is None and card["C"] is None and card["n_fit"] == 10
+    assert card["n_calibration"] == 4 and card["n_clean_sample"] is None
+    assert set(card["parts"]) == {"q", "m"} and card["parts"]["m"]["n_calibration"] == 6
+    assert card["p_value"] == ("min(1, m * min_j p_j), p_j = (1 + #{i : s_i >= s(x)})"
+                               " / (n_j + 1)")
+
+
+def test_a_composite_saves_under_its_prefix_into_a_new_folder(tmp_path):
+    from heads.novelty import CompositeNovelty, load_detector
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(
+        _x(4, 1))}, clean=np.array([0.3, 0.1]))
+    folder = tmp_path / "a" / "b"
+    det.save(folder, "det")
+    assert (folder / "det.safetensors").exists() and (folder / "det.q.json").exists()
+    back = load_detector(folder, "det")
+    assert back.clean.tolist() == [0.1, 0.3]
+
+
+def test_an_extended_reference_flags_strictly_below_alpha():
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1))
+    q = _x(2, 2) + 50                                          # beyond both references
+    ext = nov.extend_reference(np.zeros(4))
+    assert np.allclose(ext.p_value(q), 1 / 5)
+    assert not any(r.novel for r in ext.read({"h_pre": q}, alpha=0.2))
+    assert all(r.novel for r in ext.read({"h_pre": q}, alpha=0.2001))
