@@ -47,8 +47,9 @@ def fit_platt(score: np.ndarray, z: np.ndarray, nonneg: bool = True,
     if len(z) == 0 or z.min() == z.max():
         rate = z.mean() if len(z) else 0.5
         return 0.0, float(np.log((rate + EPS) / (1 - rate + EPS)))
-    # centre and scale for the optimiser; mapped back below
-    mu, sd = s.mean(), s.std() if s.std() > 0 else 1.0
+    # centre and scale for the optimiser; mapped back below. A constant statistic can have
+    # a std of ~1e-17 (the mean's rounding): max > min, not std > 0, says it varies
+    mu, sd = s.mean(), s.std() if s.max() > s.min() else 1.0
     x = (s - mu) / sd
 
     def loss(w: np.ndarray) -> tuple[float, np.ndarray]:
@@ -89,9 +90,10 @@ def fit_oriented_platt(score: np.ndarray, z: np.ndarray) -> tuple[tuple[float, f
 
     s = np.asarray(score, float).ravel()
     z = np.asarray(z, float).ravel()
-    both = auroc(s, z) if 0 < z.mean() < 1 and s.std() > 0 else 0.5
+    varies = len(s) > 0 and s.max() > s.min()
+    both = auroc(s, z) if 0 < z.mean() < 1 and varies else 0.5
     sign = 1.0 if both >= 0.5 else -1.0
-    a, b = fit_platt(sign * s, z, min_slope=MIN_SLOPE if s.std() > 0 else 0.0)
+    a, b = fit_platt(sign * s, z, min_slope=MIN_SLOPE if varies else 0.0)
     ab = (sign * a, b)
     return ab, {"slope": round(ab[0], 6), "intercept": round(ab[1], 6),
                 "orientation": "as defined" if sign > 0 else "flipped",

@@ -101,6 +101,9 @@ class Served:
                    bool(d.get("problem", False)), str(d.get("key", "")))
 
 
+KEY_SIDE = 256
+
+
 def input_key(image: Any, question: str) -> str:
     """A digest of what was asked: the decoded pixels (mode, size, bytes: the same picture
     re-encoded or re-sent has one key) and the question with case and spacing folded. Not
@@ -108,6 +111,13 @@ def input_key(image: Any, question: str) -> str:
     h = hashlib.sha256()
     if image is not None:
         h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+        # a large picture is hashed from a box-reduced copy (at most ~256 px a side): its
+        # full bytes (48 MB at the pixel limit) took a quarter of a second on every answer
+        factor = max(1, max(image.size) // KEY_SIDE)
+        try:
+            image = image.reduce(factor) if factor > 1 else image
+        except ValueError:         # a mode PIL cannot reduce (1, P, I;16): every byte
+            pass
         h.update(image.tobytes())
     h.update(b"\0" + " ".join(question.lower().split()).encode())
     return h.hexdigest()[:32]

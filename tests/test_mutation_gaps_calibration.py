@@ -84,3 +84,14 @@ def test_platt_maps_float32_scores_in_float64():
     got = platt(s, (1.7, -0.3))
     assert got.dtype == np.float64
     assert np.array_equal(got, platt(s.astype(np.float64), (1.7, -0.3)))
+
+
+def test_a_constant_statistic_with_a_rounding_std_gets_no_slope():
+    """Twenty copies of 0.3 have a float std of ~5.6e-17, not 0: the fits must still see a
+    constant (no slope), not divide by it into a step function."""
+    s = np.full(20, 0.3)
+    assert s.std() > 0
+    z = np.array([1.0, 0.0] * 10)
+    assert fit_platt(s, z)[0] == 0.0
+    (a, _), log = fit_oriented_platt(s, z)
+    assert a == 0.0 and log["fit_auroc_as_defined"] == 0.5

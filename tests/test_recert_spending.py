@@ -102,6 +102,32 @@ def test_a_borderline_stream_retried_often_switches_rarely():
 
 
 # ------------------------------------------------------------------ near-duplicates
+def test_input_key_of_a_large_picture_reads_a_reduced_copy_and_still_tells_pictures_apart():
+    """Past KEY_SIDE a side, the key hashes a box-reduced copy (the full bytes cost a
+    quarter of a second at the pixel limit): one picture keeps one key, another picture or
+    size another, and modes PIL cannot reduce are hashed whole."""
+    from PIL import Image
+
+    from heads import recert
+
+    big = np.random.default_rng(0).integers(0, 255, (1200, 900, 3), dtype=np.uint8)
+    a = Image.fromarray(big)
+    calls = []
+    real = Image.Image.reduce
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Image.Image, "reduce",
+                  lambda self, f, *a, **k: calls.append(f) or real(self, f, *a, **k))
+        key = recert.input_key(a, "q")
+    assert calls == [1200 // recert.KEY_SIDE]
+    assert key == recert.input_key(Image.fromarray(big.copy()), "q")
+    other = big.copy()
+    other[:40, :40] = 255 - other[:40, :40]                      # one corner changed
+    assert key != recert.input_key(Image.fromarray(other), "q")
+    assert key != recert.input_key(a.crop((0, 0, 1200, 899)), "q")
+    pal = a.convert("P")                                         # cannot be reduced
+    assert recert.input_key(pal, "q") == recert.input_key(pal.copy(), "q")
+
+
 def test_input_key_is_the_decoded_picture_and_the_folded_question():
     im = random_image(3)
     png, bmp = io.BytesIO(), io.BytesIO()
