@@ -78,14 +78,20 @@ _QUOTE, _OPEN, _CLOSE = ord('"'), b"{[", b"}]"
 
 def _string_end(body: bytes, j: int) -> int:
     """Where the string whose text starts at `j` ends (past its closing quote), -1 when it
-    never closes."""
+    never closes. The next quote and backslash are looked up once each and kept while
+    the scan has not passed them (looking them up again each window was quadratic)."""
     n = len(body)
+    quote = slash = -1
     while j < n:
-        k = body.find(b'"', j)
-        if k < 0:
-            return -1
-        if body.find(b"\\", j, k) < 0:
-            return k + 1
+        if quote < j:
+            quote = body.find(b'"', j)
+            if quote < 0:
+                return -1
+        if slash < j:
+            slash = body.find(b"\\", j)
+            slash = n if slash < 0 else slash
+        if slash > quote:
+            return quote + 1
         e = _ESCAPED.match(body, j, min(n, j + max(WINDOW, 2))).end()
         if e < n and body[e] == _QUOTE:
             return e + 1
