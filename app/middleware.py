@@ -74,6 +74,10 @@ def long_number(gap: bytes) -> bool:
 _MARKS = bytes(33 if b in b'[]{}:,"' else 32 for b in range(256))
 _ESCAPED = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+', re.S)
 _QUOTE, _OPEN, _CLOSE = ord('"'), b"{[", b"}]"
+# What a string or an opener may follow in JSON: nothing (the root), an opener or a
+# separator. Anywhere else the body is invalid; the scan stops there, since such tokens
+# count toward no bound (30 MB of `{}{}...` or `"a""a"...` kept it busy for 100 s).
+_BEFORE_VALUE = frozenset(b"[{,:") | {0}
 
 
 def _string_end(body: bytes, j: int) -> int:
@@ -135,11 +139,18 @@ def json_problem(body: bytes) -> str | None:
     values = 0
     last = (0, 0)              # the latest string token (a key when ':' follows it)
     end = 0                    # where the previous token ended
+    prev = 0                   # the previous token's byte (0: none yet)
     for start, stop in _tokens(body):
         if long_number(body[end:start]):
             return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
         end = stop
         c = body[start]
+        if c == _QUOTE or c in _OPEN:
+            if prev not in _BEFORE_VALUE:
+                return None        # invalid JSON: the parser says so
+        elif not stack:
+            return None            # a separator or a close outside every container
+        prev = c
         if c == _QUOTE:
             if stop < 0:
                 return None        # a string that never closes: invalid, the parser says so
@@ -150,8 +161,7 @@ def json_problem(body: bytes) -> str | None:
             if len(stack) > MAX_JSON_DEPTH:
                 return f"body: nested deeper than {MAX_JSON_DEPTH} levels"
         elif c in _CLOSE:
-            if stack:
-                stack.pop()
+            stack.pop()
         elif stack:
             obj, count, _ = stack[-1]
             if (c == ord(":")) == obj:       # a key in an object, a comma in a list
