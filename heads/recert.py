@@ -18,7 +18,7 @@ like the window); the τ-part items are judged with leave-one-out p-values again
 window, so the certificate is on the rule that would be served. The guarantee is for items
 exchangeable with the window's. A store runs window after window, so it spends its δ
 across them (`spent_delta`: the t-th test at δ/(t(t+1)), all of them together at most δ),
-and counts one verdict per input (`Served.key`): near-duplicates are not independent
+and counts one verdict per input (`Served.key`): repeats of one input are not independent
 evidence.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
@@ -106,7 +106,7 @@ KEY_SIDE = 256
 
 def input_key(image: Any, question: str) -> str:
     """A digest of what was asked: the decoded pixels (mode, size, bytes: the same picture
-    re-encoded or re-sent has one key) and the question with case and spacing folded. Not
+    re-encoded losslessly or re-sent has one key) and the question with case and spacing folded. Not
     the content: nothing can be read back from it."""
     h = hashlib.sha256()
     if image is not None:
@@ -119,12 +119,12 @@ def input_key(image: Any, question: str) -> str:
         except ValueError:         # a mode PIL cannot reduce (1, P, I;16): every byte
             pass
         h.update(image.tobytes())
-    h.update(b"\0" + " ".join(question.lower().split()).encode())
+    h.update(b"\0" + " ".join(question.casefold().split()).encode())
     return h.hexdigest()[:32]
 
 
 def distinct_inputs(verdicts: Sequence[Verdict]) -> list[Verdict]:
-    """One verdict per input (`Served.key`), the first counted: near-duplicates (one image
+    """One verdict per input (`Served.key`), the first counted: repeats (one image
     and question under several request ids) are not independent evidence. Verdicts
     without a key are kept."""
     seen: set[str] = set()
