@@ -51,6 +51,6 @@ def test_a_new_reference_restarts_the_window_and_every_change_counts():
     for k in range(25):
         d.record({"s": k}, False)
     assert d.version == 26 and len(d.rows) == 25
-    assert d.rows[0] == ({"s": 0.0}, False) and type(d.rows[0][0]["s"]) is float
+    assert d.rows[0] == ({"s": 0.0}, False, "") and type(d.rows[0][0]["s"]) is float
     d.set_reference({"s": [0.5]})
     assert d.version == 27 and len(d.rows) == 0 and d.stats() == {}
