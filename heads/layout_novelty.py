@@ -23,7 +23,6 @@ object count: what is far is whatever layout the fitting images never showed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from PIL import Image
 from scipy import ndimage
 
-from heads.novelty import FEATURES, IMAGE_FEATURES, PART_CLASSES, Novelty
+from heads.novelty import FEATURES, IMAGE_FEATURES, PART_CLASSES, Novelty, check_descriptors
 
 LAYOUT_FEATURE = "scene_layout"
 KIND = "layout_knn"
@@ -219,19 +218,8 @@ class LayoutNovelty(Novelty):
         """A saved layout part; refused when its card records another side or descriptor,
         or its bank rows are not this code's DIM: its bank and calibration scores would be
         compared with vectors of another kind (as `PixelNovelty.load`)."""
-        card = json.loads((Path(folder) / f"{prefix}.json").read_text())
-        wrong = [f"{k}: the part records {card.get(k, 'nothing')!r}, this code computes "
-                 f"{v!r}" for k, v in DESCRIBED.items() if card.get(k) != v]
-        part = super().load(folder, prefix)
-        bank = part.t.get("bank")
-        if bank is not None and (bank.dim() != 2 or bank.shape[1] != DIM):
-            wrong.append(f"bank: rows of {list(bank.shape[1:])} values, this code "
-                         f"describes a scene by {DIM}")
-        if wrong:
-            raise ValueError(f"layout novelty part {prefix} in {folder} was fitted with other "
-                             "descriptors; refit it (`dualread fit-detectors`). "
-                             + "; ".join(wrong))
-        return part
+        return check_descriptors(super().load(folder, prefix), folder, prefix, DESCRIBED,
+                                 DIM, "layout")
 
 
 PART_CLASSES[KIND] = LayoutNovelty

@@ -505,6 +505,25 @@ class CompositeNovelty:
 PART_CLASSES: dict[str, type[Novelty]] = {}
 
 
+def check_descriptors(part: Novelty, folder: str | Path, prefix: str, described: dict,
+                      dim: int, what: str) -> Novelty:
+    """`part` if its card records the descriptors `described` (this code's side, stride,
+    descriptor text) and its bank rows are `dim` wide; otherwise ValueError naming each
+    mismatch: its bank and calibration scores would be compared, silently, with
+    descriptors of another kind. `what`: "pixel" or "layout"."""
+    card = json.loads((Path(folder) / f"{prefix}.json").read_text())
+    wrong = [f"{k}: the part records {card.get(k, 'nothing')!r}, this code computes {v!r}"
+             for k, v in described.items() if card.get(k) != v]
+    bank = part.t.get("bank")
+    if bank is not None and (bank.dim() != 2 or bank.shape[1] != dim):
+        wrong.append(f"bank: rows of {list(bank.shape[1:])} values, this code describes "
+                     f"by {dim}")
+    if wrong:
+        raise ValueError(f"{what} novelty part {prefix} in {folder} was fitted with other "
+                         "descriptors; refit it (`dualread fit-detectors`). " + "; ".join(wrong))
+    return part
+
+
 def load_part(folder: Path, prefix: str) -> Novelty:
     """One saved part, of the class its kind names (the pixel part is `PixelNovelty`)."""
     kind = json.loads((Path(folder) / f"{prefix}.json").read_text())["kind"]

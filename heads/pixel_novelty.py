@@ -18,7 +18,6 @@ far is whatever the fitting images never showed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from heads.novelty import FEATURES, PART_CLASSES, Novelty
+from heads.novelty import FEATURES, PART_CLASSES, Novelty, check_descriptors
 
 PIXEL_FEATURE = "pixel_patches"
 KIND = "pixel_knn"
@@ -412,19 +411,8 @@ class PixelNovelty(Novelty):
         """A saved pixel part; refused when its card records descriptors other than this
         code computes (another side, stride or descriptor): its bank and calibration
         scores would be compared with descriptors of another kind, silently."""
-        card = json.loads((Path(folder) / f"{prefix}.json").read_text())
-        wrong = [f"{k}: the part records {card.get(k, 'nothing')!r}, this code computes "
-                 f"{v!r}" for k, v in DESCRIBED.items() if card.get(k) != v]
-        part = super().load(folder, prefix)
-        bank = part.t.get("bank")
-        if bank is not None and (bank.dim() != 2 or bank.shape[1] != DIM):
-            wrong.append(f"bank: rows of {list(bank.shape[1:])} values, this code "
-                         f"describes a patch by {DIM}")
-        if wrong:
-            raise ValueError(f"pixel novelty part {prefix} in {folder} was fitted with other "
-                             "descriptors; refit it (`dualread fit-detectors`). "
-                             + "; ".join(wrong))
-        return part
+        return check_descriptors(super().load(folder, prefix), folder, prefix, DESCRIBED,
+                                 DIM, "pixel")
 
 
 PART_CLASSES[KIND] = PixelNovelty
