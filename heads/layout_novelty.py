@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from scipy import ndimage
 
-from heads.novelty import FEATURES, IMAGE_FEATURES, PART_CLASSES, Novelty, check_descriptors
+from heads.novelty import FEATURES, IMAGE_FEATURES, PART_CLASSES, ImagePart
 
 LAYOUT_FEATURE = "scene_layout"
 KIND = "layout_knn"
@@ -160,31 +159,15 @@ FEATURES.setdefault(LAYOUT_FEATURE, lambda f: f[LAYOUT_FEATURE])
 IMAGE_FEATURES.setdefault(LAYOUT_FEATURE, layout_descriptors)
 
 
-class LayoutNovelty(Novelty):
+class LayoutNovelty(ImagePart):
     """The distance of an image's layout vector to the nearest one of the bank (the
     fitting images' and benign re-encodings'). Vectors are not standardised: their units
     are fixed by design (a count, shares and colours in [0, 1]); a feature constant over
     the fitting images (one object in every easy-VQA scene) would otherwise get an
     arbitrary scale. Reads feature dicts with `LAYOUT_FEATURE` ([N, DIM])."""
 
-    def __init__(self, kind: str = KIND, feature: str = LAYOUT_FEATURE, k: int = 1,
-                 max_bank: int = LAYOUT_BANK) -> None:
-        if kind != KIND:
-            raise ValueError(f"a layout novelty part is of kind {KIND!r}")
-        self.kind, self.feature, self.k, self.max_bank = KIND, feature, k, max_bank
-        self.t: dict[str, torch.Tensor] = {}
-        self.n_fit = 0
-
-    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None,
-            min_scale: torch.Tensor | None = None) -> LayoutNovelty:
-        x = torch.as_tensor(x).double()
-        if x.dim() != 2 or x_shifted is not None:
-            raise ValueError("a layout novelty part takes clean [N, D] layout vectors only")
-        self.n_fit = len(x)
-        self.t["mean"] = torch.zeros(x.shape[1], dtype=torch.float64)
-        self.t["scale"] = torch.ones(x.shape[1], dtype=torch.float64)
-        self.t["bank"] = self._capped(x)
-        return self
+    KIND, FEATURE, WHAT, INPUT, NDIM = KIND, LAYOUT_FEATURE, "layout", "[N, D] layout vectors", 2
+    DIM, MAX_BANK, DESCRIBED = DIM, LAYOUT_BANK, DESCRIBED
 
     def _capped(self, z: torch.Tensor) -> torch.Tensor:
         if len(z) <= self.max_bank:
@@ -203,23 +186,6 @@ class LayoutNovelty(Novelty):
         if len(x) == 0:
             return np.zeros(0)
         return self._nearest(x.double(), 1).numpy()
-
-    def recalibrated(self, x_cal: torch.Tensor) -> LayoutNovelty:
-        other = LayoutNovelty(KIND, self.feature, self.k, self.max_bank)
-        other.n_fit, other.t = self.n_fit, dict(self.t)
-        return other.calibrate(x_cal)
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), **DESCRIBED,
-                "bank": int(self.t["bank"].shape[0]) if "bank" in self.t else 0}
-
-    @classmethod
-    def load(cls, folder: str | Path, prefix: str = "novelty") -> LayoutNovelty:
-        """A saved layout part; refused when its card records another side or descriptor,
-        or its bank rows are not this code's DIM: its bank and calibration scores would be
-        compared with vectors of another kind (as `PixelNovelty.load`)."""
-        return check_descriptors(super().load(folder, prefix), folder, prefix, DESCRIBED,
-                                 DIM, "layout")
 
 
 PART_CLASSES[KIND] = LayoutNovelty

@@ -524,6 +524,63 @@ def check_descriptors(part: Novelty, folder: str | Path, prefix: str, described:
     return part
 
 
+class ImagePart(Novelty):
+    """A part that reads the decoded image (`heads.pixel_novelty`, `heads.layout_novelty`):
+    its inputs' units are fixed by design (colours in [0, 1], counts, shares), so they are
+    not standardised (mean 0, scale 1), and its card records the descriptors it was fitted
+    with, checked at load. A subclass sets the class constants below and `_bank_rows`
+    (the bank rows fitting inputs give) and `_capped` (the bank kept within `max_bank`)."""
+
+    KIND = FEATURE = WHAT = INPUT = ""      # kind, feature, "pixel", "[N, D] vectors"
+    NDIM = 2                                # dims of a batch of inputs
+    DIM = 0                                 # width of a bank row
+    MAX_BANK = 0
+    DESCRIBED: dict = {}
+
+    def __init__(self, kind: str | None = None, feature: str | None = None, k: int = 1,
+                 max_bank: int | None = None) -> None:
+        if (kind or self.KIND) != self.KIND:
+            raise ValueError(f"a {self.WHAT} novelty part is of kind {self.KIND!r}")
+        self.kind, self.feature, self.k = self.KIND, feature or self.FEATURE, k
+        self.max_bank = self.MAX_BANK if max_bank is None else max_bank
+        self.t: dict[str, torch.Tensor] = {}
+        self.n_fit = 0
+
+    def _bank_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _capped(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None,
+            min_scale: torch.Tensor | None = None) -> ImagePart:
+        x = torch.as_tensor(x).double()
+        if x.dim() != self.NDIM or x_shifted is not None:
+            raise ValueError(f"a {self.WHAT} novelty part takes clean {self.INPUT} only")
+        self.n_fit = len(x)
+        dim = x.shape[-1]
+        self.t["mean"] = torch.zeros(dim, dtype=torch.float64)
+        self.t["scale"] = torch.ones(dim, dtype=torch.float64)
+        self.t["bank"] = self._capped(self._bank_rows(x))
+        return self
+
+    def recalibrated(self, x_cal: torch.Tensor) -> ImagePart:
+        other = type(self)(self.kind, self.feature, self.k, self.max_bank)
+        other.n_fit, other.t = self.n_fit, dict(self.t)
+        return other.calibrate(x_cal)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), **self.DESCRIBED,
+                "bank": int(self.t["bank"].shape[0]) if "bank" in self.t else 0}
+
+    @classmethod
+    def load(cls, folder: str | Path, prefix: str = "novelty") -> ImagePart:
+        """A saved part; refused when its card records descriptors other than this code
+        computes (`check_descriptors`)."""
+        return check_descriptors(super().load(folder, prefix), folder, prefix,
+                                 cls.DESCRIBED, cls.DIM, cls.WHAT)
+
+
 def load_part(folder: Path, prefix: str) -> Novelty:
     """One saved part, of the class its kind names (the pixel part is `PixelNovelty`)."""
     kind = json.loads((Path(folder) / f"{prefix}.json").read_text())["kind"]

@@ -19,14 +19,13 @@ far is whatever the fitting images never showed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from heads.novelty import FEATURES, PART_CLASSES, Novelty, check_descriptors
+from heads.novelty import FEATURES, PART_CLASSES, ImagePart
 
 PIXEL_FEATURE = "pixel_patches"
 KIND = "pixel_knn"
@@ -342,32 +341,18 @@ def largest_nearest(x: torch.Tensor, index: BankIndex) -> torch.Tensor:
     return exact[inv].max(1).values.sqrt()
 
 
-class PixelNovelty(Novelty):
+class PixelNovelty(ImagePart):
     """The largest distance of any pixel-patch descriptor of an image to its nearest bank
     descriptor; the bank a coreset of the fitting images' descriptors (and of benign
     re-encodings'). Descriptors are not standardised: their units are fixed by design
     (colours in [0, 1], gradient votes scaled to match). Reads feature dicts with
     `PIXEL_FEATURE` ([N, P, DIM], `pixel_descriptors`)."""
 
-    def __init__(self, kind: str = KIND, feature: str = PIXEL_FEATURE, k: int = 1,
-                 max_bank: int = PIXEL_BANK) -> None:
-        if kind != KIND:
-            raise ValueError(f"a pixel novelty part is of kind {KIND!r}")
-        self.kind, self.feature, self.k, self.max_bank = KIND, feature, k, max_bank
-        self.t: dict[str, torch.Tensor] = {}
-        self.n_fit = 0
+    KIND, FEATURE, WHAT, INPUT, NDIM = KIND, PIXEL_FEATURE, "pixel", "[N, P, D] descriptors", 3
+    DIM, MAX_BANK, DESCRIBED = DIM, PIXEL_BANK, DESCRIBED
 
-    def fit(self, x: torch.Tensor, x_shifted: torch.Tensor | None = None,
-            min_scale: torch.Tensor | None = None) -> PixelNovelty:
-        x = torch.as_tensor(x).double()
-        if x.dim() != 3 or x_shifted is not None:
-            raise ValueError("a pixel novelty part takes clean [N, P, D] descriptors only")
-        self.n_fit = len(x)
-        dim = x.shape[-1]
-        self.t["mean"] = torch.zeros(dim, dtype=torch.float64)
-        self.t["scale"] = torch.ones(dim, dtype=torch.float64)
-        self.t["bank"] = self._capped(distinct_rows(x))
-        return self
+    def _bank_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return distinct_rows(x)
 
     def _capped(self, z: torch.Tensor) -> torch.Tensor:
         return coreset(z, self.max_bank)
@@ -396,23 +381,6 @@ class PixelNovelty(Novelty):
         if cached is None or cached[0] is not bank:
             cached = self._index = (bank, BankIndex(bank))
         return cached[1]
-
-    def recalibrated(self, x_cal: torch.Tensor) -> PixelNovelty:
-        other = PixelNovelty(KIND, self.feature, self.k, self.max_bank)
-        other.n_fit, other.t = self.n_fit, dict(self.t)
-        return other.calibrate(x_cal)
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), **DESCRIBED,
-                "bank": int(self.t["bank"].shape[0]) if "bank" in self.t else 0}
-
-    @classmethod
-    def load(cls, folder: str | Path, prefix: str = "novelty") -> PixelNovelty:
-        """A saved pixel part; refused when its card records descriptors other than this
-        code computes (another side, stride or descriptor): its bank and calibration
-        scores would be compared with descriptors of another kind, silently."""
-        return check_descriptors(super().load(folder, prefix), folder, prefix, DESCRIBED,
-                                 DIM, "pixel")
 
 
 PART_CLASSES[KIND] = PixelNovelty
