@@ -1019,6 +1019,14 @@ def test_a_byte_order_mark_is_ignored_on_every_json_route(api):
     assert_error(api.post("/answer", content=bom + bom + b"{}", headers=headers), 422, "body")
 
 
+def test_a_json_body_that_is_not_utf8_is_422_on_every_json_route(api):
+    """FastAPI's parser answered 400 where `/answer` answered 422: one status for one fault."""
+    headers = {"content-type": "application/json"}
+    for route in ("/answer", "/feedback", "/probe/score", "/probe/score_batch"):
+        r = api.post(route, content='{"question": "é"}'.encode("latin-1"), headers=headers)
+        assert_error(r, 422, "body: JSON must be UTF-8 text")
+
+
 @pytest.mark.parametrize("value", [True, "8", 8.5])
 def test_max_new_tokens_is_a_strict_integer(api, value):
     assert_error(api.post("/answer", json={"image": IMG, "question": Q,

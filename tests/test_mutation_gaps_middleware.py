@@ -131,13 +131,23 @@ def test_duplicate_keys_as_the_parser_reads_them():
     assert json_problem(b'{"\\x": 1, "y": 2}') is None           # invalid escape: parser's
     assert json_problem(b'{"a\\"b": 1, "a\\"b": 2}') == "body: an object has a duplicate key"
     assert json_problem('{"é": 1, "e": 2}'.encode()) is None
-    # a key that is not UTF-8 is read leniently, never an error here: the parser refuses it
-    assert json_problem(b'{"\xff": 1, "a": 2}') is None
-    assert json_problem(b'{"\xff\\n": 1, "a": 2}') is None
 
 
 def test_nul_bytes_and_unclosed_strings():
     assert json_problem(b'{"a": 1}\x00') == "body: JSON must be UTF-8 text"
+    assert json_problem(b'{"a": 1}') is None
+    assert json_problem(b"") is None
+
+
+def test_bytes_that_are_not_utf8_are_refused_wherever_they_are():
+    utf8 = "body: JSON must be UTF-8 text"
+    for body in (b'{"\xff": 1, "a": 2}', b'{"\xff\\n": 1}', b'{"a": "\xc3"}', b'{"a": 1}\xe2\x82',
+                 b'{"a": "' + b"x" * (3 * middleware.WINDOW) + b'\xff"}', "é".encode("latin-1")):
+        assert json_problem(body) == utf8
+    # a character cut in two by a window's end is still one character
+    for pad in range(4):
+        text = " " * (middleware.WINDOW - pad) + '{"a": "\u20ac\U0001f600é"}'
+        assert json_problem(text.encode()) is None
     assert json_problem(b'{"a": "x') is None
     # a colon before any key is invalid JSON, left to the parser
     assert json_problem(b'{:1}') is None
