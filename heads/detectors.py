@@ -24,7 +24,7 @@ from rich.console import Console
 
 from heads.collect import Collector
 from heads.layout_novelty import LAYOUT_FEATURE, LayoutNovelty, layout_descriptors
-from heads.novelty import ALPHA, CompositeNovelty, Novelty, features
+from heads.novelty import ALPHA, CompositeNovelty, ImagePart, Novelty, features
 from heads.pixel_novelty import PIXEL_BANK, PIXEL_FEATURE, PixelNovelty, pixel_descriptors
 from heads.splits import splits_of
 from models.data import Item
@@ -179,29 +179,21 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
         "clean_sample": {"n": len(det.clean), "of": "the combined score of the temperature "
                          "and defer split items, each part's p-value leave-one-out "
                          "(drift's reference, novelty.safetensors)"}}
+    calibration = {"calibrated_on": "temperature and defer split images, one row per image",
+                   "n_calibration": len(cal_img)}
     if pix is not None:
-        part = det.parts["pixels"]
-        log["parts"]["pixels"] = {
-            "kind": "pixel_knn (patch kNN on the decoded image, coreset bank)",
-            "feature": part.to_dict()["descriptor"], "side": part.to_dict()["side"],
-            "fitted_on": "reader-split images, one row per image, and the same benign "
-                         "re-encodings of them",
-            "n_images": len(reader_img), "n_augmented": len(aug_items),
-            "bank_descriptors": int(part.t["bank"].shape[0]),
-            "calibrated_on": "temperature and defer split images, one row per image",
-            "n_calibration": len(cal_img)}
+        log["parts"]["pixels"] = _image_part_log(
+            det.parts["pixels"], "pixel_knn (patch kNN on the decoded image, coreset bank)",
+            "reader-split images, one row per image, and the same benign re-encodings of them",
+            len(reader_img), len(aug_items), "bank_descriptors", calibration)
     if lay is not None:
-        part = det.parts["layout"]
-        log["parts"]["layout"] = {
-            "kind": "layout_knn (scene layout of the decoded image, nearest fitting scene)",
-            "feature": part.to_dict()["descriptor"], "side": part.to_dict()["side"],
-            "fitted_on": "reader-split images, one row per image, and each of them "
-                         "re-encoded once by every augment family (severities 1..5 in turn)",
-            "augment_families": list(AUGMENT_FAMILIES),
-            "n_images": len(reader_img), "n_augmented": len(lay_aug),
-            "bank_scenes": int(part.t["bank"].shape[0]),
-            "calibrated_on": "temperature and defer split images, one row per image",
-            "n_calibration": len(cal_img)}
+        log["parts"]["layout"] = _image_part_log(
+            det.parts["layout"],
+            "layout_knn (scene layout of the decoded image, nearest fitting scene)",
+            "reader-split images, one row per image, and each of them re-encoded once by "
+            "every augment family (severities 1..5 in turn)",
+            len(reader_img), len(lay_aug), "bank_scenes", calibration,
+            augment_families=list(AUGMENT_FAMILIES))
     if log["smallest_p_value"] >= alpha:
         console.log(f"[yellow]novelty detector: too few calibration items for a p-value "
                     f"below alpha {alpha}; it will never flag[/yellow]")
@@ -270,3 +262,12 @@ def add_clean_sample(actor, heads, items: list[Item], cache_dir=None,
                          "`dualread fit-detectors`")
     det.keep_clean_sample(rows)
     return len(det.clean)
+
+
+def _image_part_log(part: ImagePart, kind: str, fitted_on: str, n_images: int, n_augmented: int,
+                    bank_key: str, calibration: dict, **extra: object) -> dict:
+    """The card entry of a pixel-level part (`heads.novelty.ImagePart`)."""
+    d = part.to_dict()
+    return {"kind": kind, "feature": d["descriptor"], "side": d["side"], "fitted_on": fitted_on,
+            **extra, "n_images": n_images, "n_augmented": n_augmented,
+            bank_key: int(part.t["bank"].shape[0]), **calibration}

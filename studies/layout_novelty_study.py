@@ -20,7 +20,6 @@ input.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -28,22 +27,12 @@ import numpy as np
 
 from heads.detectors import AUGMENT_FAMILIES
 from heads.layout_novelty import LayoutNovelty, layout_descriptors
-from heads.suites import suite_kinds
-from models.data import load, sample
 from models.shift import per_family
+from studies.part_study import fit_and_calibration_images, load_note, suite_rows, write
 
 COMMAND = "python -m studies.layout_novelty_study --per-suite 200 --out docs/defer/layout-dev.md"
 SHIPPED_COMMAND = ("python -m studies.layout_novelty_study --shipped heads/embedded --split "
                    "heldout --per-suite 60 --out docs/defer/layout-heldout.md")
-
-
-def unique_images(items):
-    seen, out = set(), []
-    for it in items:
-        if it.image_id not in seen:
-            seen.add(it.image_id)
-            out.append(it)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,10 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.shipped is not None:
         return shipped(a)
 
-    imgs = sample(unique_images(load("easyvqa:heldout")), a.fit_images + a.cal_images, seed=1)
-    order = np.random.default_rng(0).permutation(len(imgs))
-    fit = [imgs[i] for i in order[: a.fit_images]]
-    cal = [imgs[i] for i in order[a.fit_images:]]
+    fit, cal = fit_and_calibration_images(a.fit_images, a.cal_images)
     aug = per_family(fit, AUGMENT_FAMILIES, a.per_family or len(fit), 200)
     t = time.perf_counter()
     det = LayoutNovelty().fit(layout_descriptors([it.image() for it in fit + aug]))
@@ -80,30 +66,13 @@ def main(argv: list[str] | None = None) -> None:
              f"other images; part alpha {a.alpha:.4f} (a fourth of 0.02). `objects`: the "
              "share of images whose descriptor counts 1 / 2 / 3+ objects.", "",
              "| suite | kind | images | flagged | median score | objects 1 / 2 / 3+ |",
-             "|---|---|---|---|---|---|"]
-    counts = cal_x[:, 0].numpy()
-    lines.append(f"| calibration (`easyvqa:heldout`) | clean | {len(cal)} | – | "
-                 f"{np.median(det.clean_scores()):.3f} | {_objects(counts)} |")
-    secs, n_img = 0.0, 0
-    for spec, kind in suite_kinds("dev"):
-        items = sample(unique_images(load(spec)), a.per_suite, seed=2)
-        ims = [it.image() for it in items]
-        t = time.perf_counter()
-        x = layout_descriptors(ims)
-        s = det.score(x)
-        secs += time.perf_counter() - t
-        n_img += len(ims)
-        flagged = float((det.p_values_of(s) < a.alpha).mean())
-        lines.append(f"| `{spec}` | {kind} | {len(ims)} | {flagged:.3f} | {np.median(s):.3f} "
-                     f"| {_objects(x[:, 0].numpy())} |")
-        print(lines[-1], flush=True)
-    lines += ["", f"Cost: {1000 * secs / max(1, n_img):.2f} ms an image (descriptor + "
-                  f"nearest scene, one CPU thread; wall time on a shared machine, "
-                  f"os.getloadavg() {os.getloadavg()[0]:.1f} at the end)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out is not None:
-        a.out.write_text(text)
+             "|---|---|---|---|---|---|",
+             f"| calibration (`easyvqa:heldout`) | clean | {len(cal)} | – | "
+             f"{np.median(det.clean_scores()):.3f} | {_objects(cal_x)} |"]
+    rows, ms = suite_rows(det, layout_descriptors, a.per_suite, a.alpha, extra=_objects)
+    lines += rows + ["", f"Cost: {ms:.2f} ms an image (descriptor + nearest scene, one CPU "
+                         f"thread; {load_note()})."]
+    write(lines, a.out)
 
 
 def shipped(a: argparse.Namespace) -> None:
@@ -122,21 +91,14 @@ def shipped(a: argparse.Namespace) -> None:
              "results.md; this says which share of each suite's images this part flags.", "",
              "| suite | kind | images | flagged | median score | objects 1 / 2 / 3+ |",
              "|---|---|---|---|---|---|"]
-    for spec, kind in suite_kinds(a.split):
-        items = unique_images(sample(load(spec), a.per_suite))
-        x = layout_descriptors([it.image() for it in items])
-        s = part.score(x)
-        flagged = float((part.p_values_of(s) < alpha).mean())
-        lines.append(f"| `{spec}` | {kind} | {len(items)} | {flagged:.3f} | {np.median(s):.3f} "
-                     f"| {_objects(x[:, 0].numpy())} |")
-        print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out is not None:
-        a.out.write_text(text)
+    rows, _ = suite_rows(part, layout_descriptors, a.per_suite, alpha, split=a.split,
+                         extra=_objects, seed=None)
+    write(lines + rows, a.out)
 
 
-def _objects(counts: np.ndarray) -> str:
+def _objects(x) -> str:
+    """Shares of scenes whose descriptor counts 1 / 2 / 3+ objects (its first number)."""
+    counts = x[:, 0].numpy()
     n = max(1, len(counts))
     return " / ".join(f"{v / n:.2f}" for v in (
         (counts == 1).sum(), (counts == 2).sum(), (counts >= 3).sum()))

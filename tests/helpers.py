@@ -203,3 +203,13 @@ def small_limits_client(service, **settings):
     base = dict(max_new_tokens=8, batch_wait_ms=5, max_image_bytes=200_000,
                 max_image_pixels=1_000_000)
     return TestClient(create_app(Settings(**{**base, **settings}), service))
+
+
+def edit_card(path: Path, field: str, value: object) -> None:
+    """Set one field of a saved JSON card, or delete it when `value` is None."""
+    card = json.loads(path.read_text())
+    if value is None:
+        del card[field]
+    else:
+        card[field] = value
+    path.write_text(json.dumps(card))

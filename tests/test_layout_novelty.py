@@ -1,7 +1,6 @@
 """The scene-layout part of the defer rule's detector (heads/layout_novelty.py): its
 descriptor worked out by hand, its fitting on data, and its place in the composite."""
 
-import json
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from heads.layout_novelty import (
 from heads.novelty import CompositeNovelty, Novelty, load_detector, load_part
 from models.data import COLOURS, SHAPES
 from models.render import Scene, _background, _place, render
+from tests.helpers import edit_card
 
 BG = (240, 240, 240)
 
@@ -143,13 +143,7 @@ def test_a_layout_part_recording_other_vectors_is_refused(tmp_path, field, value
     x = layout_descriptors(_scenes(20, 9, COLOURS, SHAPES))
     LayoutNovelty().fit(x[:12]).calibrate(x[12:]).save(tmp_path, "novelty.layout")
     assert LayoutNovelty.load(tmp_path, "novelty.layout").t["bank"].shape[1] == ln.DIM
-    card_path = tmp_path / "novelty.layout.json"
-    card = json.loads(card_path.read_text())
-    if value is None:
-        del card[field]
-    else:
-        card[field] = value
-    card_path.write_text(json.dumps(card))
+    edit_card(tmp_path / "novelty.layout.json", field, value)
     with pytest.raises(ValueError, match=f"{field}: the part records"):
         load_part(tmp_path, "novelty.layout")     # as a composite loads its parts
 

@@ -3,7 +3,6 @@ fitted and evaluated with: the same descriptors up to float rounding, the exact 
 nearest-bank distance of an image (a brute-force float64 `cdist` is the reference), and a
 saved part is refused when it records other descriptors."""
 
-import json
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from heads.pixel_novelty import (
     pixel_descriptors,
 )
 from models.data import load
+from tests.helpers import edit_card
 
 
 def reference_maps(x: torch.Tensor) -> torch.Tensor:
@@ -160,13 +160,7 @@ def test_a_part_recording_other_descriptors_is_refused(tmp_path, test_images, fi
     part.calibrate(pixel_descriptors(test_images[3:6]))
     part.save(tmp_path, "novelty.pixels")
     assert PixelNovelty.load(tmp_path, "novelty.pixels").t["bank"].shape[1] == DIM
-    card_path = tmp_path / "novelty.pixels.json"
-    card = json.loads(card_path.read_text())
-    if value is None:
-        del card[field]
-    else:
-        card[field] = value
-    card_path.write_text(json.dumps(card))
+    edit_card(tmp_path / "novelty.pixels.json", field, value)
     with pytest.raises(ValueError, match=f"{field}: the part records"):
         PixelNovelty.load(tmp_path, "novelty.pixels")
 
