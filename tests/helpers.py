@@ -213,3 +213,31 @@ def edit_card(path: Path, field: str, value: object) -> None:
     else:
         card[field] = value
     path.write_text(json.dumps(card))
+
+
+def seeded_response(img, question: str, text: str, dim: int, shift=None):
+    """A stand-in actor's response: the readout is random but a function of (image,
+    question, text), plus `shift` on every state (a label the states can carry)."""
+    from models.parse import parse_response
+    from models.readout import Readout, Response
+
+    parsed = parse_response(text)
+    seed = int(np.asarray(img).sum()) * 31 + sum(map(ord, question + text))
+    g = torch.Generator().manual_seed(seed % (2 ** 31))
+    offset = torch.zeros(dim) if shift is None else shift
+
+    def h(*shape):
+        return torch.randn(*shape, dim, generator=g) + offset
+
+    ro = Readout(h_pre=h(), h_close=h(), h_answer=h(2), h_image=h(3), h_mid=h(),
+                 token_logprobs=-torch.rand(4, generator=g),
+                 token_entropy=torch.rand(4, generator=g),
+                 answer_index=torch.tensor([1, 2]), digit_probs=None)
+    return Response(text=text, parsed=parsed, canonical=parsed.answer, token_ids=[1, 2, 3],
+                    finished=True, readout=ro)
+
+
+def red_or_blue(img) -> str:
+    """What the stand-in actors answer: red for a reddish image, else blue."""
+    red = np.asarray(img)[..., 0].mean() > 127
+    return "<answer>red</answer>" if red else "<answer>blue</answer>"

@@ -20,8 +20,7 @@ from heads.passes import (
     semantic_entropy,
 )
 from models.data import Item
-from models.parse import parse_response
-from models.readout import Readout, Response
+from tests.helpers import red_or_blue, seeded_response
 
 DIM = 8
 SHIFT = 1.2
@@ -93,26 +92,13 @@ class StandIn:
         self.calls += 1
 
     def _response(self, img, question, text):
-        parsed = parse_response(text)
-        seed = int(np.asarray(img).sum()) * 31 + sum(map(ord, question + text))
-        g = torch.Generator().manual_seed(seed % (2 ** 31))
         shift = torch.zeros(DIM)
         shift[:3] = SHIFT * float(np.asarray(img)[..., 0].mean() > 127)
-
-        def h(*shape):
-            return torch.randn(*shape, DIM, generator=g) + shift
-
-        ro = Readout(h_pre=h(), h_close=h(), h_answer=h(2), h_image=h(3), h_mid=h(),
-                     token_logprobs=-torch.rand(4, generator=g),
-                     token_entropy=torch.rand(4, generator=g),
-                     answer_index=torch.tensor([1, 2]), digit_probs=None)
-        return Response(text=text, parsed=parsed, canonical=parsed.answer, token_ids=[1, 2, 3],
-                        finished=True, readout=ro)
+        return seeded_response(img, question, text, DIM, shift)
 
     @staticmethod
     def _text(img) -> str:
-        red = np.asarray(img)[..., 0].mean() > 127
-        return "<answer>red</answer>" if red else "<answer>blue</answer>"
+        return red_or_blue(img)
 
     def answer(self, images, questions, max_new_tokens=64, readout="capture"):
         self._tick()

@@ -25,8 +25,8 @@ from heads.fit import fit_methods
 from heads.passes import Pass
 from heads.registry import FitData, Method
 from models.data import Item
-from models.parse import parse_response
-from models.readout import Readout, Response
+from models.readout import Response
+from tests.helpers import red_or_blue, seeded_response
 
 DIM = 8
 DOCS_REPORT = Path(__file__).resolve().parents[1] / "docs" / "eval-easyvqa-1000" / "report.json"
@@ -44,23 +44,11 @@ class StandIn:
         self.tokenizer = None
 
     def _response(self, img, question: str, text: str) -> Response:
-        parsed = parse_response(text)
-        seed = int(np.asarray(img).sum()) * 31 + sum(map(ord, question + text))
-        g = torch.Generator().manual_seed(seed % (2 ** 31))
-        ro = Readout(h_pre=torch.randn(DIM, generator=g), h_close=torch.randn(DIM, generator=g),
-                     h_answer=torch.randn(2, DIM, generator=g),
-                     h_image=torch.randn(3, DIM, generator=g),
-                     h_mid=torch.randn(DIM, generator=g),
-                     token_logprobs=-torch.rand(4, generator=g),
-                     token_entropy=torch.rand(4, generator=g),
-                     answer_index=torch.tensor([1, 2]), digit_probs=None)
-        return Response(text=text, parsed=parsed, canonical=parsed.answer, token_ids=[1, 2, 3],
-                        finished=True, readout=ro)
+        return seeded_response(img, question, text, DIM)
 
     @staticmethod
     def _text(img) -> str:
-        red = np.asarray(img)[..., 0].mean() > 127
-        return "<answer>red</answer>" if red else "<answer>blue</answer>"
+        return red_or_blue(img)
 
     def answer(self, images, questions, max_new_tokens=64, readout="capture"):
         self.calls["answer"] += 1
