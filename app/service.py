@@ -76,8 +76,7 @@ class Service:
         # the artefact as shipped; `heads` is what serves (a re-certified rule applied)
         self.base_heads = heads
         self.fingerprint = self.actor.fingerprint
-        self.heads_id = None if heads is None else heads.card.get("heads_id") or \
-            f"{heads.actor_fingerprint}-{heads.card.get('git_commit', '')[:8]}"
+        self.heads_id = None if heads is None else heads.heads_id
         self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
 
     def use_rule(self, rule: DeferRule) -> None:

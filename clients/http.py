@@ -15,6 +15,13 @@ one wider after a window's worth of successes in a row, up to the `concurrency` 
 and with a `deadline` a 429 is retried, honouring `Retry-After`, until that moment rather
 than a fixed number of times. An offline run (the probes) sets a deadline; a caller that
 wants an answer now does not.
+
+With a deadline, a 504 is backpressure too: the server admitted the request but its queue
+held more work than it could finish inside its request deadline (the default 30 s on a
+loaded CPU), so the request is repeated after a backoff and the window halves, as on a 429.
+Only requests that change nothing are repeated this way (answers and scores are pure
+reads; `/feedback` is not one of them). Without a deadline a 504 is raised at once: a
+caller that wants an answer now decides itself.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ from clients.schemas import (
 )
 
 RETRY_STATUS = frozenset({429, 503})
+# With a run deadline: the server is slower than the load offered (429 queue full, 504
+# admitted but not finished in time); narrow the window and retry until the deadline.
+OVERLOAD_STATUS = frozenset({429, 504})
 ImageLike = bytes | str | Path
 
 
@@ -240,7 +250,7 @@ class AdaptiveLimit:
             raise ValueError("concurrency must be at least 1")
         self.ceiling = self.window = self.smallest = ceiling
         self.in_flight = self.streak = self.epoch = 0
-        self.throttled = 0                      # 429s seen
+        self.throttled = 0                      # overload answers seen (429, or 504)
         self._wake = asyncio.Event()
 
     async def acquire(self) -> int:
@@ -252,7 +262,8 @@ class AdaptiveLimit:
         return self.epoch
 
     def release(self, epoch: int, overloaded: bool) -> None:
-        """Give the place back; `overloaded`: the server answered 429."""
+        """Give the place back; `overloaded`: the server answered 429 (or, for a client
+        with a run deadline, 504)."""
         self.in_flight -= 1
         if overloaded:
             self.throttled += 1
@@ -272,7 +283,8 @@ class AdaptiveLimit:
 class AsyncDualReadClient:
     """Async client: at most `concurrency` requests in flight (fewer while the server
     answers 429, see `AdaptiveLimit`), the same retry policy. With `deadline` (a
-    `time.monotonic()` moment) a 429 is retried until then, not `retries` times."""
+    `time.monotonic()` moment) a 429, and a 504 on a request that changes nothing, is
+    retried until then, not `retries` times."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  timeout: float = 120.0, concurrency: int = 8, retries: int = 8,
@@ -288,10 +300,18 @@ class AsyncDualReadClient:
         self.deadline = deadline
         self.batch_scoring: bool | None = None
         self.retried = 0                           # how many times a request was retried
+        self.timed_out = 0                         # 504s retried as backpressure
 
     def _retry_429(self) -> bool:
         """Whether a 429 is retried regardless of the retry count: before the deadline."""
         return self.deadline is not None and time.monotonic() < self.deadline
+
+    def _overloaded(self, r: httpx.Response | None, safe: bool) -> bool:
+        """Whether `r` says the server is over its capacity: a 429, or, for a request that
+        changes nothing sent by a client with a run deadline, a 504."""
+        if r is None or r.status_code not in OVERLOAD_STATUS:
+            return False
+        return r.status_code == 429 or (safe and self.deadline is not None)
 
     async def __aenter__(self) -> AsyncDualReadClient:
         return self
@@ -302,11 +322,12 @@ class AsyncDualReadClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def _request(self, method: str, path: str, body: dict | None = None
-                       ) -> httpx.Response:
+    async def _request(self, method: str, path: str, body: dict | None = None,
+                       safe: bool = True) -> httpx.Response:
+        """`safe`: the request changes nothing on the server, so a 504 may be repeated."""
         attempt = 0      # tries that count against `retries`
-        throttled = 0    # 429s retried before the deadline: they only lengthen the wait
-        while True:
+        throttled = 0    # overload answers retried before the deadline: they only lengthen
+        while True:      # the wait
             r = None
             epoch = await self.limit.acquire()   # the wait between tries holds no slot
             try:
@@ -316,24 +337,26 @@ class AsyncDualReadClient:
                     raise
                 attempt += 1
             else:
-                if not retryable(r):
+                overloaded = self._overloaded(r, safe)
+                if not overloaded and not retryable(r):
                     return r
-                if r.status_code == 429 and self._retry_429():
+                if overloaded and self._retry_429():
                     throttled += 1
-                elif attempt >= self.retries:
+                    self.timed_out += r.status_code == 504
+                elif attempt >= self.retries or r.status_code == 504:
                     return r
                 else:
                     attempt += 1
             finally:   # also when cancelled: the place in the window is given back
-                self.limit.release(epoch, r is not None and r.status_code == 429)
+                self.limit.release(epoch, self._overloaded(r, safe))
             self.retried += 1
             wait = backoff(min(attempt + throttled, 16), r, self.base, self.cap)
             if self.deadline is not None:
                 wait = min(wait, max(0.0, self.deadline - time.monotonic()))
             await asyncio.sleep(wait)
 
-    async def _post(self, path: str, body: dict) -> dict:
-        r = await self._request("POST", path, body)
+    async def _post(self, path: str, body: dict, safe: bool = True) -> dict:
+        r = await self._request("POST", path, body, safe)
         _raise_for(r, path)
         return r.json()
 
@@ -379,7 +402,8 @@ class AsyncDualReadClient:
 
     async def feedback(self, request_id: str, correct: bool) -> FeedbackResponse:
         return FeedbackResponse.model_validate(
-            await self._post("/feedback", {"request_id": request_id, "correct": correct}))
+            await self._post("/feedback", {"request_id": request_id, "correct": correct},
+                             safe=False))
 
     async def ready(self) -> bool:
         return (await self.http.get("/health/ready")).status_code == 200

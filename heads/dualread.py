@@ -198,6 +198,13 @@ class Heads:
     t_bicr = _Temperature("blind_image_contrast")
     t_msp = _Temperature("max_sequence_probability")
 
+    @property
+    def heads_id(self) -> str:
+        """What `/health`, every answer and the reports call these heads: the card's
+        `heads_id`, else the actor fingerprint and the fitting commit's first 8 digits."""
+        return self.card.get("heads_id") or \
+            f"{self.actor_fingerprint}-{self.card.get('git_commit', '')[:8]}"
+
     @classmethod
     def new(cls, dim: int, methods: Sequence[Method] | None = None) -> Heads:
         """Fresh readers for every registered method (created in registration order), or

@@ -67,8 +67,10 @@ def evaluate(actor, heads: Heads, specs: list[str], out: str | Path,
         raise ValueError(f"these heads were fitted without {', '.join(missing)}; refit them "
                          "with `dualread fit-heads` or leave those methods out")
     passes = registry.passes_for(chosen)
+    # the heads by id (what `/health` and every answer report), their fit command beside it
     report: dict = {"actor": _display(actor.folder), "actor_fingerprint": actor.fingerprint,
-                    "heads": heads.card.get("command", ""), "command": command,
+                    "heads_id": heads.heads_id, "heads": heads.card.get("command", ""),
+                    "command": command,
                     "bootstrap": bootstrap, "datasets": {}, "dropped": dropped}
     for spec in specs:
         items = sample(load(spec), limit)
@@ -229,6 +231,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Evaluation of `{Path(report['actor']).name}`", ""]
     if report.get("command"):
         lines += [f"Command: `{report['command']}`", ""]
+    if report.get("heads_id"):
+        lines += [f"Actor `{report.get('actor_fingerprint', '')}`, heads "
+                  f"`{report['heads_id']}` (fitted with `{report.get('heads', '')}`).", ""]
     rows = {spec: d["suite"] for spec, d in report["datasets"].items() if "suite" in d}
     if rows:
         lines += suite_markdown(rows)

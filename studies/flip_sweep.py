@@ -161,15 +161,15 @@ def run(out: Path, cache: str, limit: int, n_consistent: int, command: str,
     zd = z[df].numpy()
     fd = {k: v[df] for k, v in feats.items()}
     base = prior_bce(float(z[splits["reader_train"]].float().mean()), float(zd.mean()))
-    data = reader_train_data(feats, splits, scoped)
+    fit_data = reader_train_data(feats, splits, scoped)
     torch.manual_seed(0)
     # the readers of PSR, P-State and PER only: this sweep is about flips in those readers
     psr_fitted = Heads.new(feats["h_pre"].shape[1], [dm.PSR(), dm.PState(), dm.PER()])
-    dm.PSR().fit(psr_fitted, data)
+    dm.PSR().fit(psr_fitted, fit_data)
     rows = []
     for lam in FLIP_GRID:
         for l2 in L2_GRID:
-            heads = fit_point(psr_fitted, data, lam, l2)
+            heads = fit_point(psr_fitted, fit_data, lam, l2)
             d, so, st = _scores(heads, fd), _scores(heads, own), _scores(heads, tag)
             sco, scc = _scores(heads, {k: v[js] for k, v in own.items()}), _scores(heads, cons)
             stc = _scores(heads, {k: v[js] for k, v in tag.items()})

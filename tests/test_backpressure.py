@@ -111,6 +111,60 @@ def test_a_429_after_the_deadline_is_raised():
     assert time.monotonic() - t0 < 5
 
 
+def _slow_queue_server(capacity: int, seen: dict):
+    """A mock service that admits everything but answers 504 (its request deadline passed
+    in the queue) to whatever finds `capacity` requests already running, as a server with a
+    default queue and a short deadline does under more load than it can finish in time."""
+    running = [0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.setdefault("paths", []).append(request.url.path)
+        if running[0] >= capacity:
+            seen["504"] = seen.get("504", 0) + 1
+            await asyncio.sleep(0.002)
+            return httpx.Response(504, json={"detail": "no answer within 30.0 s"})
+        running[0] += 1
+        try:
+            await asyncio.sleep(0.005)
+        finally:
+            running[0] -= 1
+        seen["ok"] = seen.get("ok", 0) + 1
+        body = {"accepted": True, "window": 1} if request.url.path == "/feedback" \
+            else ANSWER
+        return httpx.Response(200, json=body)
+    return handler
+
+
+def test_with_a_deadline_a_504_is_backpressure_without_one_it_is_raised():
+    seen: dict = {}
+
+    async def go(deadline: float | None, calls) -> tuple[list, AsyncDualReadClient]:
+        async with AsyncDualReadClient(
+                "http://t", concurrency=8, retries=1, backoff_base=0.01, deadline=deadline,
+                transport=httpx.MockTransport(_slow_queue_server(2, seen))) as c:
+            got = await asyncio.gather(*(calls(c) for _ in range(40)),
+                                       return_exceptions=True)
+            return got, c
+
+    got, c = asyncio.run(go(time.monotonic() + 60, lambda c: c.answer(b"img", "q")))
+    assert all(not isinstance(g, Exception) and g.answer == "red" for g in got)
+    assert seen["ok"] == 40 and seen["504"] == c.timed_out == c.limit.throttled > 0
+    assert c.limit.smallest <= 2         # the window came down, as on 429s
+
+    # no deadline: the first 504 is the answer (no retry, the window untouched)
+    seen.clear()
+    got, c = asyncio.run(go(None, lambda c: c.answer(b"img", "q")))
+    failed = [g for g in got if isinstance(g, httpx.HTTPStatusError)]
+    assert failed and all("504" in str(g) for g in failed)
+    assert len(seen["paths"]) == 40 and c.timed_out == 0 and c.limit.window == 8
+
+    # feedback changes state: a 504 on it is not repeated even with a deadline
+    seen.clear()
+    got, c = asyncio.run(go(time.monotonic() + 60, lambda c: c.feedback("x", True)))
+    assert any(isinstance(g, httpx.HTTPStatusError) and "504" in str(g) for g in got)
+    assert len(seen["paths"]) == 40 and c.timed_out == 0
+
+
 @pytest.fixture(scope="module")
 def small_queue_service(actor_dirs, actors, tmp_path_factory):
     """A live `dualread serve` that queues at most 2 jobs and batches one at a time."""
@@ -135,3 +189,62 @@ def test_probe_run_finishes_against_a_live_server_with_a_tiny_queue(small_queue_
     for probe in ("ccg", "reliance"):
         stored = [json.loads(x)["id"] for x in (out / f"{probe}.jsonl").read_text().splitlines()]
         assert sorted(stored) == sorted(ids)
+
+
+def _probe_run(url: str, names: list[str], tmp_path, n: int = 8, concurrency: int = 8
+               ) -> tuple[dict, list[str]]:
+    """One probe run against `url` with the default client settings but for a small
+    bootstrap and a run deadline that ends a stuck test; returns run.json and the item
+    ids, after checking every item was stored."""
+    from clients.probes.runner import run
+
+    data, ids = probe_items(tmp_path, n, 5, box=[4, 4, 24, 20])
+    out = tmp_path / "out"
+    report = run(names, url, data, out, concurrency=concurrency, bootstrap=20, progress=False,
+                 deadline_s=300)
+    info = json.loads((out / "run.json").read_text())
+    assert info["failures"] == [] and "failures" not in report
+    assert info["items_run"] == len(ids)
+    for probe in names:
+        stored = [json.loads(x)["id"] for x in (out / f"{probe}.jsonl").read_text().splitlines()]
+        assert sorted(stored) == sorted(ids)
+    return info, ids
+
+
+@pytest.fixture(scope="module")
+def one_batch_queue_service(actor_dirs, actors, tmp_path_factory):
+    """A live `dualread serve` whose queue holds one TGS score batch (64 jobs, the default)
+    and whose model runs one job at a time: concurrent items' batches are refused (429)."""
+    heads = random_heads(tmp_path_factory.mktemp("bp-heads-64"), actors["qwen3_vl"])
+    with live_servers(actor_dirs["qwen3_vl"], heads, max_new_tokens=8, queue_limit=64,
+                      max_batch_size=1) as urls:
+        yield urls[0], heads
+
+
+def test_tgs_score_batches_finish_against_a_live_server_with_a_small_queue(
+        one_batch_queue_service, tmp_path):
+    info, _ = _probe_run(one_batch_queue_service[0], ["tgs"], tmp_path)
+    assert info["batch_scoring"] is True            # /probe/score_batch, not one by one
+    assert info["throttled_requests"] > 0 and info["smallest_window"] < 8
+
+
+@pytest.fixture(scope="module")
+def short_deadline_service(actor_dirs, one_batch_queue_service, tmp_path_factory):
+    """A live `dualread serve` that queues everything (no 429) but whose request deadline
+    is 5× what one TGS item takes alone on this machine (measured first, on the same
+    settings): sixteen items' score batches at one job a time take longer to drain than
+    that, one item's requests do not."""
+    url, heads = one_batch_queue_service
+    lone, _ = _probe_run(url, ["tgs"], tmp_path_factory.mktemp("bp-lone"), n=1)
+    deadline = round(max(1.0, 5 * lone["wall_s"]), 2)
+    with live_servers(actor_dirs["qwen3_vl"], heads, max_new_tokens=8, queue_limit=4096,
+                      max_batch_size=1, request_timeout_s=deadline) as urls:
+        yield urls[0]
+
+
+def test_tgs_finishes_against_a_live_server_whose_deadline_its_queue_outlasts(
+        short_deadline_service, tmp_path):
+    info, _ = _probe_run(short_deadline_service, ["tgs"], tmp_path, n=16, concurrency=16)
+    assert info["timed_out_requests"] > 0           # the server did answer 504
+    assert info["throttled_requests"] == info["timed_out_requests"]   # and never 429
+    assert info["smallest_window"] < 16

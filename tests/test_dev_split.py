@@ -52,3 +52,24 @@ def test_flip_sweep_takes_the_development_split(monkeypatch, tmp_path):
     fs.main(["--out", str(tmp_path)])
     assert seen[0][0] == "easyvqa:dev" and "--data easyvqa:dev" in seen[0][1]
     assert seen[1][0] == "easyvqa:heldout"
+
+
+def _q_row(q: float, auroc: float, ece: float, drop: float) -> dict:
+    return {"q": q, "auroc": auroc, "ece": ece, "answer_drop": drop}
+
+
+def test_q_rule_takes_a_larger_q_only_for_a_clear_gain_that_keeps_calibration():
+    """The declared rule of `studies.consistency_quantile` (docs/method.md §9)."""
+    from studies.consistency_quantile import choose
+
+    ref = _q_row(0.01, 0.80, 0.020, 0.10)
+    # each step up gains ≥ .01 and stays within the slacks: the largest q
+    assert choose([ref, _q_row(0.05, 0.797, 0.024, 0.12), _q_row(0.10, 0.80, 0.02, 0.13)]) == 0.10
+    # 10% gains only .005 over 5%: ties stay with the smaller q
+    assert choose([ref, _q_row(0.05, 0.80, 0.02, 0.12), _q_row(0.10, 0.80, 0.02, 0.125)]) == 0.05
+    # natural calibration decides before the answer axis: ECE .006 worse, AUROC .006 worse
+    assert choose([ref, _q_row(0.05, 0.80, 0.026, 0.5), _q_row(0.10, 0.794, 0.02, 0.5)]) == 0.01
+    # slacks are measured from the reference, not from the current pick
+    assert choose([ref, _q_row(0.05, 0.80, 0.024, 0.2), _q_row(0.10, 0.80, 0.026, 0.3)]) == 0.05
+    # rows in any order
+    assert choose([_q_row(0.10, 0.80, 0.02, 0.3), ref, _q_row(0.05, 0.80, 0.02, 0.2)]) == 0.10

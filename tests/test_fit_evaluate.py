@@ -41,7 +41,7 @@ def test_fit_save_load_and_evaluate(actors, dataset, tmp_path):
     assert sum(info["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 120
     assert heads.t_pre > 0 and heads.t_post > 0 and heads.policy is not None
     assert {"sc2", "sc4", "sc8", "semantic"} <= set(heads.platt)
-    heads.save(tmp_path / "heads", {"command": "test", **info})
+    heads.save(tmp_path / "heads", {"command": "test", "git_commit": "0123abcd4567", **info})
     card = json.loads((tmp_path / "heads" / "heads_card.json").read_text())
     for key in ("actor_fingerprint", "feature_dim", "kappa", "temperatures", "defer", "splits"):
         assert key in card
@@ -67,6 +67,12 @@ def test_fit_save_load_and_evaluate(actors, dataset, tmp_path):
         assert lo <= hi
     saved = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert saved["datasets"][dataset]["accuracy"] == pytest.approx(d["accuracy"])
-    assert (tmp_path / "eval" / "report.md").read_text().count("| dualread |") == 1
+    # the heads by the id the service reports for them, not only their fit command
+    heads_id = f"{actor.fingerprint}-0123abcd"
+    assert saved["heads_id"] == heads_id == loaded.heads_id
+    assert saved["actor_fingerprint"] == actor.fingerprint and saved["heads"] == "test"
+    md = (tmp_path / "eval" / "report.md").read_text()
+    assert f"heads `{heads_id}`" in md and f"Actor `{actor.fingerprint}`" in md
+    assert md.count("| dualread |") == 1
     assert len(list((tmp_path / "eval").glob("*.png"))) == 3
     assert np.isfinite(d["methods"]["dualread"]["brier"])

@@ -31,7 +31,8 @@ def probe(
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     deadline_s: Annotated[float, typer.Option(
         "--deadline-s", min=0, help="seconds from the start during which a 429 (queue full) "
-                                    "is retried, honouring Retry-After")] = 24 * 3600.0,
+                                    "or 504 (server deadline passed) is retried, honouring "
+                                    "Retry-After")] = 24 * 3600.0,
 ) -> None:
     """Grounding probes over HTTP against any deployment; resumable (re-run to continue)."""
     from clients.probes import PROBES

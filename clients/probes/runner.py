@@ -281,6 +281,7 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequen
            "items_run": len(todo) - len(failures), "items_resumed": len(items) - len(todo),
            "failures": failures, "retried_requests": sum(c.client.retried for c in ctxs),
            "throttled_requests": sum(c.client.limit.throttled for c in ctxs),
+           "timed_out_requests": sum(c.client.timed_out for c in ctxs),
            "smallest_window": min(c.client.limit.smallest for c in ctxs),
            "batch_scoring": ctx.client.batch_scoring, "concurrency": concurrency,
            "items_by_url": by_url}
