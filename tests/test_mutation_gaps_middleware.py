@@ -144,9 +144,10 @@ def test_bytes_that_are_not_utf8_are_refused_wherever_they_are():
     for body in (b'{"\xff": 1, "a": 2}', b'{"\xff\\n": 1}', b'{"a": "\xc3"}', b'{"a": 1}\xe2\x82',
                  b'{"a": "' + b"x" * (3 * middleware.WINDOW) + b'\xff"}', "é".encode("latin-1")):
         assert json_problem(body) == utf8
-    # a character cut in two by a window's end is still one character
-    for pad in range(4):
-        text = " " * (middleware.WINDOW - pad) + '{"a": "\u20ac\U0001f600é"}'
+    # a character cut in two by a window's end is still one character: the window ends at
+    # each of the 9 bytes of "€😀é" in turn (7 bytes of `{"a": "` come before them)
+    for cut in range(10):
+        text = " " * (middleware.WINDOW - 7 - cut) + '{"a": "\u20ac\U0001f600é"}'
         assert json_problem(text.encode()) is None
     assert json_problem(b'{"a": "x') is None
     # a colon before any key is invalid JSON, left to the parser
