@@ -165,6 +165,23 @@ def test_with_a_deadline_a_504_is_backpressure_without_one_it_is_raised():
     assert len(seen["paths"]) == 40 and c.timed_out == 0
 
 
+def test_a_504_after_the_deadline_is_raised_at_once():
+    """Past the run deadline (`--deadline-s 0`) a 504 is the answer, not another try."""
+    seen: dict = {}
+
+    async def go() -> object:
+        async with AsyncDualReadClient(
+                "http://t", retries=3, backoff_base=0.01, deadline=time.monotonic() - 1,
+                transport=httpx.MockTransport(_slow_queue_server(0, seen))) as c:
+            try:
+                return await c.answer(b"img", "q")
+            except httpx.HTTPStatusError as e:
+                return e
+    got = asyncio.run(go())
+    assert isinstance(got, httpx.HTTPStatusError) and "504" in str(got)
+    assert seen["504"] == len(seen["paths"]) == 1
+
+
 @pytest.fixture(scope="module")
 def small_queue_service(actor_dirs, actors, tmp_path_factory):
     """A live `dualread serve` that queues at most 2 jobs and batches one at a time."""
