@@ -327,9 +327,11 @@ class AsyncDualReadClient:
         """`safe`: the request changes nothing on the server, so a 504 may be repeated."""
         attempt = 0      # tries that count against `retries`
         throttled = 0    # overload answers retried before the deadline: they only lengthen
-        while True:      # the wait
+        alone = 0        # the wait; 504s of this request while nothing else was in flight:
+        while True:      # one slower than the server's deadline on its own fails after `retries`
             r = None
             epoch = await self.limit.acquire()   # the wait between tries holds no slot
+            started_alone = self.limit.in_flight == 1
             try:
                 r = await self.http.request(method, path, json=body)
             except httpx.TransportError:
@@ -340,7 +342,9 @@ class AsyncDualReadClient:
                 overloaded = self._overloaded(r, safe)
                 if not overloaded and not retryable(r):
                     return r
-                if overloaded and self._retry_429():
+                if r.status_code == 504 and started_alone and self.limit.in_flight == 1:
+                    alone += 1
+                if overloaded and self._retry_429() and alone <= self.retries:
                     throttled += 1
                     self.timed_out += r.status_code == 504
                 elif attempt >= self.retries or r.status_code == 504:

@@ -165,6 +165,27 @@ def test_with_a_deadline_a_504_is_backpressure_without_one_it_is_raised():
     assert len(seen["paths"]) == 40 and c.timed_out == 0
 
 
+def test_a_request_too_slow_on_its_own_fails_after_its_retries():
+    """A 504 to a request that was alone in flight is not backpressure: waiting cannot
+    help it, so after `retries` such answers it fails (a re-run resumes the item) instead
+    of being repeated until the run deadline."""
+    seen: dict = {}
+
+    async def go() -> object:
+        async with AsyncDualReadClient(
+                "http://t", retries=2, backoff_base=0.001, deadline=time.monotonic() + 60,
+                transport=httpx.MockTransport(_slow_queue_server(0, seen))) as c:
+            try:
+                return await c.answer(b"img", "q")
+            except httpx.HTTPStatusError as e:
+                return e
+    t0 = time.monotonic()
+    got = asyncio.run(go())
+    assert isinstance(got, httpx.HTTPStatusError) and "504" in str(got)
+    assert seen["504"] == len(seen["paths"]) == 3        # the first try and two retries
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_504_after_the_deadline_is_raised_at_once():
     """Past the run deadline (`--deadline-s 0`) a 504 is the answer, not another try."""
     seen: dict = {}
