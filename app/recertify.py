@@ -135,7 +135,7 @@ class Recertification:
         """Count one operator verdict (blocking: certification runs when it closes a
         window); the caller runs it off the event loop."""
         if self.store is None:
-            return {"counted": False, "reason": "not_loaded"}
+            return {"counted": False, "reason": "not_counting"}      # /calibration says why
         return self.store.add(request_id, served, correct, who)
 
     def reason(self) -> str:
@@ -148,12 +148,17 @@ class Recertification:
             return "no operator key configured: verdicts do not count toward a certificate"
         return LOADING
 
-    def view(self) -> dict:
+    def view(self, operator: bool = False) -> dict:
+        """What `/calibration` shows. The open window's live tallies (counted, correct,
+        wrong, opened_at) are the operator's only: they tell how close a switch is, and a
+        client that knows that can time a burst of inputs; anyone else sees its size."""
         drift = self.drift.stats()
         out: dict[str, Any] = {"counting": self.store is not None,
                                "drift": drift or None}
         if self.store is not None:
             out.update(self.store.view())
+            if not operator:
+                out["window"] = {"needed": out["window"]["needed"]}
         else:
             svc = self.service
             base = getattr(svc, "base_heads", None)

@@ -354,11 +354,16 @@ class FeedbackRequest(_Request):
 class FeedbackResponse(BaseModel):
     accepted: bool
     window: int
-    reason: Literal["unknown", "already_labelled"] | None = Field(
+    reason: Literal["unknown", "already_labelled", "duplicate_input", "already_counted",
+                    "not_counting"] | None = Field(
         None, description="why a verdict was not accepted: no answer with this request_id "
                           "is remembered (never issued, issued by another replica, or too "
-                          "long ago), or that answer already has its verdict; null when "
-                          "accepted")
+                          "long ago), or that answer already has its verdict. On an accepted "
+                          "operator verdict that does not count toward re-certification, "
+                          "why not: the same image and question is already in the window "
+                          "(duplicate_input), this request id already counted "
+                          "(already_counted), or the server counts no verdicts now "
+                          "(not_counting; GET /calibration says why). Null otherwise")
     counted: bool = Field(False, description="whether this verdict counts toward "
                           "re-certifying the defer rule: only with the operator key, on a "
                           "server that has one (`X-Operator-Key` sent to a server without one "

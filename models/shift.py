@@ -24,7 +24,13 @@ from dataclasses import dataclass, fields
 import numpy as np
 from PIL import Image, ImageFilter
 
-from models.benign import BENIGN_FAMILIES, BENIGN_PARAMS, apply_benign
+from models.benign import (
+    BENIGN_FAMILIES,
+    BENIGN_PARAMS,
+    QUESTION_FAMILIES,
+    apply_benign,
+    benign_question,
+)
 from models.items import Item, sample
 
 SEVERITIES = (1, 2, 3, 4, 5)
@@ -145,6 +151,8 @@ def corrupt(image: Image.Image, family: str, severity: int, seed: int | str = 0
             ) -> Image.Image:
     """`image` under one corruption at severity 1–5; deterministic in (family, seed)."""
     check(family, severity)
+    if family in QUESTION_FAMILIES:        # the question changes (shift_items), not the image
+        return image
     if family in BENIGN_FAMILIES:
         return apply_benign(image.convert("RGB"), family, severity, _rng(seed, family))
     x = np.asarray(image.convert("RGB"), np.float64) / 255
@@ -187,6 +195,8 @@ def shift_items(items: list[Item], family: str, severity: int) -> list[Item]:
             raise ValueError("one corruption per item: a shifted item cannot be shifted again")
         base = {f.name: getattr(it, f.name) for f in fields(Item)}
         base["id"] = f"{it.id}~{family}:{severity}"
+        if family in QUESTION_FAMILIES:
+            base["question"] = benign_question(it.question, family, severity)
         own = type(it).image is not Item.image      # drawn, not read from image_path
         out.append(ShiftedItem(**base, family=family, severity=severity, source_id=it.id,
                                source=it if own else None))

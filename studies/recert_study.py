@@ -27,12 +27,12 @@ import numpy as np
 from heads.defer import clopper_pearson_upper
 from heads.recert import Served, Verdict, certify, dualread_at, spent_delta
 
-# stream: (data spec, items). benign: a 2-px grey scanner-bed margin (a development
-# family, docs/defer/suites.md), the development transform the three-part detector flagged
-# most (about half the items) with accuracy near clean's (0.89 vs 0.92; its errors turned
-# out confident ones, docs/operations.md); contrast:5 is answered about half the time.
-# `--streams` names others.
-STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~margin:1", 2000),
+# stream: (data spec, items). benign: the grey scanner bed along one side of the picture
+# (a development family, docs/defer/suites.md), picked in the pilots (docs/recert/
+# pilots.md) as the development change the four-part detector flags (about 9 in 10) whose
+# errors are least confident; contrast:5 is answered about half the time. `--streams`
+# names others, `--sizes` other lengths.
+STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~bed-edge:1", 2000),
            "harmful": ("easyvqa:test~contrast:5", 2000)}
 SEARCHES = ("sequence", "binary")
 

@@ -77,6 +77,28 @@ def test_benign_families_change_the_picture_and_keep_the_answer(family):
     assert np.array_equal(np.asarray(again), np.asarray(shifted.image()))
 
 
+def test_a_white_balance_cast_and_a_bed_edge_are_what_they_say():
+    """tint: red up and blue down by the severity's share, green kept (a few percent: the
+    colours stay nameable); bed-edge: the picture unchanged, a grey strip on one side."""
+    x = np.full((8, 8, 3), 100, np.uint8)
+    warm = np.asarray(corrupt(Image.fromarray(x), "tint", 5), float)
+    assert warm[0, 0].tolist() == [108.0, 100.0, 92.0]
+    im = load("render:plain:1")[0].image()
+    edged = np.asarray(corrupt(im, "bed-edge", 1, seed="a"), float)
+    w, h = im.size
+    assert sorted(edged.shape[:2]) == sorted([h, h + 2]) and edged.shape[:2] != (h, w)
+    grey = np.all(edged == 190, axis=-1)
+    strip = [grey[:2].all(), grey[-2:].all(), grey[:, :2].all(), grey[:, -2:].all()]
+    assert sum(strip) == 1
+
+
+def test_a_preamble_changes_the_question_only():
+    clean, asked = load("render:plain:2"), load("render:plain:2~preamble:1")
+    for a, b in zip(clean, asked):
+        assert b.question == "Question: " + a.question and b.answer == a.answer
+        assert np.array_equal(np.asarray(a.image()), np.asarray(b.image()))
+
+
 def test_the_split_is_disjoint_and_complete():
     dev, held = suite_specs("dev"), suite_specs("heldout")
     assert dev[0] == held[0] == "easyvqa:test"

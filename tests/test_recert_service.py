@@ -132,13 +132,13 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         # an unauthenticated client's verdicts (no operator key) never count
         assert not any(v["counted"] for v in _verdicts(c, bodies[:30], lambda k: True,
                                                         headers={}))
-        assert c.get("/calibration").json()["window"]["counted"] == 0
+        assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 0
         # a wrong operator key is refused outright
         r = c.post("/feedback", json={"request_id": bodies[30]["request_id"],
                                       "correct": True}, headers={"X-Operator-Key": "guess"})
         assert r.status_code == 401
         _verdicts(c, bodies, lambda k: k % 10 < 4)          # 40% right
-        cal = c.get("/calibration").json()
+        cal = c.get("/calibration", headers=OP).json()
         assert cal["last_attempt"]["event"] == "refused"
         assert cal["last_attempt"]["window"]["n"] == WINDOW
         assert "Clopper-Pearson" in cal["last_attempt"]["certificate"]["reason"]
@@ -152,12 +152,12 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert shipped_released <= 0.1
         assert np.mean([b["novelty"]["novel"] for b in bodies]) >= 0.9
         assert all(v["counted"] for v in _verdicts(c, bodies, lambda k: k % 10 != 0))
-        assert c.get("/calibration").json()["window"]["counted"] == 60
+        assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 60
 
     # ---- restart mid-window: a new process state from disk; no counted verdict lost
     svc = _service(actor_dirs["qwen3_vl"], heads_dir, monkeypatch)
     with TestClient(create_app(_settings(heads_dir, state), svc)) as c:
-        cal = c.get("/calibration").json()
+        cal = c.get("/calibration", headers=OP).json()
         assert cal["window"]["counted"] == 60 and cal["window"]["wrong"] == 6
         bodies = _answers(c, [benign(60 + k) for k in range(WINDOW - 60)])
         _verdicts(c, bodies, lambda k: k % 10 != 0)
@@ -226,12 +226,12 @@ def test_real_server_keeps_counted_verdicts_and_counts_once(actor_dirs, heads_di
         with ThreadPoolExecutor(16) as pool:
             accepted = list(pool.map(lambda _: send(), range(16)))
         assert sum(accepted) == 1
-        assert httpx.get(server.url + "/calibration").json()["window"]["counted"] == 4
+        assert httpx.get(server.url + "/calibration", headers=OP).json()["window"]["counted"] == 4
     finally:
         server.close()
     server = LiveServer(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=4).wait_ready()
     try:
-        window = httpx.get(server.url + "/calibration").json()["window"]
+        window = httpx.get(server.url + "/calibration", headers=OP).json()["window"]
         assert window["counted"] == 4 and window["wrong"] == 1
         # an id counted before the restart cannot count again
         assert not _post(server.url, "/feedback", {"request_id": ids[0], "correct": True},
@@ -272,6 +272,11 @@ def test_a_second_process_on_one_state_file_counts_nothing(actor_dirs, heads_dir
         assert a.get("/calibration").json()["counting"] is True
         cal = b.get("/calibration").json()
         assert cal["counting"] is False and "held by another process" in cal["reason"]
+        # an operator's verdict there is taken by the monitor; it says why it did not count
+        [body] = _answers(b, [benign(0)])
+        got = b.post("/feedback", json={"request_id": body["request_id"], "correct": True},
+                     headers=OP).json()
+        assert (got["accepted"], got["counted"], got["reason"]) == (True, False, "not_counting")
 
 
 def test_an_unwritable_state_file_stops_recertification_not_the_service(
@@ -303,14 +308,14 @@ def test_a_client_verdict_and_an_operator_verdict_on_one_answer(actor_dirs, head
         op = c.post("/feedback", json={"request_id": rid, "correct": False},
                     headers=OP).json()
         assert op["accepted"] and op["reason"] is None            # counted
-        cal = c.get("/calibration").json()["window"]
+        cal = c.get("/calibration", headers=OP).json()["window"]
         assert (cal["counted"], cal["correct"], cal["wrong"]) == (1, 0, 1)
         assert [z for _, _, z in c.app.state.hooks.monitor.window] == [True]
         for headers in ({}, OP):                                  # once each
             again = c.post("/feedback", json={"request_id": rid, "correct": False},
                            headers=headers).json()
             assert not again["accepted"] and again["reason"] == "already_labelled"
-        assert c.get("/calibration").json()["window"]["counted"] == 1
+        assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 1
 
 
 def test_answer_only_says_so_on_calibration(actors, actor_dirs, tmp_path):
@@ -351,14 +356,23 @@ def test_an_api_client_cannot_move_what_operators_alert_on(actor_dirs, heads_dir
         reference = {k: v.copy() for k, v in drift.reference.items()}
         got = _verdicts(c, bodies[:20], lambda k: False, headers=api)
         assert all(v["accepted"] and not v["counted"] for v in got)
-        cal = c.get("/calibration").json()
+        cal = c.get("/calibration", headers=OP).json()
         assert cal["window"]["counted"] == 0 and cal["alpha_spending"]["tests"] == 0
         assert drift.reference.keys() == reference.keys()
         assert all(np.array_equal(drift.reference[k], reference[k]) for k in reference)
         # the operator: the same input under ten request ids is one verdict
         got = _verdicts(c, bodies[20:], lambda k: True, headers={**api, **OP})
         assert [v["counted"] for v in got] == [True] + [False] * 9
-        assert c.get("/calibration").json()["window"]["counted"] == 1
+        # accepted by the monitor, not counted, and the response says why
+        assert all(v["accepted"] for v in got)
+        assert [v["reason"] for v in got] == [None] + ["duplicate_input"] * 9
+        assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 1
+        # the open window's tallies are the operator's: an API client sees its size only
+        plain = c.get("/calibration").json()
+        assert plain["window"] == {"needed": WINDOW}
+        assert plain["active"]["version"] == "shipped" and "certificate" in plain["active"]
+        assert c.get("/calibration", headers={**api, "X-Operator-Key": "guess"}
+                     ).status_code == 401
         # distinct inputs each count, and each enter the drift window
         more = _answers(c, [benign(1 + k) for k in range(5)])
         assert all(v["counted"] for v in _verdicts(c, more, lambda k: True,

@@ -266,11 +266,12 @@ async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
     # each win one of them (the monitor's label and the certificate's count)
     labelled = hooks.feedback(body.request_id, body.correct)
     served = hooks.monitor.take_served(body.request_id) if who is not None else None
-    counted = served is not None and (await run_in_threadpool(
+    count = {"counted": False} if served is None else await run_in_threadpool(
         request.app.state.recert.count, body.request_id, served, body.correct, who)
-    )["counted"]
+    counted = count["counted"]
     known = labelled or counted
-    reason = None if known else (
+    # accepted but an operator's verdict did not count: the store's why (a repeated input)
+    reason = count.get("reason") if known else (
         "already_labelled" if hooks.monitor.already_labelled(body.request_id) else "unknown")
     return FeedbackResponse(accepted=known, window=len(hooks.monitor.window), reason=reason,
                             counted=counted)

@@ -46,9 +46,11 @@ def _store(request: Request):
 
 @router.get("/calibration", responses=ERRORS)
 def calibration(request: Request) -> dict:
-    """The active defer rule with its certificate, the open verdict window, the last
-    certification attempt, the kept rules and the switch history (no request content)."""
-    return request.app.state.recert.view()
+    """The active defer rule with its certificate, the open verdict window (its tallies
+    with the operator key only), the last certification attempt, the kept rules and the
+    switch history (no request content)."""
+    recert = request.app.state.recert
+    return recert.view(operator=recert.operator(request) is not None)
 
 
 @operator.post("/calibration/pin", responses=ERRORS, dependencies=[Depends(require_json)])
