@@ -30,6 +30,7 @@ from heads.dualread import Heads
 from heads.methods import dualread as dm
 from heads.metrics import METRICS
 from heads.splits import splits_of
+from models.evaluate import git_commit
 from studies.consistency_check import penalty_report
 
 Q_GRID = (0.01, 0.05, 0.10)
@@ -109,7 +110,8 @@ def run(data: str, limit: int, cache: str | None, out: Path, command: str) -> di
                      "penalty": penalty_report(heads, dict(f), flipped)})
     heads.offsets[dm.CONSISTENCY] = shipped
     pick = choose(rows)
-    report = {"command": command, "data": data, "limit": limit, "items": len(items),
+    report = {"command": command, "git_commit": git_commit(), "data": data, "limit": limit,
+              "items": len(items),
               "accuracy": round(float(z.mean()), 4), "answer_pairs": len(ok),
               "heads_id": heads.heads_id, "fit_pool": {
                   "data": heads.card["data"], "limit": heads.card.get("limit"),

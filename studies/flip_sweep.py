@@ -44,6 +44,7 @@ from heads.methods import dualread as dm
 from heads.metrics import METRICS
 from heads.modules import prior_bce
 from heads.registry import FitData
+from models.evaluate import git_commit
 
 FLIP_GRID = (0.0, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0)
 L2_GRID = (1e-3, 3e-3, 1e-2, 5e-2)
@@ -96,14 +97,21 @@ def fit_point(psr_fitted: Heads, data: FitData, flip_weight: float, l2: float) -
     return heads
 
 
-def choose(rows: list[dict]) -> dict:
-    """The grid point the declared criterion picks (see AUROC_SLACK)."""
+def admissible(rows: list[dict]) -> tuple[list[dict], dict]:
+    """The grid points that meet the declared criterion's conditions, and the best no-flip
+    fit (the pick when none does)."""
     no_flip = [r for r in rows if r["flip_weight"] == 0]
     best0 = max(no_flip, key=lambda r: (r["defer"]["dualread"]["auroc"], -r["l2"]))
     bar = best0["defer"]["dualread"]["auroc"] - AUROC_SLACK
     ok = [r for r in rows
           if all(r["defer"][b]["bce"] < r["defer_prior_bce"] for b in ("p_state", "per"))
           and r["defer"]["dualread"]["auroc"] >= bar]
+    return ok, best0
+
+
+def choose(rows: list[dict]) -> dict:
+    """The grid point the declared criterion picks (see AUROC_SLACK)."""
+    ok, best0 = admissible(rows)
     if not ok:
         return best0
     return max(ok, key=lambda r: (r["answer_drop"]["dualread"], -r["flip_weight"], -r["l2"]))
@@ -185,7 +193,7 @@ def run(out: Path, cache: str, limit: int, n_consistent: int, command: str,
             rows.append(row)
             print(json.dumps(row), flush=True)
     pick = choose(rows)
-    report = {"command": command, "data": f"{data}, sample of {limit}",
+    report = {"command": command, "git_commit": git_commit(), "data": f"{data}, sample of {limit}",
               "splits": {k: len(v) for k, v in splits.items()},
               "answer_pairs_reader_val": len(val), "consistent_pairs_reader_val": len(cs),
               "criterion": "max DualRead answer-axis drop on reader_val s.t. P-State and PER "
@@ -207,8 +215,11 @@ def markdown(rep: dict) -> str:
         "# Answer-flip sweep", "",
         f"Command: `{rep['command']}`. Data: {rep['data']}; splits {rep['splits']}.", "",
         f"Criterion (declared before the sweep): {rep['criterion']}.", "",
-        f"Chosen: flip weight {c['flip_weight']}, L2 {c['l2']}. In the code when the sweep "
-        f"ran: flip weights {rep['shipped']['flip_weight']}, L2 {rep['shipped']['l2']}.", "",
+        f"Chosen: flip weight {c['flip_weight']}, L2 {c['l2']}"
+        + ("" if admissible(rep["grid"])[0] else " (no grid point met the criterion: the "
+           "rule's fallback, the best no-flip fit)")
+        + f". In the code when the sweep ran: flip weights {rep['shipped']['flip_weight']}, "
+        f"L2 {rep['shipped']['l2']}.", "",
         f"Answer drop: mean p(own) − p(answer-tag flip) over {rep['answer_pairs_reader_val']} "
         "correctly answered reader_val items with a flip. Colour/shape columns: the "
         f"{rep['consistent_pairs_reader_val']} of them with a colour or shape answer, tag-only "

@@ -10,7 +10,8 @@ two-sided p-value from difference / standard error, then Holm's step-down over t
 of one report (at 5%). The families: `evaluate`'s DualRead − m contrasts (AUROC and
 natural CCG-AUC for every other method: `paired_vs_dualread`), and the CCG probe's
 contrasts between interfaces (natural CCG-AUC; strict equals natural when every decisive
-pair is yes/no).
+pair is yes/no) with EMVR's paired differences (each interface against μ(C), the actor's
+mask − control drop).
 """
 
 from __future__ import annotations
@@ -56,26 +57,51 @@ def contrasts(report: dict) -> list[tuple[str, float, float, float]]:
     for name, c in report.get("ccg", {}).get("contrasts", {}).items():   # `dualread probe`
         n = c["natural"]
         rows.append((f"CCG natural: {name}", n["difference"], *n["ci"]))
+    for m, v in report.get("emvr", {}).items():       # EMVR's paired differences
+        for key in v if isinstance(v, dict) else ():
+            if ("_minus_" in key or "difference" in key) and f"{key}_ci" in v:
+                rows.append((f"EMVR {m}: {key}", v[key], *v[f"{key}_ci"]))
     return rows
+
+
+def p_text(p: float, resamples: int | None) -> str:
+    """A p-value as far as the bootstrap behind its interval can speak for it."""
+    floor = 1 / resamples if resamples else 1e-3
+    return f"< {floor:.2g}" if p < floor else f"{p:.2g}"
+
+
+def resamples(report: dict) -> int | None:
+    """The bootstrap's resample count, where the report records one."""
+    for b in (report.get("bootstrap"), report.get("emvr", {}).get("bootstrap"),
+              report.get("config", {}).get("bootstrap")):
+        if isinstance(b, int) and b > 0:
+            return b
+    return None
 
 
 def family(report: dict) -> list[dict]:
     rows = contrasts(report)
     ps = [p_from_ci(d, lo, hi) for _, d, lo, hi in rows]
     clear = holm(ps)
+    b = resamples(report)
     return [{"contrast": label, "difference": d, "ci95": [lo, hi],
-             "ci95_clear_of_0": lo > 0 or hi < 0, "p_approx": p, "holm_clear_of_0": h}
+             "ci95_clear_of_0": lo > 0 or hi < 0, "p_approx": p, "p_text": p_text(p, b),
+             "holm_clear_of_0": h}
             for (label, d, lo, hi), p, h in zip(rows, ps, clear)]
 
 
 def markdown(command: str, families: dict[str, list[dict]]) -> str:
     lines = ["# Paired contrasts under a family-wise correction", "",
              f"Command: `{command}`.", "",
-             "Each report's paired intervals are 95% intervals, each on its own. Here each "
-             "report's contrasts form one family: a two-sided p-value from each interval "
-             "(normal approximation, standard error = width / 3.92; the reports keep the "
+             "Each report's paired intervals are 95% bootstrap percentile intervals, each on "
+             "its own. Here each report's contrasts (evaluate's DualRead − method rows; the "
+             "probes' CCG contrasts and EMVR's paired differences) form one family: a "
+             "two-sided p-value from each interval (normal approximation, standard error = "
+             "width / 3.92, the interval taken as roughly symmetric; the reports keep the "
              "intervals, not the bootstrap resamples), then Holm's step-down at 5% "
-             "family-wise. *clear*: the difference stays clear of 0 after the correction.", ""]
+             "family-wise. A p-value below one over the resample count is past what the "
+             "bootstrap resolves and is shown as `< 1/B`. *clear*: the difference stays clear "
+             "of 0 after the correction.", ""]
     for path, rows in families.items():
         both = sum(r["holm_clear_of_0"] for r in rows)
         alone = sum(r["ci95_clear_of_0"] for r in rows)
@@ -87,7 +113,7 @@ def markdown(command: str, families: dict[str, list[dict]]) -> str:
         for r in rows:
             lo, hi = r["ci95"]
             lines.append(f"| {r['contrast']} | {r['difference']:+.3f} | [{lo:+.3f}, {hi:+.3f}] "
-                         f"| {r['p_approx']:.2g} | {'clear' if r['holm_clear_of_0'] else '—'} |")
+                         f"| {r['p_text']} | {'clear' if r['holm_clear_of_0'] else '—'} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,7 +1,6 @@
 """The scene-layout part of the defer rule's detector (heads/layout_novelty.py): its
 descriptor worked out by hand, its fitting on data, and its place in the composite."""
 
-
 import numpy as np
 import pytest
 import torch

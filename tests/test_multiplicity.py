@@ -35,3 +35,18 @@ def test_a_contrast_clear_on_its_own_can_fall_under_the_family():
     assert len(weak) == 2 and all(r["ci95_clear_of_0"] and not r["holm_clear_of_0"]
                                   for r in weak)
     assert all(r["holm_clear_of_0"] for r in rows if r not in weak)
+
+
+def test_emvr_differences_join_the_probe_family_and_small_p_is_floored():
+    report = {"emvr": {"bootstrap": 1000,
+                       "per": {"blur_minus_verbalized": 0.048, "blur_minus_verbalized_ci":
+                               [0.005, 0.097], "blur": 0.4, "blur_ci": [0.3, 0.5]},
+                       "actor": {"drop_difference": 0.28, "drop_difference_ci": [0.24, 0.32]}}}
+    rows = family(report)
+    # the interface's own score (blur) is not a contrast; the two differences are
+    assert sorted(r["contrast"] for r in rows) == ["EMVR actor: drop_difference",
+                                                   "EMVR per: blur_minus_verbalized"]
+    by = {r["contrast"]: r for r in rows}
+    assert by["EMVR actor: drop_difference"]["p_text"] == "< 0.001"
+    assert by["EMVR per: blur_minus_verbalized"]["p_text"] == "0.041"
+    assert by["EMVR per: blur_minus_verbalized"]["ci95_clear_of_0"]

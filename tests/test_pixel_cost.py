@@ -3,7 +3,6 @@ fitted and evaluated with: the same descriptors up to float rounding, the exact 
 nearest-bank distance of an image (a brute-force float64 `cdist` is the reference), and a
 saved part is refused when it records other descriptors."""
 
-
 import numpy as np
 import pytest
 import torch
