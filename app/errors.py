@@ -182,6 +182,11 @@ def explain(errors: list[dict]) -> str:
             msg = B64_HELP           # the pattern itself tells a client little
         elif err.get("type") == "string_too_short" and err.get("input") == "":
             msg = "empty"
+        elif err.get("type") == "union_tag_invalid":
+            # pydantic's message quotes the tag sent, which is client text
+            ctx = err.get("ctx", {})
+            msg = (f"the tag found using {ctx.get('discriminator', 'its discriminator')} is "
+                   f"none of the expected tags: {ctx.get('expected_tags', '')}")
         if err.get("type") == "json_invalid":
             where, msg = "body", "not valid JSON"      # loc holds a byte offset
         parts.append(f"{where or 'body'}: {msg}")

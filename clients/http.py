@@ -134,6 +134,17 @@ def _batch_body(b64: str, question: str, chunk: list[dict]) -> dict:
     return {"image": b64, "question": question, "trajectories": chunk}
 
 
+def _too_big(client: DualReadClient | AsyncDualReadClient, r: httpx.Response,
+             chunk: list[dict]) -> bool:
+    """Whether a batch was refused as too big (413: more jobs than the server's
+    `--queue-limit`, or a body over its limit) and can be halved; the client then sends
+    at most half as many trajectories a request from here on."""
+    if r.status_code != 413 or len(chunk) < 2:
+        return False
+    client.batch_limit = min(client.batch_limit, len(chunk) // 2)
+    return True
+
+
 def _batch_results(client: DualReadClient | AsyncDualReadClient, r: httpx.Response
                    ) -> list[TrajectoryScore] | None:
     """The results of a batch-scoring reply, or None from a server without the route
@@ -157,6 +168,9 @@ class DualReadClient:
                                  transport=transport)
         self.retries, self.base, self.cap = retries, backoff_base, backoff_cap
         self.batch_scoring: bool | None = None     # None: not yet known for this server
+        # trajectories a batch request holds; halved on a 413 (a server with a smaller
+        # --queue-limit than the route's own bound of 64)
+        self.batch_limit = MAX_TRAJECTORIES
 
     def __enter__(self) -> DualReadClient:
         return self
@@ -207,15 +221,21 @@ class DualReadClient:
 
     def score_batch(self, image: ImageLike, question: str, responses: Sequence[str],
                     masks: Sequence[dict | None] | None = None) -> list[TrajectoryScore]:
-        """Several trajectories for one image and question, results in order. A server
-        without `/probe/score_batch` is asked once per trajectory instead."""
+        """Several trajectories for one image and question, results in order (chunks of
+        64 per request, fewer after a 413; one request per trajectory on a server without
+        the batch route)."""
         trajs, b64 = _trajectories(responses, masks), _b64(image)
         out: list[TrajectoryScore] = []
-        for start in range(0, len(trajs), MAX_TRAJECTORIES):
-            chunk = trajs[start:start + MAX_TRAJECTORIES]
+        start = 0
+        while start < len(trajs):
+            chunk = trajs[start:start + self.batch_limit]
+            start += len(chunk)
             if self.batch_scoring is not False:
-                got = _batch_results(self, self._request(
-                    "POST", BATCH_PATH, _batch_body(b64, question, chunk)))
+                r = self._request("POST", BATCH_PATH, _batch_body(b64, question, chunk))
+                if _too_big(self, r, chunk):
+                    start -= len(chunk)         # again, in smaller requests
+                    continue
+                got = _batch_results(self, r)
                 if got is not None:
                     out += got
                     continue
@@ -299,6 +319,7 @@ class AsyncDualReadClient:
         self.retries, self.base, self.cap = retries, backoff_base, backoff_cap
         self.deadline = deadline
         self.batch_scoring: bool | None = None
+        self.batch_limit = MAX_TRAJECTORIES        # halved on a 413, as the blocking client's
         self.retried = 0                           # how many times a request was retried
         self.timed_out = 0                         # 504s retried as backpressure
 
@@ -388,14 +409,20 @@ class AsyncDualReadClient:
                           masks: Sequence[dict | None] | None = None
                           ) -> list[TrajectoryScore]:
         """Several trajectories for one image and question, results in order (chunks of
-        64 per request; one request per trajectory on a server without the batch route)."""
+        64 per request, fewer after a 413; one request per trajectory on a server without
+        the batch route)."""
         trajs, b64 = _trajectories(responses, masks), _b64(image)
         out: list[TrajectoryScore] = []
-        for start in range(0, len(trajs), MAX_TRAJECTORIES):
-            chunk = trajs[start:start + MAX_TRAJECTORIES]
+        start = 0
+        while start < len(trajs):
+            chunk = trajs[start:start + self.batch_limit]
+            start += len(chunk)
             if self.batch_scoring is not False:
-                got = _batch_results(self, await self._request(
-                    "POST", BATCH_PATH, _batch_body(b64, question, chunk)))
+                r = await self._request("POST", BATCH_PATH, _batch_body(b64, question, chunk))
+                if _too_big(self, r, chunk):
+                    start -= len(chunk)         # again, in smaller requests
+                    continue
+                got = _batch_results(self, r)
                 if got is not None:
                     out += got
                     continue

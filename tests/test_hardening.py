@@ -605,6 +605,17 @@ def test_validation_errors_never_echo_the_request(api, path, body):
     assert "input" not in b
 
 
+def test_an_unknown_content_part_type_is_never_echoed(api):
+    """pydantic's message for a discriminated union quotes the tag sent ("Input tag
+    'patient ...' found using 'type' ..."): the OpenAI route's content parts are one."""
+    r = api.post("/v1/chat/completions", json={"model": "dualread", "messages": [
+        {"role": "user", "content": [{"type": QUESTION_MARK, "text": Q}]}]})
+    assert r.status_code == 422 and r.headers["x-request-id"]
+    message = r.json()["error"]["message"]
+    assert QUESTION_MARK not in r.text
+    assert "none of the expected tags: 'text', 'image_url'" in message
+
+
 @pytest.mark.parametrize("key", ["MRN 1234567", "Jane_Doe_MRN1234567"])
 def test_unknown_field_name_is_never_echoed(api, key):
     r = api.post("/answer", json={"image": IMG, "question": Q, key: "x"})

@@ -480,6 +480,38 @@ def test_score_batch_chunks_and_falls_back(kind):
     assert seen == [("/probe/score_batch", 1)]     # an error, not a reason to fall back
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_score_batch_halves_a_batch_the_server_cannot_queue(kind):
+    """A server with `--queue-limit 12` answers 413 to a batch of more than 12 trajectories
+    (a 429 would be retried forever): the client halves the batch until it fits, keeps
+    that size, and still returns every result in order."""
+    seen: list[int] = []
+
+    def small_queue(request: httpx.Request) -> httpx.Response:
+        trajs = json.loads(request.content)["trajectories"]
+        seen.append(len(trajs))
+        if len(trajs) > 12:
+            return httpx.Response(413, json={"detail": "request needs more model jobs than "
+                                                       "this server queues at once"})
+        return httpx.Response(200, json={"results": [_score_body(int(t["response"][1:]) / 100)
+                                                     for t in trajs], "request_id": "r"})
+
+    res = _score_batch_70(kind, small_queue)
+    assert [r.mu_c for r in res] == pytest.approx([i / 100 for i in range(70)])
+    # 64, 32 and 16 refused; then batches of 8, the last one the 6 left over
+    assert seen == [64, 32, 16] + [8] * 8 + [6]
+
+    seen.clear()
+
+    def too_big_alone(request: httpx.Request) -> httpx.Response:
+        seen.append(len(json.loads(request.content)["trajectories"]))
+        return httpx.Response(413, json={"detail": "image over its limit"})
+
+    with pytest.raises(httpx.HTTPStatusError, match="413"):
+        _score_batch_70(kind, too_big_alone)
+    assert seen == [64, 32, 16, 8, 4, 2, 1]        # a lone trajectory's 413 is raised
+
+
 # ---------------------------------------------------------------- a live tiny service
 @pytest.fixture(scope="module")
 def service(actor_dirs, actors, tmp_path_factory):
