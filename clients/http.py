@@ -349,7 +349,9 @@ class AsyncDualReadClient:
         attempt = 0      # tries that count against `retries`
         throttled = 0    # overload answers retried before the deadline: they only lengthen
         alone = 0        # the wait; 504s of this request while nothing else was in flight:
-        while True:      # one slower than the server's deadline on its own fails after `retries`
+        late = 0         # one slower than the server's deadline on its own fails after
+        while True:      # `retries`; any request after 4 × `retries` 504s (each may cost the
+                         # server a whole deadline of model time)
             r = None
             epoch = await self.limit.acquire()   # the wait between tries holds no slot
             started_alone = self.limit.in_flight == 1
@@ -363,9 +365,11 @@ class AsyncDualReadClient:
                 overloaded = self._overloaded(r, safe)
                 if not overloaded and not retryable(r):
                     return r
-                if r.status_code == 504 and started_alone and self.limit.in_flight == 1:
-                    alone += 1
-                if overloaded and self._retry_429() and alone <= self.retries:
+                if r.status_code == 504:
+                    late += 1
+                    alone += started_alone and self.limit.in_flight == 1
+                if overloaded and self._retry_429() and alone <= self.retries \
+                        and late <= 4 * self.retries:
                     throttled += 1
                     self.timed_out += r.status_code == 504
                 elif attempt >= self.retries or r.status_code == 504:

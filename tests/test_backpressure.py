@@ -186,6 +186,42 @@ def test_a_request_too_slow_on_its_own_fails_after_its_retries():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_request_that_always_times_out_among_others_fails_after_four_times_its_retries():
+    """Other requests keep succeeding, so the 504s of the one that never finishes are not
+    counted as 'alone'; it still fails after 4 × `retries` of them, not at the deadline."""
+    seen = {"doomed": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/probe/score":
+            seen["doomed"] += 1
+            return httpx.Response(504, json={"detail": "no answer within 30.0 s"})
+        await asyncio.sleep(0.003)
+        return httpx.Response(200, json=ANSWER)
+
+    async def go() -> object:
+        async with AsyncDualReadClient(
+                "http://t", concurrency=8, retries=2, backoff_base=0.001,
+                deadline=time.monotonic() + 60, transport=httpx.MockTransport(handler)) as c:
+            stop = asyncio.Event()
+
+            async def busy() -> None:
+                while not stop.is_set():
+                    await c.answer(b"img", "q")
+            others = [asyncio.ensure_future(busy()) for _ in range(4)]
+            try:
+                return await c._post("/probe/score", {"x": 1})
+            except httpx.HTTPStatusError as e:
+                return e
+            finally:
+                stop.set()
+                await asyncio.gather(*others)
+    t0 = time.monotonic()
+    got = asyncio.run(go())
+    assert isinstance(got, httpx.HTTPStatusError) and "504" in str(got)
+    assert seen["doomed"] <= 4 * 2 + 1      # fewer only if some of its tries ran alone
+    assert time.monotonic() - t0 < 30
+
+
 def test_a_504_after_the_deadline_is_raised_at_once():
     """Past the run deadline (`--deadline-s 0`) a 504 is the answer, not another try."""
     seen: dict = {}
