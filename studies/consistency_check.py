@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +38,7 @@ from heads.methods.dualread import (
     p_post,
     p_pre,
 )
+from studies import command_line
 from studies.flip_sweep import COLOUR_SHAPE, consistent_flip
 
 METHODS = ("dualread", "per", "psr")
@@ -144,9 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", default="cache")
     ap.add_argument("--out", type=Path, default=Path("docs/consistency-check"))
     args = ap.parse_args(argv)
-    command = "python -m studies.consistency_check " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    rep = run(args.data, args.limit, args.cache, args.out, command.strip())
+    command = command_line("studies.consistency_check", argv)
+    rep = run(args.data, args.limit, args.cache, args.out, command)
     print(json.dumps({"mean_drop": rep["mean_drop"], "penalty": rep["penalty"]}, indent=1))
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +29,7 @@ from heads.methods import dualread as dm
 from heads.metrics import METRICS
 from heads.splits import splits_of
 from models.evaluate import git_commit
+from studies import command_line
 from studies.consistency_check import penalty_report
 
 Q_GRID = (0.01, 0.05, 0.10)
@@ -160,9 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", default="cache")
     ap.add_argument("--out", type=Path, default=Path("docs/consistency-quantile-dev"))
     args = ap.parse_args(argv)
-    command = "python -m studies.consistency_quantile " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    rep = run(args.data, args.limit, args.cache, args.out, command.strip())
+    command = command_line("studies.consistency_quantile", argv)
+    rep = run(args.data, args.limit, args.cache, args.out, command)
     print(json.dumps({"chosen_q": rep["chosen_q"], "rows": [
         {k: r[k] for k in ("q", "auroc", "ece", "answer_drop")} for r in rep["rows"]]}))
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import sys
 from pathlib import Path
+
+from studies import command_line
 
 Z95 = 1.959963984540054
 ALPHA = 0.05
@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("reports", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    command = "python -m studies.multiplicity " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = command_line("studies.multiplicity", argv)
     families = {str(p): family(json.loads(p.read_text())) for p in args.reports}
-    text = markdown(command.strip(), families)
+    text = markdown(command, families)
     if args.out is not None:
         args.out.write_text(text)
     print(text)
