@@ -1,0 +1,4 @@
+"""Tests for mutants of heads/pixel_novelty.py that its own tests did not see.
+
+No actor is built.
+"""
