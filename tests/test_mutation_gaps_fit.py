@@ -169,3 +169,50 @@ def test_psr_fit_uses_the_data_seed(one_thread):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+# ------------------------------------------------------------------ heads/fit.py's helpers
+def test_fit_methods_logs_each_methods_entry_in_order_and_skips_none():
+    from heads.fit import fit_methods
+
+    seen = []
+
+    class Toy:
+        def __init__(self, name, entry):
+            self.name, self.entry = name, entry
+
+        def fit(self, heads, data):
+            seen.append((self.name, heads, data))
+            return self.entry
+
+    heads, data = object(), object()
+    log = fit_methods(heads, data, [Toy("b", {"x": 1}), Toy("a", None), Toy("c", {"y": 2})])
+    assert log == {"b": {"x": 1}, "c": {"y": 2}} and list(log) == ["b", "c"]
+    assert seen == [("b", heads, data), ("a", heads, data), ("c", heads, data)]
+    assert fit_methods(heads, data, []) == {}                 # none given: none fitted
+
+
+def test_novelty_items_are_the_shift_studys_pool():
+    from heads.fit import NOVELTY_PER_FAMILY, novelty_items
+    from models.data import Item
+    from models.shift import FAMILIES, per_family
+
+    items = [Item(id=f"i{k}", question="what colour is the shape?", answer="red",
+                  image_path="x.png", image_id=f"img{k}") for k in range(300)]
+    ids = [it.id for it in novelty_items(items, per_family=3, seed=2)]
+    assert ids == [it.id for it in per_family(items, FAMILIES, 3, 102)]
+    assert ids != [it.id for it in per_family(items, FAMILIES, 3, 2)]
+    assert NOVELTY_PER_FAMILY == 250
+    every = novelty_items(items)
+    assert len(every) == len(FAMILIES) * 250
+    assert [it.id for it in every] == [it.id for it in per_family(items, FAMILIES, 250, 100)]
+
+
+def test_summary_table_rows():
+    from heads.fit import summary_table
+
+    held = {"dualread": {"auroc": 0.81234, "ece": 0.0456, "brier": 0.1999},
+            "psr": {"auroc": 0.7, "ece": 0.1, "brier": 0.25}}
+    assert summary_table(held).split("\n") == [
+        "| method | AUROC | ECE-15 | Brier |", "|---|---|---|---|",
+        "| dualread | 0.812 | 0.046 | 0.200 |", "| psr | 0.700 | 0.100 | 0.250 |"]
