@@ -321,3 +321,17 @@ def test_check_tree_describes_the_tree_asked_for_and_says_what_to_do(tmp_path):
         check_tree(cwd=tmp_path)
     with pytest.warns(UserWarning, match=said + "$"):
         check_tree(allow_dirty=True, cwd=tmp_path)
+
+
+def test_fit_methods_fits_the_registered_methods_by_default(monkeypatch):
+    from heads import registry
+    from heads.fit import fit_methods
+
+    class Toy:
+        name = "toy"
+
+        def fit(self, heads, data):
+            return {"fitted": True}
+
+    monkeypatch.setattr(registry, "registered", lambda: [Toy()])
+    assert fit_methods(object(), object()) == {"toy": {"fitted": True}}
