@@ -1,4 +1,76 @@
-"""Tests for mutants of heads/pixel_novelty.py that its own tests did not see.
+"""Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
+the descriptors are read at, distinct rows of no images, the coreset's subsample and its
+greedy k-centre against a reference run here, and a batch added to the bank.
 
 No actor is built.
 """
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from heads.pixel_novelty import (
+    DIM,
+    PIXEL_FEATURE,
+    PixelNovelty,
+    coreset,
+    distinct_rows,
+    with_pixels,
+)
+
+
+def _k_centre(z: np.ndarray, size: int) -> list[int]:
+    """Greedy farthest-point traversal from row 0, in float64: the reference."""
+    chosen = [0]
+    d = ((z - z[0]) ** 2).sum(1)
+    for _ in range(size - 1):
+        i = int(d.argmax())
+        chosen.append(i)
+        d = np.minimum(d, ((z - z[i]) ** 2).sum(1))
+    return sorted(chosen)
+
+
+def _index_of(z: torch.Tensor, rows: torch.Tensor) -> list[int]:
+    return [int(torch.nonzero((z == r).all(1))[0]) for r in rows]
+
+
+def test_pixels_are_read_at_the_side_asked_for():
+    im = Image.new("RGB", (64, 64), (240, 240, 240))
+    ImageDraw.Draw(im).ellipse([(10, 10), (40, 40)], fill=(200, 30, 30))
+    assert with_pixels({}, [im], side=32)[PIXEL_FEATURE].shape == (1, 16 * 16, DIM)
+    assert with_pixels({}, [im])[PIXEL_FEATURE].shape == (1, 32 * 32, DIM)
+
+
+def test_distinct_rows_per_image_and_of_no_images():
+    x = torch.tensor([[[1.0, 2.0], [1.0, 2.0], [0.0, 5.0]],
+                      [[1.0, 2.0], [3.0, 3.0], [3.0, 3.0]]])
+    assert distinct_rows(x).tolist() == [[0.0, 5.0], [1.0, 2.0], [1.0, 2.0], [3.0, 3.0]]
+    assert distinct_rows(torch.zeros(0, 5, 3)).shape == (0, 3)
+
+
+def test_coreset_is_greedy_k_centre_from_row_zero():
+    z = torch.from_numpy(np.random.default_rng(0).normal(size=(30, 4)))
+    got = coreset(z, 6)
+    assert _index_of(z, got) == _k_centre(z.numpy(), 6)
+    assert torch.equal(coreset(z, 30), z) and torch.equal(coreset(z, 31), z)
+
+
+def test_coreset_draws_its_pool_without_replacement_and_with_its_seed():
+    z = torch.from_numpy(np.random.default_rng(1).normal(size=(10, 3)))
+    got = coreset(z, 9, pool=9)          # every pooled row is chosen: the pool itself
+    rows = _index_of(z, got)
+    assert len(set(rows)) == 9 and rows == sorted(rows)
+    assert torch.equal(coreset(z, 9, pool=9, seed=0), got)
+    others = {tuple(_index_of(z, coreset(z, 9, pool=9, seed=s))) for s in range(1, 6)}
+    assert others - {tuple(rows)}                      # another seed, another pool
+
+
+def test_extend_bank_takes_a_batch_of_images():
+    rng = np.random.default_rng(2)
+    part = PixelNovelty(max_bank=100).fit(torch.from_numpy(rng.random((1, 4, DIM))))
+    batch = torch.from_numpy(rng.random((2, 3, DIM)))
+    part.extend_bank(batch)
+    assert part.t["bank"].shape == (4 + 6, DIM)
+    assert np.allclose(part.score(batch.float()), 0.0, atol=1e-3)
