@@ -1,6 +1,7 @@
 """Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
 the descriptors are read at, distinct rows of no images, the coreset's subsample and its
-greedy k-centre against a reference run here, and a batch added to the bank.
+greedy k-centre against a reference run here, the bank index's routing rows, and a
+batch added to the bank.
 
 No actor is built.
 """
@@ -8,14 +9,18 @@ No actor is built.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image, ImageDraw
 
 from heads.pixel_novelty import (
     DIM,
+    NEAR_CENTRE,
     PIXEL_FEATURE,
+    BankIndex,
     PixelNovelty,
     coreset,
+    coreset_order,
     distinct_rows,
     with_pixels,
 )
@@ -74,3 +79,36 @@ def test_extend_bank_takes_a_batch_of_images():
     part.extend_bank(batch)
     assert part.t["bank"].shape == (4 + 6, DIM)
     assert np.allclose(part.score(batch.float()), 0.0, atol=1e-3)
+
+
+def test_coreset_order_is_the_k_centre_order():
+    z = torch.from_numpy(np.random.default_rng(3).normal(size=(40, 5)))
+    zn = z.numpy()
+    chosen = [0]
+    d = ((zn - zn[0]) ** 2).sum(1)
+    for _ in range(7):
+        chosen.append(int(d.argmax()))
+        d = np.minimum(d, ((zn - zn[chosen[-1]]) ** 2).sum(1))
+    assert coreset_order(z, 8).tolist() == chosen
+    assert coreset_order(z, 1).tolist() == [0]
+    none = coreset_order(z, 0)
+    assert none.shape == (0,) and none.dtype == torch.long
+
+
+def test_the_bank_index_keeps_the_rows_nearest_each_centre():
+    bank = torch.from_numpy(np.random.default_rng(4).normal(size=(NEAR_CENTRE + 60, 3)))
+    index = BankIndex(bank)
+    assert index.b2max == float((bank.float() ** 2).sum(1).max())
+    for c, kept in zip(index.centres, index.groups):
+        d = ((bank.float() - c) ** 2).sum(1)
+        far = d.topk(len(bank) - NEAR_CENTRE).values            # the rows left out
+        assert ((kept - c) ** 2).sum(1).max() <= far.min() + 1e-5
+    assert BankIndex(torch.zeros(0, 3)).b2max == 0.0
+
+
+def test_a_one_row_bank_scores_the_distance_to_it():
+    row = torch.zeros(1, 1, DIM, dtype=torch.float64)
+    part = PixelNovelty().fit(row)
+    x = torch.zeros(1, 2, DIM)
+    x[0, 1, 0] = 3.0
+    assert part.score(x) == pytest.approx([3.0])
