@@ -19,8 +19,11 @@ from heads.pixel_novelty import (
     PIXEL_FEATURE,
     BankIndex,
     PixelNovelty,
+    _d2,
+    _nearest_d2,
     coreset,
     coreset_order,
+    distinct,
     distinct_rows,
     with_pixels,
 )
@@ -112,3 +115,24 @@ def test_a_one_row_bank_scores_the_distance_to_it():
     x = torch.zeros(1, 2, DIM)
     x[0, 1, 0] = 3.0
     assert part.score(x) == pytest.approx([3.0])
+
+
+def test_distinct_groups_rows_exactly_even_when_their_keys_collide():
+    r2 = float(np.sqrt(2.0))
+    # the key weighs two columns by sqrt(1) and sqrt(2): (√2, 0) and (0, 1) share a key
+    flat = torch.tensor([[r2, 0.0], [0.0, 1.0], [r2, 0.0], [5.0, 5.0]], dtype=torch.float64)
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat)
+    assert len(rows) == 3 and inv[0] == inv[2] and len({int(inv[0]), int(inv[1]),
+                                                         int(inv[3])}) == 3
+    rows, inv = distinct(torch.zeros(0, 2))
+    assert rows.shape == (0, 2) and inv.shape == (0,)
+
+
+def test_squared_distances_of_several_rows():
+    a = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    bank = torch.tensor([[0.0, 1.0], [3.0, 0.0], [6.0, 8.0]])
+    b2 = (bank * bank).sum(1)
+    by_hand = torch.cdist(a, bank) ** 2
+    assert torch.allclose(_d2(a, bank, b2), by_hand, atol=1e-5)
+    assert torch.allclose(_nearest_d2(a, bank, b2), by_hand.amin(1), atol=1e-5)
