@@ -17,6 +17,7 @@ from heads.pixel_novelty import (
     DIM,
     NEAR_CENTRE,
     PIXEL_FEATURE,
+    ROWS,
     BankIndex,
     PixelNovelty,
     _d2,
@@ -136,3 +137,19 @@ def test_squared_distances_of_several_rows():
     by_hand = torch.cdist(a, bank) ** 2
     assert torch.allclose(_d2(a, bank, b2), by_hand, atol=1e-5)
     assert torch.allclose(_nearest_d2(a, bank, b2), by_hand.amin(1), atol=1e-5)
+
+
+def test_upper_is_the_distance_to_the_rows_kept_with_the_nearest_centre():
+    rng = np.random.default_rng(5)
+    bank = torch.from_numpy(rng.normal(size=(NEAR_CENTRE + 200, 3)))
+    index = BankIndex(bank)
+    rows = torch.from_numpy(rng.normal(size=(700, 3))).float()
+    c = torch.cdist(rows, index.centres).argmin(1)
+    by_hand = torch.stack([((index.groups[k] - r) ** 2).sum(1).min() for r, k in zip(rows, c)])
+    got = index.upper(rows)
+    assert torch.allclose(got, by_hand, rtol=1e-4, atol=1e-4)
+    assert (got >= index.nearest(rows) - 1e-4).all()
+    many = torch.from_numpy(rng.normal(size=(16 * ROWS + 5, 3))).float()   # in blocks
+    got = index.upper(many)
+    assert got.shape == (len(many),)
+    assert torch.allclose(got[-5:], index.upper(many[-5:]))
