@@ -153,3 +153,11 @@ def test_upper_is_the_distance_to_the_rows_kept_with_the_nearest_centre():
     got = index.upper(many)
     assert got.shape == (len(many),)
     assert torch.allclose(got[-5:], index.upper(many[-5:]))
+
+
+def test_nothing_to_score_gives_nothing():
+    bank = torch.from_numpy(np.random.default_rng(6).random((1, 5, DIM)))
+    part = PixelNovelty().fit(bank)
+    got = part.score(torch.zeros(0, 5, DIM))
+    assert got.shape == (0,) and got.dtype == np.float64
+    assert part.index().nearest(torch.zeros(0, DIM)).shape == (0,)
