@@ -161,3 +161,14 @@ def test_nothing_to_score_gives_nothing():
     got = part.score(torch.zeros(0, 5, DIM))
     assert got.shape == (0,) and got.dtype == np.float64
     assert part.index().nearest(torch.zeros(0, DIM)).shape == (0,)
+
+
+def test_the_score_is_the_brute_force_largest_nearest_distance():
+    rng = np.random.default_rng(7)
+    bank = torch.from_numpy(rng.random((1, 400, DIM)))
+    part = PixelNovelty().fit(bank)
+    x = torch.from_numpy(rng.random((6, 300, DIM))).float()
+    x[2, 17] += 0.5                                          # one odd descriptor
+    by_hand = [float(torch.cdist(img.double(), part.t["bank"]).min(1).values.max())
+               for img in x]
+    assert part.score(x) == pytest.approx(by_hand, rel=1e-9, abs=1e-9)
