@@ -64,6 +64,8 @@ def test_coreset_is_greedy_k_centre_from_row_zero():
     got = coreset(z, 6)
     assert _index_of(z, got) == _k_centre(z.numpy(), 6)
     assert torch.equal(coreset(z, 30), z) and torch.equal(coreset(z, 31), z)
+    twice = torch.cat([z[:3], z[2:3]])                 # a row in two images' descriptors
+    assert torch.equal(coreset(twice, 4), twice)
 
 
 def test_coreset_draws_its_pool_without_replacement_and_with_its_seed():
@@ -119,9 +121,12 @@ def test_a_one_row_bank_scores_the_distance_to_it():
 
 
 def test_distinct_groups_rows_exactly_even_when_their_keys_collide():
-    r2 = float(np.sqrt(2.0))
-    # the key weighs two columns by sqrt(1) and sqrt(2): (√2, 0) and (0, 1) share a key
+    # the key weighs the columns by the square roots of 1 and 2 (as torch computes them):
+    # (√2, 0) and (0, 1) share a key
+    r2 = float(torch.linspace(1.0, 2.0, 2, dtype=torch.float64).sqrt()[1])
     flat = torch.tensor([[r2, 0.0], [0.0, 1.0], [r2, 0.0], [5.0, 5.0]], dtype=torch.float64)
+    w = torch.tensor([1.0, r2], dtype=torch.float64)
+    assert float(flat[0] @ w) == float(flat[1] @ w)
     rows, inv = distinct(flat)
     assert torch.equal(rows[inv], flat)
     assert len(rows) == 3 and inv[0] == inv[2] and len({int(inv[0]), int(inv[1]),
