@@ -131,6 +131,11 @@ def test_distinct_groups_rows_exactly_even_when_their_keys_collide():
     assert torch.equal(rows[inv], flat)
     assert len(rows) == 3 and inv[0] == inv[2] and len({int(inv[0]), int(inv[1]),
                                                          int(inv[3])}) == 3
+    # two rows alone in one call: (0, 1) shares (√2, 0)'s key, (0, 2) shares (2√2, 0)'s
+    flat = torch.tensor([[r2, 0.0], [0.0, 1.0], [2 * r2, 0.0], [0.0, 2.0]],
+                        dtype=torch.float64)
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat) and len(set(inv.tolist())) == 4
     rows, inv = distinct(torch.zeros(0, 2))
     assert rows.shape == (0, 2) and inv.shape == (0,)
 
