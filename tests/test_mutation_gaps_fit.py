@@ -2,12 +2,16 @@
 
 No model: features are drawn here, the label is a known function of them, and every fitted
 quantity is checked against a reference computed here (numpy from the reader's parameters,
-scipy's optimiser for the temperatures), never against the fitting code itself.
+scipy's optimiser for the temperatures), never against the fitting code itself. The last
+section tests the helpers of heads/fit.py (flag rates, prior check, tree description)
+against values worked out by hand.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,3 +173,165 @@ def test_psr_fit_uses_the_data_seed(one_thread):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+# ------------------------------------------------------------------ heads/fit.py's helpers
+def test_fit_methods_logs_each_methods_entry_in_order_and_skips_none():
+    from heads.fit import fit_methods
+
+    seen = []
+
+    class Toy:
+        def __init__(self, name, entry):
+            self.name, self.entry = name, entry
+
+        def fit(self, heads, data):
+            seen.append((self.name, heads, data))
+            return self.entry
+
+    heads, data = object(), object()
+    log = fit_methods(heads, data, [Toy("b", {"x": 1}), Toy("a", None), Toy("c", {"y": 2})])
+    assert log == {"b": {"x": 1}, "c": {"y": 2}} and list(log) == ["b", "c"]
+    assert seen == [("b", heads, data), ("a", heads, data), ("c", heads, data)]
+    assert fit_methods(heads, data, []) == {}                 # none given: none fitted
+
+
+def test_novelty_items_are_the_shift_studys_pool():
+    from heads.fit import NOVELTY_PER_FAMILY, novelty_items
+    from models.data import Item
+    from models.shift import FAMILIES, per_family
+
+    items = [Item(id=f"i{k}", question="what colour is the shape?", answer="red",
+                  image_path="x.png", image_id=f"img{k}") for k in range(300)]
+    ids = [it.id for it in novelty_items(items, per_family=3, seed=2)]
+    assert ids == [it.id for it in per_family(items, FAMILIES, 3, 102)]
+    assert ids != [it.id for it in per_family(items, FAMILIES, 3, 2)]
+    assert NOVELTY_PER_FAMILY == 250
+    every = novelty_items(items)
+    assert len(every) == len(FAMILIES) * 250
+    assert [it.id for it in every] == [it.id for it in per_family(items, FAMILIES, 250, 100)]
+
+
+def test_summary_table_rows():
+    from heads.fit import summary_table
+
+    held = {"dualread": {"auroc": 0.81234, "ece": 0.0456, "brier": 0.1999},
+            "psr": {"auroc": 0.7, "ece": 0.1, "brier": 0.25}}
+    assert summary_table(held).split("\n") == [
+        "| method | AUROC | ECE-15 | Brier |", "|---|---|---|---|",
+        "| dualread | 0.812 | 0.046 | 0.200 |", "| psr | 0.700 | 0.100 | 0.250 |"]
+
+
+def test_rows_takes_index_lists_arrays_and_none():
+    from heads.fit import _rows
+
+    feats = {"a": torch.arange(10.0).reshape(5, 2), "b": torch.arange(5)}
+    got = _rows(feats, [3, 0])
+    assert got["a"].tolist() == [[6.0, 7.0], [0.0, 1.0]] and got["b"].tolist() == [3, 0]
+    assert _rows(feats, np.array([4]))["b"].tolist() == [4]
+    empty = _rows(feats, [])
+    assert empty["a"].shape == (0, 2) and empty["b"].shape == (0,)
+
+
+def test_clean_flag_rates_round_to_four_places_and_need_both_splits():
+    from heads.fit import clean_flag_rates
+    from heads.novelty import Novelty
+
+    nov = Novelty("mahalanobis", "h_pre").fit(torch.tensor([[-1.0], [1.0], [-2.0], [2.0]]))
+    x = torch.tensor([[0.1], [0.2], [3.0], [0.5], [5.0], [0.3], [0.4]])
+    first, second = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6])
+    nov.calibrate(x)
+    got = clean_flag_rates(nov, x, first, second, 0.45)
+    # all seven: 5.0 and 3.0 have p = 2/8, 3/8 < 0.45 -> 2/7
+    assert got["calibration_flag_rate"] == 0.2857
+    # read (0.5, 5.0, 0.3, 0.4) on the first three: 5.0 at 1/4 -> 1/4; read (0.1, 0.2,
+    # 3.0) on the other four: 3.0 at 2/5 -> 1/3; their mean 7/24
+    assert got["cross_flag_rate"] == 0.2917
+    none = torch.tensor([], dtype=torch.long)
+    assert "cross_flag_rate" not in clean_flag_rates(nov, x, none, second, 0.45)
+    assert "cross_flag_rate" not in clean_flag_rates(nov, x, first, none, 0.45)
+    assert clean_flag_rates(nov, x, none, none, 0.45) == {}
+
+
+def test_bce_clips_saturated_confidences_and_reads_boolean_labels():
+    from heads.fit import bce
+
+    assert bce(np.array([0.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(-math.log(1e-6))
+    assert bce(np.array([1.0, 0.0]), np.array([True, False])) == pytest.approx(
+        -math.log(1 - 1e-6))
+    assert bce([0.5, 0.5], [True, False]) == pytest.approx(math.log(2))
+
+
+def test_prior_check_reads_the_reader_rate_against_the_defer_labels():
+    from heads.fit import prior_check
+
+    reader = np.array([1, 0, 0])                            # rate 1/3
+    defer = np.array([1, 1, 1, 0])                          # share 3/4
+    conf = np.array([0.9, 0.8, 0.7, 0.4])
+    pc = prior_check({"psr": conf}, np.r_[reader, defer],
+                     {"reader": np.arange(3), "defer": np.arange(3, 7)})
+    by_hand = -(0.75 * math.log(1 / 3) + 0.25 * math.log(2 / 3))
+    assert pc["prior_rate"] == 0.33333 and pc["prior_bce"] == round(by_hand, 5)
+    assert pc["psr"] == round(-np.mean(np.log([0.9, 0.8, 0.7, 0.6])), 5)
+    assert pc["worse"] == []
+
+
+def test_a_reader_exactly_as_good_as_the_prior_is_worse():
+    from heads.fit import prior_check
+
+    # reader rate 1/2, defer labels [1, 0], P-State at 1/2: its BCE is the prior's, log 2
+    pc = prior_check({"p_state": np.array([0.5, 0.5])}, np.array([1, 0, 1, 0]),
+                     {"reader": np.arange(2), "defer": np.arange(2, 4)})
+    assert pc["p_state"] == pc["prior_bce"] and pc["worse"] == ["p_state"]
+
+
+def test_the_refusal_lists_every_worse_reader():
+    from heads.fit import WorseThanPrior, refuse_worse_than_prior
+
+    pc = {"prior_rate": 0.5, "prior_bce": 0.6931, "worse": ["psr", "p_state"],
+          "psr": 0.7, "p_state": 0.75}
+    with pytest.raises(WorseThanPrior, match=r": psr 0\.7000, p_state 0\.7500\. Give more"):
+        refuse_worse_than_prior({"prior_check": pc})
+
+
+def test_git_describe_outside_a_repository_and_of_the_code_itself(tmp_path, monkeypatch):
+    import heads.fit
+    from heads.fit import git_describe
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert git_describe(tmp_path) == {"describe": "unknown", "dirty": None}
+    assert git_describe() == git_describe(Path(heads.fit.__file__).parent)
+
+
+def test_check_tree_describes_the_tree_asked_for_and_says_what_to_do(tmp_path):
+    from heads.fit import DirtyTree, check_tree
+
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run(git + ["add", "a.txt"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert check_tree(cwd=tmp_path) == {"describe": head, "dirty": False}
+    (tmp_path / "a.txt").write_text("2")
+    said = (r"the working tree is dirty \(" + head + r"-dirty\): the card could not name the "
+            r"code that fitted it")
+    with pytest.raises(DirtyTree, match=said + "; commit first, or pass --allow-dirty$"):
+        check_tree(cwd=tmp_path)
+    with pytest.warns(UserWarning, match=said + "$"):
+        check_tree(allow_dirty=True, cwd=tmp_path)
+
+
+def test_fit_methods_fits_the_registered_methods_by_default(monkeypatch):
+    from heads import registry
+    from heads.fit import fit_methods
+
+    class Toy:
+        name = "toy"
+
+        def fit(self, heads, data):
+            return {"fitted": True}
+
+    monkeypatch.setattr(registry, "registered", lambda: [Toy()])
+    assert fit_methods(object(), object()) == {"toy": {"fitted": True}}

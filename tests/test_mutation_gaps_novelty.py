@@ -157,3 +157,5 @@ def test_an_extended_reference_flags_strictly_below_alpha():
     assert np.allclose(ext.p_value(q), 1 / 5)
     assert not any(r.novel for r in ext.read({"h_pre": q}, alpha=0.2))
     assert all(r.novel for r in ext.read({"h_pre": q}, alpha=0.2001))
+    assert not ext.novel(q, alpha=0.2).any()                   # `novel` likewise: p = α
+    assert ext.novel(q, alpha=0.2001).all()

@@ -1,0 +1,184 @@
+"""Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
+the descriptors are read at, distinct rows of no images, the coreset's subsample and its
+greedy k-centre against a reference run here, the bank index's routing rows, and a
+batch added to the bank.
+
+No actor is built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from heads.pixel_novelty import (
+    DIM,
+    NEAR_CENTRE,
+    PIXEL_FEATURE,
+    ROWS,
+    BankIndex,
+    PixelNovelty,
+    _d2,
+    _nearest_d2,
+    coreset,
+    coreset_order,
+    distinct,
+    distinct_rows,
+    with_pixels,
+)
+
+
+def _k_centre(z: np.ndarray, size: int) -> list[int]:
+    """Greedy farthest-point traversal from row 0, in float64: the reference."""
+    chosen = [0]
+    d = ((z - z[0]) ** 2).sum(1)
+    for _ in range(size - 1):
+        i = int(d.argmax())
+        chosen.append(i)
+        d = np.minimum(d, ((z - z[i]) ** 2).sum(1))
+    return sorted(chosen)
+
+
+def _index_of(z: torch.Tensor, rows: torch.Tensor) -> list[int]:
+    return [int(torch.nonzero((z == r).all(1))[0]) for r in rows]
+
+
+def test_pixels_are_read_at_the_side_asked_for():
+    im = Image.new("RGB", (64, 64), (240, 240, 240))
+    ImageDraw.Draw(im).ellipse([(10, 10), (40, 40)], fill=(200, 30, 30))
+    assert with_pixels({}, [im], side=32)[PIXEL_FEATURE].shape == (1, 16 * 16, DIM)
+    assert with_pixels({}, [im])[PIXEL_FEATURE].shape == (1, 32 * 32, DIM)
+
+
+def test_distinct_rows_per_image_and_of_no_images():
+    x = torch.tensor([[[1.0, 2.0], [1.0, 2.0], [0.0, 5.0]],
+                      [[1.0, 2.0], [3.0, 3.0], [3.0, 3.0]]])
+    assert distinct_rows(x).tolist() == [[0.0, 5.0], [1.0, 2.0], [1.0, 2.0], [3.0, 3.0]]
+    assert distinct_rows(torch.zeros(0, 5, 3)).shape == (0, 3)
+
+
+def test_coreset_is_greedy_k_centre_from_row_zero():
+    z = torch.from_numpy(np.random.default_rng(0).normal(size=(30, 4)))
+    got = coreset(z, 6)
+    assert _index_of(z, got) == _k_centre(z.numpy(), 6)
+    assert torch.equal(coreset(z, 30), z) and torch.equal(coreset(z, 31), z)
+    twice = torch.cat([z[:3], z[2:3]])                 # a row in two images' descriptors
+    assert torch.equal(coreset(twice, 4), twice)
+
+
+def test_coreset_draws_its_pool_without_replacement_and_with_its_seed():
+    z = torch.from_numpy(np.random.default_rng(1).normal(size=(10, 3)))
+    got = coreset(z, 9, pool=9)          # every pooled row is chosen: the pool itself
+    rows = _index_of(z, got)
+    assert len(set(rows)) == 9 and rows == sorted(rows)
+    assert torch.equal(coreset(z, 9, pool=9, seed=0), got)
+    others = {tuple(_index_of(z, coreset(z, 9, pool=9, seed=s))) for s in range(1, 6)}
+    assert others - {tuple(rows)}                      # another seed, another pool
+
+
+def test_extend_bank_takes_a_batch_of_images():
+    rng = np.random.default_rng(2)
+    part = PixelNovelty(max_bank=100).fit(torch.from_numpy(rng.random((1, 4, DIM))))
+    batch = torch.from_numpy(rng.random((2, 3, DIM)))
+    part.extend_bank(batch)
+    assert part.t["bank"].shape == (4 + 6, DIM)
+    assert np.allclose(part.score(batch.float()), 0.0, atol=1e-3)
+
+
+def test_coreset_order_is_the_k_centre_order():
+    z = torch.from_numpy(np.random.default_rng(3).normal(size=(40, 5)))
+    zn = z.numpy()
+    chosen = [0]
+    d = ((zn - zn[0]) ** 2).sum(1)
+    for _ in range(7):
+        chosen.append(int(d.argmax()))
+        d = np.minimum(d, ((zn - zn[chosen[-1]]) ** 2).sum(1))
+    assert coreset_order(z, 8).tolist() == chosen
+    assert coreset_order(z, 1).tolist() == [0]
+    none = coreset_order(z, 0)
+    assert none.shape == (0,) and none.dtype == torch.long
+
+
+def test_the_bank_index_keeps_the_rows_nearest_each_centre():
+    bank = torch.from_numpy(np.random.default_rng(4).normal(size=(NEAR_CENTRE + 60, 3)))
+    index = BankIndex(bank)
+    assert index.b2max == float((bank.float() ** 2).sum(1).max())
+    for c, kept in zip(index.centres, index.groups):
+        d = ((bank.float() - c) ** 2).sum(1)
+        far = d.topk(len(bank) - NEAR_CENTRE).values            # the rows left out
+        assert ((kept - c) ** 2).sum(1).max() <= far.min() + 1e-5
+    assert BankIndex(torch.zeros(0, 3)).b2max == 0.0
+
+
+def test_a_one_row_bank_scores_the_distance_to_it():
+    row = torch.zeros(1, 1, DIM, dtype=torch.float64)
+    part = PixelNovelty().fit(row)
+    x = torch.zeros(1, 2, DIM)
+    x[0, 1, 0] = 3.0
+    assert part.score(x) == pytest.approx([3.0])
+
+
+def test_distinct_groups_rows_exactly_even_when_their_keys_collide():
+    # the key weighs the columns by the square roots of 1 and 2 (as torch computes them):
+    # (√2, 0) and (0, 1) share a key
+    r2 = float(torch.linspace(1.0, 2.0, 2, dtype=torch.float64).sqrt()[1])
+    flat = torch.tensor([[r2, 0.0], [0.0, 1.0], [r2, 0.0], [5.0, 5.0]], dtype=torch.float64)
+    w = torch.tensor([1.0, r2], dtype=torch.float64)
+    assert float(flat[0] @ w) == float(flat[1] @ w)
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat)
+    assert len(rows) == 3 and inv[0] == inv[2] and len({int(inv[0]), int(inv[1]),
+                                                         int(inv[3])}) == 3
+    # two rows alone in one call: (0, 1) shares (√2, 0)'s key, (0, 2) shares (2√2, 0)'s
+    flat = torch.tensor([[r2, 0.0], [0.0, 1.0], [2 * r2, 0.0], [0.0, 2.0]],
+                        dtype=torch.float64)
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat) and len(set(inv.tolist())) == 4
+    rows, inv = distinct(torch.zeros(0, 2))
+    assert rows.shape == (0, 2) and inv.shape == (0,)
+
+
+def test_squared_distances_of_several_rows():
+    a = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    bank = torch.tensor([[0.0, 1.0], [3.0, 0.0], [6.0, 8.0]])
+    b2 = (bank * bank).sum(1)
+    by_hand = torch.cdist(a, bank) ** 2
+    assert torch.allclose(_d2(a, bank, b2), by_hand, atol=1e-5)
+    assert torch.allclose(_nearest_d2(a, bank, b2), by_hand.amin(1), atol=1e-5)
+
+
+def test_upper_is_the_distance_to_the_rows_kept_with_the_nearest_centre():
+    rng = np.random.default_rng(5)
+    bank = torch.from_numpy(rng.normal(size=(NEAR_CENTRE + 200, 3)))
+    index = BankIndex(bank)
+    rows = torch.from_numpy(rng.normal(size=(700, 3))).float()
+    c = torch.cdist(rows, index.centres).argmin(1)
+    by_hand = torch.stack([((index.groups[k] - r) ** 2).sum(1).min() for r, k in zip(rows, c)])
+    got = index.upper(rows)
+    assert torch.allclose(got, by_hand, rtol=1e-4, atol=1e-4)
+    assert (got >= index.nearest(rows) - 1e-4).all()
+    many = torch.from_numpy(rng.normal(size=(16 * ROWS + 5, 3))).float()   # in blocks
+    got = index.upper(many)
+    assert got.shape == (len(many),)
+    assert torch.allclose(got[-5:], index.upper(many[-5:]))
+
+
+def test_nothing_to_score_gives_nothing():
+    bank = torch.from_numpy(np.random.default_rng(6).random((1, 5, DIM)))
+    part = PixelNovelty().fit(bank)
+    got = part.score(torch.zeros(0, 5, DIM))
+    assert got.shape == (0,) and got.dtype == np.float64
+    assert part.index().nearest(torch.zeros(0, DIM)).shape == (0,)
+
+
+def test_the_score_is_the_brute_force_largest_nearest_distance():
+    rng = np.random.default_rng(7)
+    bank = torch.from_numpy(rng.random((1, 400, DIM)))
+    part = PixelNovelty().fit(bank)
+    x = torch.from_numpy(rng.random((6, 300, DIM))).float()
+    x[2, 17] += 0.5                                          # one odd descriptor
+    by_hand = [float(torch.cdist(img.double(), part.t["bank"]).min(1).values.max())
+               for img in x]
+    assert part.score(x) == pytest.approx(by_hand, rel=1e-9, abs=1e-9)
