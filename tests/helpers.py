@@ -241,3 +241,14 @@ def red_or_blue(img) -> str:
     """What the stand-in actors answer: red for a reddish image, else blue."""
     red = np.asarray(img)[..., 0].mean() > 127
     return "<answer>red</answer>" if red else "<answer>blue</answer>"
+
+
+def one_commit_repo(folder: Path) -> str:
+    """A git repository in `folder` with one committed file `a.txt` ("1"); its HEAD."""
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q"], cwd=folder, check=True)
+    (folder / "a.txt").write_text("1")
+    subprocess.run(git + ["add", "a.txt"], cwd=folder, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=folder, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True,
+                          text=True, check=True).stdout.strip()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import warnings
 
 import numpy as np
@@ -20,6 +19,7 @@ from heads.calibration import fit_platt, platt, platt_inverted
 from heads.defer import choose_threshold, min_kept
 from heads.metrics import ece, hce, resample_clusters, resample_clusters_counted, risk_coverage
 from heads.modules import Reader, fit_linear
+from tests.helpers import one_commit_repo
 
 
 def bce_by_hand(p: np.ndarray, z: np.ndarray) -> float:
@@ -254,13 +254,7 @@ def test_fingerprint_covers_what_states_depend_on(tmp_path, edit):
 def test_card_names_a_dirty_tree(tmp_path):
     from heads.fit import DirtyTree, check_tree, git_describe
 
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "a.txt").write_text("1")
-    subprocess.run(git + ["add", "a.txt"], cwd=tmp_path, check=True)
-    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = one_commit_repo(tmp_path)
     assert git_describe(tmp_path) == {"describe": head, "dirty": False}
     (tmp_path / "a.txt").write_text("2")
     assert git_describe(tmp_path) == {"describe": head + "-dirty", "dirty": True}

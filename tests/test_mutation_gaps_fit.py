@@ -10,7 +10,6 @@ against values worked out by hand.
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from sklearn.metrics import roc_auc_score
 from heads.dualread import Heads
 from heads.methods.dualread import PER, PSR, DualRead, PState
 from heads.registry import FitData
+from tests.helpers import one_commit_repo
 from tests.test_wiring import np_reader, sigmoid
 
 D = 4
@@ -306,13 +306,7 @@ def test_git_describe_outside_a_repository_and_of_the_code_itself(tmp_path, monk
 def test_check_tree_describes_the_tree_asked_for_and_says_what_to_do(tmp_path):
     from heads.fit import DirtyTree, check_tree
 
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "a.txt").write_text("1")
-    subprocess.run(git + ["add", "a.txt"], cwd=tmp_path, check=True)
-    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = one_commit_repo(tmp_path)
     assert check_tree(cwd=tmp_path) == {"describe": head, "dirty": False}
     (tmp_path / "a.txt").write_text("2")
     said = (r"the working tree is dirty \(" + head + r"-dirty\): the card could not name the "
