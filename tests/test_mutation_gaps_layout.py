@@ -131,6 +131,16 @@ def test_an_object_differing_in_one_channel_is_found():
         assert ln.scene_descriptor(_on_grey(((20, 20, 30, 30), fill)))[0] == ln.COUNT_WEIGHT
 
 
+def test_a_channel_exactly_the_threshold_off_the_background_is_not_an_object():
+    # 51 of 255 on black: float32(51/255) is float32(0.2), and NumPy 2 compares a float32
+    # array with the Python float FOREGROUND in float32, so only "more than" leaves it out
+    im = Image.new("RGB", (64, 64), (0, 0, 0))
+    ImageDraw.Draw(im).rectangle([(20, 20), (39, 39)], fill=(51, 0, 0))
+    assert ln.scene_descriptor(im)[0] == 0
+    ImageDraw.Draw(im).rectangle([(20, 20), (39, 39)], fill=(52, 0, 0))
+    assert ln.scene_descriptor(im)[0] == ln.COUNT_WEIGHT
+
+
 def test_objects_touching_at_a_corner_are_one_and_min_area_is_an_object():
     corner = _on_grey(((10, 10, 12, 12), (0, 0, 255)), ((13, 13, 15, 15), (0, 0, 255)))
     d = ln.scene_descriptor(corner)
