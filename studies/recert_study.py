@@ -266,18 +266,22 @@ def targets(report: dict) -> list[str]:
     out += ["## Targets", "",
             f"Clean coverage: the shipped rule releases {clean['shipped_released']} of the "
             f"clean stream, so the benign target is next-items released ≥ {floor} with "
-            f"risk ≤ r = {r} (means over the windows that certified; the service's search, "
-            "honest verdicts).", "",
+            f"risk ≤ r = {r} (the service's search, honest verdicts). Released and risk: "
+            "means over the windows that certified; *all windows*: the mean released over "
+            "every window, one that did not certify counted at the shipped rule's share of "
+            "the stream, and the target holds on that.", "",
             "| target | window | figures | met |", "|---|---|---|---|"]
     b, h = report.get("benign"), report.get("harmful")
     for window, w in (b or {}).get("windows", {}).items():
         v = w["sequence_honest"]
-        ok = v["next_released_mean"] is not None and v["next_released_mean"] >= floor \
-            and v["next_risk_mean"] <= r
+        got, tried = (int(x) for x in v["certified"].split("/"))
+        every = None if v["next_released_mean"] is None or not tried else round(
+            (got * v["next_released_mean"] + (tried - got) * b["shipped_released"]) / tried, 4)
+        ok = every is not None and every >= floor and v["next_risk_mean"] <= r
         out.append(f"| benign re-certifies and releases | {window} | certified "
-                   f"{v['certified']}, released {v['next_released_mean']} (≥ {floor}), risk "
-                   f"{v['next_risk_mean']} (≤ {r}), windows over r {v['next_risk_above_r']} "
-                   f"| {'yes' if ok else 'no'} |")
+                   f"{v['certified']}, released {v['next_released_mean']}, all windows "
+                   f"{every} (≥ {floor}), risk {v['next_risk_mean']} (≤ {r}), windows over r "
+                   f"{v['next_risk_above_r']} | {'yes' if ok else 'no'} |")
     if h is not None:
         d = h["drift"]
         fires = d["n"] >= 100 and max(d["ks"].values(), default=0) > 0.25
