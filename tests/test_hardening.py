@@ -585,6 +585,30 @@ def test_oversized_body_is_413(service):
         assert_error(r, 413, "body over the limit")
 
 
+def test_routes_of_a_few_fields_take_a_small_body_only(api):
+    """/feedback and the operator routes hold a request id and a verdict, or a rule
+    version: their bodies are bounded at 16 KiB, sent whole or in chunks without a length."""
+    from app.middleware import SMALL_BODY_BYTES
+
+    headers = {"content-type": "application/json"}
+    pad = b" " * SMALL_BODY_BYTES
+    body = b'{"request_id": "x", "correct": true}' + pad
+    assert_error(api.post("/feedback", content=body, headers=headers), 413,
+                 f"body over the limit of {SMALL_BODY_BYTES} bytes")
+
+    def chunks():
+        yield body[:100]
+        yield body[100:]
+    assert_error(api.post("/feedback", content=chunks(), headers=headers), 413,
+                 f"body over the limit of {SMALL_BODY_BYTES} bytes")
+    # the same body within the bound is read (an unknown id: accepted is false)
+    r = api.post("/feedback", content=body[:SMALL_BODY_BYTES], headers=headers)
+    assert r.status_code == 200 and r.json()["accepted"] is False
+    # other routes keep the service's body limit
+    r = api.post("/probe/score", content=b'{"question": "q"}' + pad, headers=headers)
+    assert r.status_code == 422, r.text
+
+
 # ------------------------------------------------------------------ 11. no echo in 422s
 QUESTION_MARK = "patient 4711 left breast"
 
