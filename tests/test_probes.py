@@ -24,7 +24,7 @@ from clients.probes import images, stats, text
 from clients.probes import reliance as reliance_probe
 from clients.probes import tgs as tgs_probe
 from clients.probes.runner import Config, Store
-from tests.helpers import assert_reports_close, live_servers, random_heads
+from tests.helpers import assert_reports_close, live_servers, probe_items, random_heads
 
 CFG = Config(data="test", bootstrap=200)
 IFACES = ("dualread", "psr", "per", "verbalized")
@@ -669,3 +669,46 @@ def test_order_compare_reports_out_of_fold_differences():
         lo, hi = r["order_minus_bce_ci"]
         assert lo <= r["order_minus_bce"] <= hi
     assert res["mask"]["order_minus_bce"] < 0
+
+
+def test_a_run_where_many_items_fail_stops_with_their_reasons(tmp_path, monkeypatch):
+    """At 10 failures (or a tenth of the items) the run stops: the runner raises
+    TooManyFailures with every reason, and `dualread probe` prints them and exits 1,
+    not a traceback."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from clients.probes import cli, runner
+    from models.data import load
+
+    spec, _ = probe_items(tmp_path, 12, seed=0)
+
+    class Failing:
+        NAME = "failing"
+
+        @staticmethod
+        def params(cfg):
+            return {}
+
+        @staticmethod
+        async def run_item(ctx, item, memo):
+            raise ValueError(f"no answer for {item.id}")
+
+    client = SimpleNamespace(http=SimpleNamespace(base_url="http://t"))
+    ctx = SimpleNamespace(client=client, cfg=None)
+    monkeypatch.setattr(runner, "Context", SimpleNamespace)     # `ctx` is one endpoint's
+    with pytest.raises(runner.TooManyFailures) as e:
+        asyncio.run(runner._run([Failing], load(spec), ctx, tmp_path, 4, False))
+    assert len(e.value.failures) >= 10
+    assert all(f.startswith("c") and "ValueError: no answer for c" in f
+               for f in e.value.failures)
+
+    def stop(*a, **k):
+        raise runner.TooManyFailures(["c1: ValueError: no answer for c1"] * 10)
+    monkeypatch.setattr(runner, "run", stop)
+    got = CliRunner().invoke(cli.probe_app(), ["probe", "ccg", "--data", spec, "--out",
+                                               str(tmp_path / "out"), "--no-progress"])
+    assert got.exit_code == 1 and isinstance(got.exception, SystemExit), got.output
+    assert "10 items failed; the run stopped" in got.output
+    assert "c1: ValueError: no answer for c1" in got.output

@@ -36,14 +36,19 @@ def probe(
 ) -> None:
     """Grounding probes over HTTP against any deployment; resumable (re-run to continue)."""
     from clients.probes import PROBES
-    from clients.probes.runner import run
+    from clients.probes.runner import TooManyFailures, run
 
     names = list(PROBES) if name == "all" else [name]
     if any(n not in PROBES for n in names):
         raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
     urls = url or ["http://127.0.0.1:8000"]
-    report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
-                 api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s)
+    try:
+        report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
+                     api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s)
+    except TooManyFailures as e:
+        console.print(f"[red]{e}[/red] (what finished is stored; re-run to continue):\n"
+                      + "\n".join(e.failures[:5]), highlight=False)
+        raise typer.Exit(1) from None
     console.print((out / "report.md").read_text().split("![")[0], markup=False)
     run_info = json.loads((out / "run.json").read_text())
     console.print(f"wrote {out}/report.json, report.md and figures; {run_info['items_run']} "

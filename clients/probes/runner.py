@@ -36,6 +36,15 @@ FORMAT = 1          # bump when a record's layout changes: old lines stop matchi
 DEADLINE_S = 24 * 3600.0   # how long a run keeps retrying 429s (backpressure) by default
 
 
+class TooManyFailures(RuntimeError):
+    """A run stopped because at least 10 items (or a tenth of them) failed: the service or
+    the data is wrong, and going on would only fail the rest. What was stored stays."""
+
+    def __init__(self, failures: list[str]) -> None:
+        super().__init__(f"{len(failures)} items failed; the run stopped")
+        self.failures = list(failures)
+
+
 @dataclass
 class Config:
     data: str
@@ -255,7 +264,7 @@ async def _run(probes: Sequence[Probe], items: list[Item], ctx: Context | Sequen
             failures.append(f"{item.id}: {type(e).__name__}: {e}")
             if len(failures) >= max(10, len(todo) // 10):
                 queue.clear()
-                raise
+                raise TooManyFailures(failures) from e
             return
         for p, rec in zip(need, recs):
             stores[p.NAME].add(item.id, rec)
