@@ -911,7 +911,8 @@ def test_many_json_keys_are_422_and_do_not_block_the_loop(service, monkeypatch):
     monkeypatch.setattr(mw, "json_problem", held)
     body = b"{" + b",".join(b'"k%d":1' % i for i in range(200_000)) + b"}"
     with make(service) as c, cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(c.post, "/feedback", content=body,
+        # a route with the service's body limit (/feedback takes 16 KiB at most)
+        fut = pool.submit(c.post, "/probe/score", content=body,
                           headers={"content-type": "application/json"})
         assert started.wait(60)
         assert c.get("/health/live").status_code == 200
