@@ -11,7 +11,7 @@ certified twice: with the service's threshold search (fixed-sequence testing) an
 the offline binary search, for comparison. Poisoned windows mark a share of the wrong
 answers correct before certifying; the next items are judged on their true labels.
 
-    python -m studies.recert_study --cache /tmp/recert --out docs/recert
+    python -m studies.recert_study --cache CACHE --out docs/recert
 """
 
 from __future__ import annotations
