@@ -27,8 +27,6 @@ import argparse
 import copy
 import json
 import re
-import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from heads.metrics import METRICS
 from heads.modules import prior_bce
 from heads.registry import FitData
 from models.evaluate import git_commit
+from studies import command_line
 
 FLIP_GRID = (0.0, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0)
 L2_GRID = (1e-3, 3e-3, 1e-2, 5e-2)
@@ -248,8 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", default="easyvqa:heldout")
     ap.add_argument("--consistent", type=int, default=300)
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    command = "python -m studies.flip_sweep" + "".join(f" {shlex.quote(a)}" for a in argv)
+    command = command_line("studies.flip_sweep", argv)
     rep = run(Path(args.out), args.cache, args.limit, args.consistent, command, args.data)
     print(json.dumps(rep["chosen"]))
 

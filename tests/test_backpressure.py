@@ -50,15 +50,22 @@ def test_window_halves_once_per_burst_and_grows_back_after_a_streak():
     assert lim.window == 1               # never below one
 
 
-def _small_queue_server(capacity: int, seen: dict):
-    """A mock service that refuses (429, Retry-After: 0) whatever finds `capacity`
-    requests already running."""
+def _bounded_server(capacity: int, seen: dict, status: int = 429):
+    """A mock service that runs `capacity` requests at once and refuses whatever finds them
+    all running: 429 with Retry-After 0 (queue full), or 504 after a short wait (admitted,
+    but its request deadline passed in the queue, as a server with a default queue and a
+    short deadline does under more load than it can finish in time). `seen` counts the
+    refusals and successes, the most requests at once, and the paths asked for."""
     running = [0]
 
     async def handler(request: httpx.Request) -> httpx.Response:
+        seen.setdefault("paths", []).append(request.url.path)
         seen["max"] = max(seen.get("max", 0), running[0] + 1)
         if running[0] >= capacity:
-            seen["429"] = seen.get("429", 0) + 1
+            seen[str(status)] = seen.get(str(status), 0) + 1
+            if status == 504:
+                await asyncio.sleep(0.002)
+                return httpx.Response(504, json={"detail": "no answer within 30.0 s"})
             return httpx.Response(429, headers={"Retry-After": "0"}, json={"detail": "full"})
         running[0] += 1
         try:
@@ -66,8 +73,14 @@ def _small_queue_server(capacity: int, seen: dict):
         finally:
             running[0] -= 1
         seen["ok"] = seen.get("ok", 0) + 1
-        return httpx.Response(200, json=ANSWER)
+        body = {"accepted": True, "window": 1} if request.url.path == "/feedback" \
+            else ANSWER
+        return httpx.Response(200, json=body)
     return handler
+
+
+def _small_queue_server(capacity: int, seen: dict):
+    return _bounded_server(capacity, seen, 429)
 
 
 def test_client_rides_out_429s_until_the_deadline_and_narrows_its_window():
@@ -94,45 +107,31 @@ def test_client_rides_out_429s_until_the_deadline_and_narrows_its_window():
     assert any(isinstance(g, httpx.HTTPStatusError) and "429" in str(g) for g in got)
 
 
-def test_a_429_after_the_deadline_is_raised():
-    seen: dict = {}
-
+def _one_answer(server, **client) -> object:
+    """One answer through an async client on the mock `server`: the answer, or the HTTP
+    error it ended in."""
     async def go() -> object:
-        async with AsyncDualReadClient(
-                "http://t", retries=0, deadline=time.monotonic() + 0.2,
-                transport=httpx.MockTransport(_small_queue_server(0, seen))) as c:
+        async with AsyncDualReadClient("http://t", transport=httpx.MockTransport(server),
+                                       **client) as c:
             try:
                 return await c.answer(b"img", "q")
             except httpx.HTTPStatusError as e:
                 return e
+    return asyncio.run(go())
+
+
+def test_a_429_after_the_deadline_is_raised():
+    seen: dict = {}
+
     t0 = time.monotonic()
-    got = asyncio.run(go())
+    got = _one_answer(_small_queue_server(0, seen), retries=0,
+                      deadline=time.monotonic() + 0.2)
     assert isinstance(got, httpx.HTTPStatusError) and seen["429"] >= 2
     assert time.monotonic() - t0 < 5
 
 
 def _slow_queue_server(capacity: int, seen: dict):
-    """A mock service that admits everything but answers 504 (its request deadline passed
-    in the queue) to whatever finds `capacity` requests already running, as a server with a
-    default queue and a short deadline does under more load than it can finish in time."""
-    running = [0]
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        seen.setdefault("paths", []).append(request.url.path)
-        if running[0] >= capacity:
-            seen["504"] = seen.get("504", 0) + 1
-            await asyncio.sleep(0.002)
-            return httpx.Response(504, json={"detail": "no answer within 30.0 s"})
-        running[0] += 1
-        try:
-            await asyncio.sleep(0.005)
-        finally:
-            running[0] -= 1
-        seen["ok"] = seen.get("ok", 0) + 1
-        body = {"accepted": True, "window": 1} if request.url.path == "/feedback" \
-            else ANSWER
-        return httpx.Response(200, json=body)
-    return handler
+    return _bounded_server(capacity, seen, 504)
 
 
 def test_with_a_deadline_a_504_is_backpressure_without_one_it_is_raised():
@@ -171,16 +170,9 @@ def test_a_request_too_slow_on_its_own_fails_after_its_retries():
     of being repeated until the run deadline."""
     seen: dict = {}
 
-    async def go() -> object:
-        async with AsyncDualReadClient(
-                "http://t", retries=2, backoff_base=0.001, deadline=time.monotonic() + 60,
-                transport=httpx.MockTransport(_slow_queue_server(0, seen))) as c:
-            try:
-                return await c.answer(b"img", "q")
-            except httpx.HTTPStatusError as e:
-                return e
     t0 = time.monotonic()
-    got = asyncio.run(go())
+    got = _one_answer(_slow_queue_server(0, seen), retries=2, backoff_base=0.001,
+                      deadline=time.monotonic() + 60)
     assert isinstance(got, httpx.HTTPStatusError) and "504" in str(got)
     assert seen["504"] == len(seen["paths"]) == 3        # the first try and two retries
     assert time.monotonic() - t0 < 10
@@ -226,15 +218,8 @@ def test_a_504_after_the_deadline_is_raised_at_once():
     """Past the run deadline (`--deadline-s 0`) a 504 is the answer, not another try."""
     seen: dict = {}
 
-    async def go() -> object:
-        async with AsyncDualReadClient(
-                "http://t", retries=3, backoff_base=0.01, deadline=time.monotonic() - 1,
-                transport=httpx.MockTransport(_slow_queue_server(0, seen))) as c:
-            try:
-                return await c.answer(b"img", "q")
-            except httpx.HTTPStatusError as e:
-                return e
-    got = asyncio.run(go())
+    got = _one_answer(_slow_queue_server(0, seen), retries=3, backoff_base=0.01,
+                      deadline=time.monotonic() - 1)
     assert isinstance(got, httpx.HTTPStatusError) and "504" in str(got)
     assert seen["504"] == len(seen["paths"]) == 1
 
