@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 from heads.collect import Collector
-from heads.layout_novelty import LAYOUT_FEATURE, LayoutNovelty, layout_descriptors
+from heads.layout_novelty import NearLayoutNovelty, layout_descriptors
 from heads.novelty import ALPHA, CompositeNovelty, ImagePart, Novelty, features
 from heads.pixel_novelty import PIXEL_BANK, PIXEL_FEATURE, PixelNovelty, pixel_descriptors
 from heads.splits import splits_of
@@ -39,6 +39,10 @@ AUGMENT_PER_FAMILY = 250
 # score is M tokens × BANK distances; at 8000 it is a small share of a readout
 IMAGE_BANK = 8000
 IMAGE_FEATURE, QUESTION_FEATURE = "img_token_slots", "h_pre"
+# the layout part fitted: with the outline score (docs/defer/near-shapes-dev.md, chosen on
+# development suites), so a shape near the training outlines is scored by its own outline
+LAYOUT_PART = NearLayoutNovelty
+LAYOUT_FEATURE = LAYOUT_PART.FEATURE
 DETECTOR_ALPHA = 2 * ALPHA     # the combined flag rate on clean input; α/2 a part
 
 
@@ -71,7 +75,7 @@ def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
     calibrated on its own clean split. `pixels`: the pixel part's descriptors
     (`heads.pixel_novelty.pixel_descriptors`) of the fitting images with their benign
     re-encodings, and of the calibration images; without it, no pixel part. `layout`: the
-    layout part's vectors (`heads.layout_novelty.layout_descriptors`) of the same images;
+    layout part's vectors (`layout_vectors`) of the same images;
     without it, no layout part."""
     img = Novelty("token_knn", IMAGE_FEATURE, max_bank=bank)
     x = features(IMAGE_FEATURE, fit)
@@ -85,7 +89,7 @@ def fit_detectors(fit: dict, augmented: dict | None, calibration_images: dict,
     if pixels is not None:
         parts["pixels"] = PixelNovelty(max_bank=pixel_bank).fit(pixels[0]).calibrate(pixels[1])
     if layout is not None:
-        parts["layout"] = LayoutNovelty().fit(layout[0]).calibrate(layout[1])
+        parts["layout"] = LAYOUT_PART().fit(layout[0]).calibrate(layout[1])
     return CompositeNovelty(parts)
 
 
@@ -103,9 +107,14 @@ def _descriptors(items: list[Item], rows: torch.Tensor, cache: dict) -> torch.Te
     return torch.stack([cache[items[i].image_id] for i in rows.tolist()])
 
 
+def layout_vectors(images: list) -> torch.Tensor:
+    """The fitted layout part's vectors (`LAYOUT_PART`) of decoded images."""
+    return layout_descriptors(images, outline=LAYOUT_PART.OUTLINE)
+
+
 def _layouts(items: list[Item], rows: torch.Tensor) -> torch.Tensor:
     """Layout vectors of the image of each row (cheap: no cache needed)."""
-    return layout_descriptors([items[i].image() for i in rows.tolist()])
+    return layout_vectors([items[i].image() for i in rows.tolist()])
 
 
 def _clean_rows(det: CompositeNovelty, items: list[Item], feats: dict, rows: torch.Tensor,
@@ -152,7 +161,7 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
         # each development family joins its bank, where the readout parts take a sample
         lay_aug = augment_items([items[i] for i in reader_img.tolist()], len(reader_img), seed)
         fit_lay = torch.cat([_layouts(items, reader_img),
-                             layout_descriptors([it.image() for it in lay_aug])])
+                             layout_vectors([it.image() for it in lay_aug])])
         lay = (fit_lay, _layouts(items, cal_img))
     det = fit_detectors(fit_rows, augmented, _rows(feats, cal_img), _rows(feats, cal),
                         pixels=pix, layout=lay)
@@ -189,7 +198,8 @@ def detector_stage(col: Collector, items: list[Item], feats: dict, splits: dict,
     if lay is not None:
         log["parts"]["layout"] = _image_part_log(
             det.parts["layout"],
-            "layout_knn (scene layout of the decoded image, nearest fitting scene)",
+            "layout_knn_outline (scene layout of the decoded image with its objects' outlines, "
+            "nearest fitting scene; also 2 x the nearest fitting outline)",
             "reader-split images, one row per image, and each of them re-encoded once by "
             "every augment family (severities 1..5 in turn)",
             len(reader_img), len(lay_aug), "bank_scenes", calibration,

@@ -377,8 +377,8 @@ def outline_part(outline: Outline, kind: str, feature: str = LAYOUT_FEATURE
                       + "; outline: " + outline.text()}})
 
 
-# The version recommended for the next refit (docs/defer/near-shapes-dev.md); nothing
-# fits or loads it yet: `heads.detectors` still fits `LayoutNovelty`.
+# The version chosen on development suites (docs/defer/near-shapes-dev.md) and fitted by
+# `heads.detectors`; `LayoutNovelty` (no outline numbers) still loads older heads.
 NEAR_OUTLINE = Outline(shape_factor=2.0)
 NEAR_FEATURE = "scene_layout_outline"
 NearLayoutNovelty = outline_part(NEAR_OUTLINE, "layout_knn_outline", NEAR_FEATURE)

@@ -16,6 +16,7 @@ from heads.calibration import fuse
 from heads.dualread import Heads
 from heads.methods.dualread import (
     CONSISTENCY,
+    CONSISTENCY_QUANTILE,
     PER,
     AnswerConsistency,
     PState,
@@ -72,12 +73,13 @@ def test_the_fitted_term_is_near_zero_on_own_answers_and_strongly_negative_on_fl
     assert log["val_auroc_own_vs_flipped"] == 1.0
     assert log["val_own_mean_log_prob"] > -0.1
     assert log["val_flipped_mean_log_prob"] < -2.0
-    # the hinge is the 1% quantile of log σ(c) over the held-out own trajectories
+    # the hinge is the CONSISTENCY_QUANTILE quantile of log σ(c) over the held-out own
+    # trajectories
     val = data.splits["reader_val"]
     with torch.no_grad():
         own = F.logsigmoid(heads.readers[CONSISTENCY](data.feats["phi"][val]).double())
-    assert heads.offsets[CONSISTENCY] == pytest.approx(float(np.quantile(own.numpy(), 0.01)),
-                                                       rel=1e-5)
+    hinge = float(np.quantile(own.numpy(), CONSISTENCY_QUANTILE))
+    assert heads.offsets[CONSISTENCY] == pytest.approx(hinge, rel=1e-5)
     assert log["hinge_log_prob"] == pytest.approx(heads.offsets[CONSISTENCY], abs=1e-5)
     assert log["val_flipped_mean_term"] < -1.0
     n_train = len(data.splits["reader_train"])
