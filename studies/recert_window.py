@@ -91,7 +91,7 @@ def pick(reports: dict[str, dict]) -> dict:
 def markdown(result: dict, command: str) -> str:
     lines = ["# Default re-certification window: the rule applied", "",
              "Produced by one command (the rule: `studies/recert_window.py`, "
-             "[window.md](window.md)):", "", f"    {command}", "",
+             "[window.md](../window.md)):", "", f"    {command}", "",
              "Per source and window: splits whose window certified and released ≥ the "
              "floor on the next items (needed), mean risk of the certified windows, worst "
              "next-items risk with poisoned verdicts, harmful windows certified "
