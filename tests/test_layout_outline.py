@@ -117,17 +117,20 @@ def test_outline_score_is_the_larger_of_scene_and_outline_distance():
     assert LayoutNovelty().fit(bank).score(q)[0] == pytest.approx(0.3)
 
 
-def test_the_shipped_layout_part_loads_and_scores_as_version_1():
+def test_the_shipped_layout_part_is_the_outline_version_and_scores_by_hand():
     card = json.loads((SHIPPED / "novelty.layout.json").read_text())
-    assert card["kind"] == ln.KIND and card["descriptor"] == ln.DESCRIBED["descriptor"]
+    cls = ln.NearLayoutNovelty
+    assert card["kind"] == cls.KIND and card["descriptor"] == cls.DESCRIBED["descriptor"]
     part = load_part(SHIPPED, "novelty.layout")
-    assert type(part) is LayoutNovelty and part.t["bank"].shape[1] == ln.DIM == 94
+    assert type(part) is cls and part.t["bank"].shape[1] == cls.DIM
     ims = [it.image() for it in load("render:plain:6")]
-    x = layout_descriptors(ims)
-    with_outline = layout_descriptors(ims, outline=Outline(grid=8, moments=True))
-    assert torch.equal(with_outline[:, :ln.DIM], x)
-    nearest = torch.cdist(x.double(), part.t["bank"]).min(1).values.numpy()
-    assert np.allclose(part.score(x), nearest, atol=1e-4)
+    x = layout_descriptors(ims, outline=ln.NEAR_OUTLINE).double()
+    bank = part.t["bank"]
+    cols = torch.from_numpy(shape_columns(ln.NEAR_OUTLINE))
+    scene = torch.cdist(x, bank).min(1).values
+    outline = torch.cdist(x[:, cols].float(), bank[:, cols].float()).min(1).values.double()
+    by_hand = torch.maximum(scene, ln.NEAR_OUTLINE.shape_factor * outline).numpy()
+    assert np.allclose(part.score(x), by_hand, atol=1e-4)
 
 
 def test_an_outline_part_saves_loads_and_refuses_version_1_vectors(tmp_path):
