@@ -98,7 +98,7 @@ def drift_of(heads, shipped, rows: list[dict]) -> dict:
 def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
                 flip: float, search: str, r: float, d: float) -> dict:
     """Certify `splits` random windows of `stream`; the next items under each rule."""
-    held, covs, risks, reasons, taus = 0, [], [], {}, []
+    held, covs, risks, reasons, taus, per_split = 0, [], [], {}, [], []
     for k in range(splits):
         rng = np.random.default_rng(k)
         order = rng.permutation(len(stream))
@@ -112,19 +112,23 @@ def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
         if rule is None:
             why = cert["reason"].split(":")[0].split(" on the ")[0]
             reasons[why] = reasons.get(why, 0) + 1
+            per_split.append(None)
             continue
         held += 1
         c, rk, _ = rule_on(heads, rule, after)
         covs.append(c)
         risks.append(rk)
         taus.append(rule.tau)
+        per_split.append([round(c, 4), round(rk, 4)])
     return {"certified": f"{held}/{splits}", "refused_because": reasons,
             "next_released_mean": round(float(np.mean(covs)), 4) if covs else None,
             "next_released_min": round(float(np.min(covs)), 4) if covs else None,
             "next_risk_mean": round(float(np.mean(risks)), 4) if risks else None,
             "next_risk_max": round(float(np.max(risks)), 4) if risks else None,
             "next_risk_above_r": sum(x > r for x in risks),
-            "tau_median": round(float(np.median(taus)), 4) if taus else None}
+            "tau_median": round(float(np.median(taus)), 4) if taus else None,
+            # each split's [released, risk] on its next items; None: not certified
+            "next_by_split": per_split}
 
 
 def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int,

@@ -27,3 +27,57 @@ def test_windows_that_do_not_certify_count_at_the_shipped_share():
     # none certifies
     row = _row(_report("0/20", None))
     assert "all windows None" in row and row.endswith("| no |")
+
+
+# ------------------------------------------------------------ the default window's rule
+
+def _source(windows: dict[int, int], n: int = 3500, harmful_certified: str = "0/20",
+            poisoned_worst: float = 0.08, risk: float = 0.04) -> dict:
+    """A study report whose benign window w has `windows[w]` of 20 splits certified and
+    released at 0.60 (floor 0.57), the rest not certified."""
+    def entry(meeting: int) -> dict:
+        splits = [[0.6, risk]] * meeting + [None] * (20 - meeting)
+        return {"certified": f"{meeting}/20", "next_risk_mean": risk if meeting else None,
+                "next_by_split": splits}
+    benign = {str(w): {"next_items": min(500, n - w), "sequence_honest": entry(k),
+                       "sequence_poisoned_0.2": {"next_risk_max": poisoned_worst}}
+              for w, k in windows.items() if w < n}
+    harmful = {str(w): {"sequence_honest": {"certified": harmful_certified},
+                        "sequence_poisoned_0.2": {"next_risk_max": None}}
+               for w in windows if w < 1500}
+    return {"target_risk": 0.05, "next": 500, "clean": {"shipped_released": 0.62},
+            "benign": {"windows": benign}, "harmful": {"windows": harmful}}
+
+
+def test_the_smallest_window_passing_on_every_source_that_tests_it_is_picked():
+    from studies.recert_window import pick
+
+    long = _source({300: 0, 1000: 15, 1500: 16, 3000: 20})
+    short = _source({300: 0, 1000: 20}, n=1527)      # tests 300 and 1000 only
+    got = pick({"dev": short, "render": long})
+    # 1000 passes on dev but 15 of 20 on the longer source fall short of 16
+    assert not got["windows"]["1000"]["passes"]
+    assert got["windows"]["1500"]["sources"]["dev"] is None
+    assert got["picked"] == 1500 and got["picked_by_rule"]
+    assert pick({"dev": short})["picked"] == 1000
+
+
+def test_a_split_below_the_floor_does_not_count():
+    from studies.recert_window import judge
+
+    rep = _source({1000: 20})
+    rep["benign"]["windows"]["1000"]["sequence_honest"]["next_by_split"][:5] = [[0.56, 0.03]] * 5
+    assert judge(rep, 1000)["splits_meeting"] == "15/20"
+    assert not judge(rep, 1000)["passes"]
+
+
+def test_risk_poisoning_and_harmful_each_refuse_a_window():
+    from studies.recert_window import FALLBACK, judge, pick
+
+    assert judge(_source({1000: 20}), 1000)["passes"]
+    assert not judge(_source({1000: 20}, risk=0.051), 1000)["passes"]
+    assert not judge(_source({1000: 20}, poisoned_worst=0.101), 1000)["passes"]
+    assert not judge(_source({1000: 20}, harmful_certified="1/20"), 1000)["passes"]
+    # nothing passes: the shipped default stays, and the result says the rule did not pick
+    got = pick({"dev": _source({1000: 20}, risk=0.06)})
+    assert got["picked"] == FALLBACK and not got["picked_by_rule"]
