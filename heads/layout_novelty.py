@@ -346,8 +346,9 @@ PART_CLASSES[KIND] = LayoutNovelty
 
 
 class OutlineLayoutNovelty(LayoutNovelty):
-    """The layout part with outline numbers (`Outline`): a descriptor version the shipped
-    part does not use. A subclass sets `OUTLINE`, `DIM` and `DESCRIBED` (`outline_part`)."""
+    """The layout part with an outline version (`Outline`): optional outline numbers and
+    the outline score (the shipped part is `NearLayoutNovelty`). A subclass sets `OUTLINE`,
+    `DIM` and `DESCRIBED` (`outline_part`)."""
 
     OUTLINE = Outline()
 
