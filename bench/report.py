@@ -179,7 +179,7 @@ def markdown(r: dict) -> str:
                      f"the model stages its server reports (queue, generate, readout, heads): "
                      f"{http['outside_model_ms']:.1f} ms at the median: request parsing, image "
                      f"decoding and the response, and also work the in-process call does "
-                     f"too (the image-only novelty parts, the batch's results), "
+                     f"too (assembling the batch's results), "
                      f"so more than HTTP itself adds."
                      if "overhead_ms_paired" in http else ""),
                   ""]
