@@ -104,7 +104,22 @@ def choose(reports: dict[str, dict], variants: list[str] | None = None,
     return {"current": current, "variants": rows, "picked": picked}
 
 
-def markdown(result: dict, command: str) -> str:
+def released(reports: dict[str, dict], variants: list[str]) -> list[str]:
+    """What each search released of the next benign items (honest), for the record: the
+    rule does not read it."""
+    lines = ["", "Benign stream, honest verdicts: windows certified, next items released "
+             "(mean over certified windows) and risk among them, by variant.", "",
+             "| source | window | " + " | ".join(variants) + " |",
+             "|---|---|" + "---|" * len(variants)]
+    for source, rep in reports.items():
+        for window, w in rep["benign"]["windows"].items():
+            cells = [f"{w[v + '_honest']['certified']}, {w[v + '_honest']['next_released_mean']}"
+                     f", {w[v + '_honest']['next_risk_mean']}" for v in variants]
+            lines.append(f"| {source} | {window} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(result: dict, command: str, extra: list[str] = ()) -> str:
     lines = ["# Threshold search: the rule applied", "",
              "Produced by one command (the rule: `studies/recert_search.py`, "
              "[search.md](../search.md)):", "", f"    {command}", "",
@@ -129,8 +144,8 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {v} | {'yes' if row['harmful_certified_somewhere'] else 'no'} | "
                      f"{', '.join(map(str, row['safe_windows'])) or '—'} | "
                      f"{row['splits_meeting']} |")
-    return "\n".join(lines + ["", f"**Picked: `{result['picked']}`** (current: "
-                              f"`{result['current']}`).", ""])
+    return "\n".join(lines + list(extra) + ["", f"**Picked: `{result['picked']}`** "
+                                            f"(current: `{result['current']}`).", ""])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True,
                     help="SOURCE/report.json per source, choice.json and choice.md")
-    ap.add_argument("--cache", type=Path, required=True,
-                    help="served rows (studies.recert_study's --cache)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="served rows (studies.recert_study's --cache); needed unless --reuse")
     ap.add_argument("--sources", default=",".join(SOURCES), help="comma-separated")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     ap.add_argument("--windows", default=",".join(map(str, CANDIDATES)))
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                     "an earlier run (one per source, e.g. run in parallel) instead of "
                     "certifying again")
     a = ap.parse_args(argv)
+    if a.cache is None and not a.reuse:
+        ap.error("--cache is needed unless --reuse")
     variants = [v for v in a.variants.split(",") if v]
     windows = [int(w) for w in a.windows.split(",") if w]
     reports = {}
@@ -184,8 +201,10 @@ def main(argv: list[str] | None = None) -> None:
         print(source, rep["seconds"], "s", flush=True)
     result = choose(reports, variants)
     (a.out / "choice.json").write_text(json.dumps(result, indent=2) + "\n")
-    (a.out / "choice.md").write_text(markdown(result, command_line("studies.recert_search",
-                                                                   argv)))
+    command = command_line("studies.recert_search", argv)
+    if a.cache is not None:
+        command = command.replace(str(a.cache), "CACHE")
+    (a.out / "choice.md").write_text(markdown(result, command, released(reports, variants)))
     print(json.dumps({"picked": result["picked"],
                       "count": {v: r["splits_meeting"] for v, r in result["variants"].items()}}))
 
