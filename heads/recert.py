@@ -66,6 +66,8 @@ DETECTORS = ("novelty",)
 MIN_TEMPERATURE_ROWS = 20      # fewer rows: the temperatures are kept, not refitted
 # fewer temperature-part rows: τ by the binary search (no thresholds to read off them)
 MIN_GRID_ROWS = 50
+# released shares between the fixed-sequence thresholds (docs/recert/search.md)
+SEQUENCE_STEP = 0.01
 KEEP_RULES = 20                # rules kept for rollback (the active chain first)
 KEEP_EVENTS = 200              # audit events kept in the state file (all go to the log)
 
@@ -261,13 +263,24 @@ def _loo_p_values(window: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_risk: float,
             delta: float, min_per_class: int, temperature_share: float = 0.3,
-            who: str = "", search: str = "sequence") -> tuple[DeferRule | None, dict]:
+            who: str = "", search: str = "sequence", step: float = SEQUENCE_STEP
+            ) -> tuple[DeferRule | None, dict]:
     """Refit the temperatures and τ on `verdicts` alone. Returns (rule, certificate); the
     rule is None when the certificate does not hold (its `reason` says why). `search`:
-    "sequence" (fixed-sequence testing when the temperature part is large enough) or
-    "binary" (the offline binary search always; what `studies.recert_study` compares)."""
+    "sequence" (fixed-sequence testing when the temperature part is large enough, over a
+    grid of released shares `step` apart) or "binary" (the offline binary search always).
+
+    Both keep the guarantee (risk among released ≤ r with probability ≥ 1 − δ over the τ
+    part's draw). Fixed sequence, at any `step`: the grid is read off the temperature part
+    and sized by how many τ-part items the detectors release, neither of which reads a
+    τ-part label, so each test may spend all of δ (`choose_threshold_sequence`). Binary:
+    which thresholds it tests depends on the τ-part labels, so each of its ⌈log2 m⌉ tests
+    is at δ / ⌈log2 m⌉ (a union bound; `choose_threshold`). `studies.recert_search`
+    compares them."""
     if search not in ("sequence", "binary"):
         raise ValueError("search is 'sequence' or 'binary'")
+    if not 0 < step <= 1:
+        raise ValueError("step is a released share in (0, 1]")
     given = len(verdicts)
     verdicts = distinct_inputs(verdicts)
     n = len(verdicts)
@@ -331,11 +344,12 @@ def certify(verdicts: Sequence[Verdict], base: Heads, version: str, *, target_ri
     if search == "sequence" and temp.sum() >= MIN_GRID_ROWS:
         # thresholds read off the temperature part (disjoint from the τ part): fixed
         # before the τ part is looked at, so each test may spend all of δ
-        grid = sequence_grid(p[temp], len(cand), target_risk, delta)
+        grid = sequence_grid(p[temp], len(cand), target_risk, delta, step)
         policy = choose_threshold_sequence(p[cand], z[cand], grid, target_risk, delta)
         cert["threshold_search"] = (
             f"fixed-sequence testing over {len(grid)} thresholds read off the temperature "
-            "part, highest first, each at level delta (heads.defer.choose_threshold_sequence)")
+            f"part (released shares {step:g} apart), highest first, each at level delta "
+            "(heads.defer.choose_threshold_sequence)")
     else:
         policy = choose_threshold(p[cand], z[cand], target_risk, delta)
         cert["threshold_search"] = (

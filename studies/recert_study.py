@@ -34,7 +34,8 @@ from heads.recert import Served, Verdict, certify, dualread_at, spent_delta
 # names others, `--sizes` other lengths.
 STREAMS = {"clean": ("easyvqa:test", 500), "benign": ("easyvqa:test~bed-edge:1", 2000),
            "harmful": ("easyvqa:test~contrast:5", 2000)}
-SEARCHES = ("sequence", "binary")
+# threshold searches compared: name -> `certify` keywords
+SEARCHES: dict[str, dict] = {"sequence": {"search": "sequence"}, "binary": {"search": "binary"}}
 
 
 def collect(spec: str, n: int, seed: int, batch: int = 16, done: list[dict] | None = None
@@ -96,7 +97,7 @@ def drift_of(heads, shipped, rows: list[dict]) -> dict:
 
 
 def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
-                flip: float, search: str, r: float, d: float) -> dict:
+                flip: float, search: str | dict, r: float, d: float) -> dict:
     """Certify `splits` random windows of `stream`; the next items under each rule."""
     held, covs, risks, reasons, taus, per_split = 0, [], [], {}, [], []
     for k in range(splits):
@@ -107,8 +108,9 @@ def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
         verdicts = [Verdict(x["id"], Served.from_dict(x["served"]),
                             x["correct"] or bool(flip and rng.uniform() < flip), 0.0,
                             "study") for x in win]
+        how = {"search": search} if isinstance(search, str) else search
         rule, cert = certify(verdicts, heads, f"s{k}", target_risk=r, delta=d,
-                             min_per_class=10, search=search)
+                             min_per_class=10, **how)
         if rule is None:
             why = cert["reason"].split(":")[0].split(" on the ")[0]
             reasons[why] = reasons.get(why, 0) + 1
@@ -132,7 +134,11 @@ def recertified(heads, stream: list[dict], window: int, nxt: int, splits: int,
 
 
 def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int,
-          poison: float, attempt: int = 1) -> dict:
+          poison: float, attempt: int = 1, searches: dict[str, dict] | None = None,
+          recertify: tuple[str, ...] | None = None) -> dict:
+    """`searches`: name -> `certify` keywords (default SEARCHES); `recertify`: the streams
+    whose windows are certified (default all; the others get their shipped-rule figures
+    only)."""
     from heads.dualread import Heads
     from heads.recert import shipped_rule
 
@@ -157,13 +163,13 @@ def study(rows: dict[str, list[dict]], windows: list[int], nxt: int, splits: int
                  "risk_of_most_confident": most_confident(heads, stream),
                  "wrong_by_answer_kind": by_kind(STREAMS[name][0], stream), "windows": {}}
         for window in windows:
-            if len(stream) <= window:
+            if len(stream) <= window or (recertify is not None and name not in recertify):
                 continue
             w = entry["windows"][str(window)] = {"next_items": min(nxt, len(stream) - window)}
-            for search in SEARCHES:
+            for search, how in (searches or SEARCHES).items():
                 for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
                     w[f"{search}_{label}"] = recertified(heads, stream, window, nxt, splits,
-                                                         flip, search, r, d_t)
+                                                         flip, how, r, d_t)
         out[name] = entry
     return out
 

@@ -42,27 +42,29 @@ POISON = "sequence_poisoned_0.2"
 FALLBACK = 1000                # the shipped default, kept when no candidate passes
 
 
-def judge(report: dict, window: int) -> dict | None:
+def judge(report: dict, window: int, search: str = "sequence") -> dict | None:
     """The rule's three conditions for `window` on one source's report; None when the
-    source does not test the window."""
+    source does not test the window. `search`: whose figures are read (the report's keys
+    `<search>_honest`, `<search>_poisoned_0.2`; the service's search by default)."""
     r = report["target_risk"]
     b, h = report["benign"], report.get("harmful")
     w = b["windows"].get(str(window))
     if w is None or w["next_items"] < report["next"]:
         return None
     floor = round(report["clean"]["shipped_released"] - COVERAGE_SLACK, 4)
-    honest = w["sequence_honest"]
+    honest = w[f"{search}_honest"]
+    poison_key = POISON.replace("sequence", search, 1)
     splits = honest["next_by_split"]
     meeting = sum(1 for x in splits if x is not None and x[0] >= floor)
     need = math.ceil(MIN_SHARE * len(splits))
     risk = honest["next_risk_mean"]
     benign_ok = meeting >= need and risk is not None and risk <= r
-    poisoned = {"benign": w[POISON]["next_risk_max"]}
+    poisoned = {"benign": w[poison_key]["next_risk_max"]}
     harmful_certified = None
     hw = (h or {}).get("windows", {}).get(str(window))
     if hw is not None:
-        poisoned["harmful"] = hw[POISON]["next_risk_max"]
-        harmful_certified = hw["sequence_honest"]["certified"]
+        poisoned["harmful"] = hw[poison_key]["next_risk_max"]
+        harmful_certified = hw[f"{search}_honest"]["certified"]
     poison_ok = all(v is None or v <= 2 * r for v in poisoned.values())
     harmful_ok = harmful_certified is None or harmful_certified.startswith("0/")
     return {"floor": floor, "splits_meeting": f"{meeting}/{len(splits)}", "need": need,
@@ -72,17 +74,17 @@ def judge(report: dict, window: int) -> dict | None:
             "passes": benign_ok and poison_ok and harmful_ok}
 
 
-def pick(reports: dict[str, dict]) -> dict:
+def pick(reports: dict[str, dict], search: str = "sequence") -> dict:
     """Every candidate judged on every source, and the default the rule picks."""
     rows, chosen = {}, None
     for window in CANDIDATES:
-        judged = {name: judge(rep, window) for name, rep in reports.items()}
+        judged = {name: judge(rep, window, search) for name, rep in reports.items()}
         tested = {k: v for k, v in judged.items() if v is not None}
         ok = bool(tested) and all(v["passes"] for v in tested.values())
         rows[str(window)] = {"sources": judged, "passes": ok}
         if ok and chosen is None:
             chosen = window
-    return {"candidates": list(CANDIDATES), "min_share": MIN_SHARE,
+    return {"candidates": list(CANDIDATES), "min_share": MIN_SHARE, "search": search,
             "coverage_slack": COVERAGE_SLACK, "poison": POISON, "fallback": FALLBACK,
             "windows": rows, "picked": chosen if chosen is not None else FALLBACK,
             "picked_by_rule": chosen is not None}
@@ -95,7 +97,9 @@ def markdown(result: dict, command: str) -> str:
              "Per source and window: splits whose window certified and released ≥ the "
              "floor on the next items (needed), mean risk of the certified windows, worst "
              "next-items risk with poisoned verdicts, harmful windows certified "
-             "(honest). '—': the source's streams are too short to test the window.", "",
+             "(honest). '—': the source's streams are too short to test the window."
+             + ("" if result.get("search", "sequence") == "sequence" else
+                f" Threshold search judged: `{result['search']}`."), "",
              "| window | source | floor | benign: splits meeting (need) | certified | "
              "risk mean | poisoned worst risk | harmful certified | passes |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -118,13 +122,15 @@ def markdown(result: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="pick.json and pick.md")
+    ap.add_argument("--search", default="sequence", help="the report's search whose "
+                    "figures are judged (studies.recert_search's variants: seq0.02, ...)")
     ap.add_argument("reports", nargs="+", help="NAME=PATH of a recert_study report.json")
     a = ap.parse_args(argv)
     reports = {}
     for kv in a.reports:
         name, path = kv.split("=", 1)
         reports[name] = json.loads(Path(path).read_text())
-    result = pick(reports)
+    result = pick(reports, a.search)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "pick.json").write_text(json.dumps(result, indent=2) + "\n")
     (a.out / "pick.md").write_text(markdown(result, command_line("studies.recert_window",

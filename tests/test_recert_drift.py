@@ -239,3 +239,19 @@ def test_a_skipped_detector_is_judged_against_the_reference_the_rule_serves():
     n_tau = cert["n_tau"]
     assert cert["n_tau_other_terms_defer"] >= n_tau - 1
     assert rule is None                       # nothing left to release: no certificate
+
+
+def test_the_sequence_step_sets_the_grid_and_is_checked():
+    import re
+
+    base = _base()
+    win = verdicts(stream(np.random.default_rng(7), 300, base, shift=6.0, tag="step"))
+    counts = {}
+    for step in (0.01, 0.05):
+        _, cert = certify(win, base, "r", target_risk=R, delta=DELTA, min_per_class=10,
+                          step=step)
+        assert f"released shares {step:g} apart" in cert["threshold_search"]
+        counts[step] = int(re.search(r"over (\d+) thresholds", cert["threshold_search"])[1])
+    assert counts[0.05] < counts[0.01] / 3
+    with pytest.raises(ValueError, match="step"):
+        certify(win, base, "r", target_risk=R, delta=DELTA, min_per_class=10, step=0.0)

@@ -81,3 +81,71 @@ def test_risk_poisoning_and_harmful_each_refuse_a_window():
     # nothing passes: the shipped default stays, and the result says the rule did not pick
     got = pick({"dev": _source({1000: 20}, risk=0.06)})
     assert got["picked"] == FALLBACK and not got["picked_by_rule"]
+
+
+# ------------------------------------------------------------ the threshold search's rule
+
+def _variants(**per: dict) -> dict:
+    """One source whose report holds, for each variant, `_source`'s figures under its keys:
+    per[name] = `_source` keywords."""
+    rep = None
+    for name, kw in per.items():
+        one = _source(**kw)
+        if rep is None:
+            rep = {k: v for k, v in one.items() if k not in ("benign", "harmful")}
+            rep["benign"], rep["harmful"] = {"windows": {}}, {"windows": {}}
+        for stream in ("benign", "harmful"):
+            for w, entry in one[stream]["windows"].items():
+                slot = rep[stream]["windows"].setdefault(w, {})
+                for key, v in entry.items():
+                    slot[key.replace("sequence", name, 1) if key != "next_items" else key] = v
+    return rep
+
+
+def test_the_window_rule_reads_the_search_it_is_given():
+    from studies.recert_window import judge
+
+    rep = _variants(a={"windows": {1000: 5}}, b={"windows": {1000: 20}})
+    assert judge(rep, 1000, "a")["splits_meeting"] == "5/20"
+    assert judge(rep, 1000, "b")["passes"]
+
+
+def test_the_search_with_most_splits_meeting_on_safe_windows_is_picked():
+    from studies.recert_search import choose
+
+    rep = _variants(cur={"windows": {1000: 3, 3000: 2}}, fine={"windows": {1000: 9, 3000: 0}},
+                    coarse={"windows": {1000: 6, 3000: 6}})
+    got = choose({"render": rep}, ["cur", "fine", "coarse"], current="cur")
+    assert {v: r["splits_meeting"] for v, r in got["variants"].items()} == \
+        {"cur": 5, "fine": 9, "coarse": 12}
+    assert got["picked"] == "coarse"
+    # a split released above the floor but with risk above r does not meet the target
+    split = rep["benign"]["windows"]["1000"]["coarse_honest"]["next_by_split"]
+    split[:6] = [[0.6, 0.051]] * 6
+    assert choose({"render": rep}, ["cur", "fine", "coarse"], current="cur")["picked"] == "fine"
+
+
+def test_unsafe_windows_do_not_count_and_harmful_certificates_rule_a_search_out():
+    from studies.recert_search import choose
+
+    # poisoned risk above 2r at 1000: that window's splits do not count
+    rep = _variants(cur={"windows": {1000: 3, 3000: 0}},
+                    other={"windows": {1000: 20, 3000: 2}, "poisoned_worst": 0.11})
+    got = choose({"render": rep}, ["cur", "other"], current="cur")
+    assert got["variants"]["other"]["safe_windows"] == []
+    assert got["picked"] == "cur"
+    # an honest harmful window certified at any size: out, whatever it releases
+    rep = _variants(cur={"windows": {1000: 3}},
+                    other={"windows": {1000: 20}, "harmful_certified": "1/20"})
+    got = choose({"render": rep}, ["cur", "other"], current="cur")
+    assert got["variants"]["other"]["harmful_certified_somewhere"]
+    assert got["picked"] == "cur"
+
+
+def test_a_tie_or_nothing_meeting_keeps_the_current_search():
+    from studies.recert_search import choose
+
+    rep = _variants(other={"windows": {1000: 4}}, cur={"windows": {1000: 4}})
+    assert choose({"render": rep}, ["other", "cur"], current="cur")["picked"] == "cur"
+    rep = _variants(other={"windows": {1000: 0}}, cur={"windows": {1000: 0}})
+    assert choose({"render": rep}, ["other", "cur"], current="cur")["picked"] == "cur"
