@@ -99,8 +99,8 @@ def _thumbnail(soft: np.ndarray, grid: int = GRID) -> np.ndarray:
 # ------------------------------------------------------------------ outline (version 2)
 # Optional numbers a slot can add about its object's outline, for shapes close to the
 # fitting ones (an octagon beside circles, a parallelogram beside rectangles), which the
-# 5×5 thumbnail blurs together. The shipped part does not use them (`Outline` None: the
-# vector is exactly the version above); docs/defer/near-shapes-dev.md compares them.
+# 5×5 thumbnail blurs together. The shipped part (`NearLayoutNovelty`) adds none of them,
+# only the outline score; docs/defer/near-shapes-dev.md compares them.
 MOMENTS = ("corr", "skew_x", "skew_y", "kurt_x", "kurt_y", "cokurt", "co_x2y", "co_xy2")
 DISC_MOMENTS = np.array([0.0, 0.0, 0.0, 2.0, 2.0, 2.0 / 3.0, 0.0, 0.0])
 

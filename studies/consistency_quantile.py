@@ -34,13 +34,14 @@ from studies.consistency_check import penalty_report
 
 Q_GRID = (0.01, 0.05, 0.10)
 # Selection criterion, fixed and committed before any dev number was computed:
-# the reference is q = 1% (the shipped value, the one that lowers the fewest of the actor's
-# own answers). A larger q is admissible only if, on dev, DualRead's natural AUROC is at
-# least the reference's minus AUROC_SLACK and its natural ECE (15 bins) at most the
-# reference's plus ECE_SLACK: the term must leave natural calibration alone. Going up the
-# grid, a larger admissible q replaces the current pick only if its DualRead answer-axis
-# drop is at least DROP_MARGIN above the current pick's (a larger q lowers more of the
-# actor's own answers, so it has to buy a clear gain); ties stay with the smaller q.
+# the reference is q = 1% (the value shipped when the rule was written, the one that lowers
+# the fewest of the actor's own answers). A larger q is admissible only if, on dev,
+# DualRead's natural AUROC is at least the reference's minus AUROC_SLACK and its natural
+# ECE (15 bins) at most the reference's plus ECE_SLACK: the term must leave natural
+# calibration alone. Going up the grid, a larger admissible q replaces the current pick
+# only if its DualRead answer-axis drop is at least DROP_MARGIN above the current pick's (a
+# larger q lowers more of the actor's own answers, so it has to buy a clear gain); ties
+# stay with the smaller q.
 REFERENCE_Q = 0.01
 AUROC_SLACK = 0.005
 ECE_SLACK = 0.005

@@ -51,6 +51,9 @@ def test_two_endpoints_split_the_items_into_one_resumable_file(two_services, tmp
     assert all(_answers_served(u) > s for u, s in zip((a, b), served))
     run = json.loads((shard / "run.json").read_text())
     assert sorted(run["items_by_url"]) == sorted([a, b])
+    # the command that reran it, with the options that differ from the defaults
+    assert run["command"] == (f"dualread probe ccg --url {a} --url {b} --data {data} "
+                              f"--out {shard} --concurrency 2 --bootstrap 50")
     assert all(n >= 2 for n in run["items_by_url"].values())     # 2 in flight each at start
     assert sum(run["items_by_url"].values()) == len(ids) == run["items_run"]
     stored = [json.loads(x)["id"] for x in (shard / "ccg.jsonl").read_text().splitlines()]

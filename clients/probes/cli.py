@@ -42,9 +42,17 @@ def probe(
     if any(n not in PROBES for n in names):
         raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
     urls = url or ["http://127.0.0.1:8000"]
+    # what reran it (never the API key); options at their defaults are left out
+    cmd = " ".join([f"dualread probe {name}", *(f"--url {u}" for u in urls), f"--data {data}",
+                    *([f"--limit {limit}"] if limit else []), f"--out {out}",
+                    *([f"--concurrency {concurrency}"] if concurrency != 16 else []),
+                    *([f"--seed {seed}"] if seed else []),
+                    *([f"--bootstrap {bootstrap}"] if bootstrap != 1000 else []),
+                    *([f"--deadline-s {deadline_s:g}"] if deadline_s != 24 * 3600.0 else [])])
     try:
         report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
-                     api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s)
+                     api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s,
+                     command=cmd)
     except TooManyFailures as e:
         console.print(f"[red]{e}[/red] (what finished is stored; re-run to continue):\n"
                       + "\n".join(e.failures[:5]), highlight=False)

@@ -372,9 +372,10 @@ def run(names: Sequence[str], url: str | Sequence[str], data: str, out: Path,
         limit: int | None = None, concurrency: int = 16, api_key: str | None = None,
         seed: int = 0, bootstrap: int = 1000, max_new_tokens: int | None = None,
         progress: bool = True, items: list[Item] | None = None,
-        deadline_s: float | None = DEADLINE_S) -> dict:
+        deadline_s: float | None = DEADLINE_S, command: str = "") -> dict:
     """Run probes `names` against the service at `url`, or split the items across several
-    endpoints of one deployment; returns report.json's content.
+    endpoints of one deployment; returns report.json's content. `command`: the command
+    line that ran it, recorded in `run.json`.
 
     A 429 is backpressure: each endpoint's client narrows its window of requests in flight
     (AIMD, `clients.http.AdaptiveLimit`) and retries, honouring `Retry-After`, until
@@ -416,7 +417,8 @@ def run(names: Sequence[str], url: str | Sequence[str], data: str, out: Path,
 
     stores, info = asyncio.run(go())
     report = write_reports(probes, chosen, stores, cfg, out)
-    info.update({"probes": list(names), "url": url if isinstance(url, str) else urls,
+    info.update({"command": command, "probes": list(names),
+                 "url": url if isinstance(url, str) else urls,
                  "data": data, "limit": limit,
                  "config": clean(asdict(cfg))})
     (out / "run.json").write_text(json.dumps(info, indent=1) + "\n")
