@@ -244,3 +244,19 @@ def test_outline_score_of_no_rows_and_of_more_rows_than_a_block():
     q[:, 2] = 0.5                                        # and an aspect: the outline's
     want = np.maximum(np.hypot(q[:, 1].numpy(), 0.5), 2 * 0.5)
     assert np.allclose(part.score(q), want, atol=1e-6)
+
+
+def test_a_large_object_keeps_its_outline_numbers_at_full_weight():
+    im = Image.new("RGB", (64, 64), BG)
+    ImageDraw.Draw(im).rectangle([(10, 12), (49, 51)], fill=(0, 128, 0))   # 40 × 40 px
+    plain = scene_descriptor(im, outline=Outline(moments=True, rays=8))
+    sized = scene_descriptor(im, outline=Outline(moments=True, rays=8, sized=True))
+    assert 2 * np.sqrt(40 * 40 / 64 ** 2) > 1                     # the gain is capped at 1
+    assert np.array_equal(sized, plain) and np.abs(plain[ln.DIM: ln.DIM + 16]).max() > 0.1
+
+
+def test_layout_descriptors_of_no_images_have_the_outline_width():
+    o = Outline(grid=3, rays=4)
+    none = layout_descriptors([], outline=o)
+    assert none.shape == (0, ln.DIM + ln.SLOTS * 13) and none.dtype == torch.float32
+    assert layout_descriptors([]).shape == (0, ln.DIM)

@@ -167,23 +167,29 @@ def test_detector_stage_fits_reader_images_and_calibrates_on_the_other_splits():
     assert 0 < log["cross_flag_rate"] < 1 and rates[0] != rates[1]
 
 
-def test_detector_stage_with_the_pixel_part_and_without_re_encodings_or_a_split():
+def test_detector_stage_with_the_pixel_part_and_one_clean_split():
     items, feats, splits = _stage_inputs()
+    # three reader images and one re-encoding a family (a small pixel bank)
+    splits["reader"] = torch.tensor([7, 1, 0, 5, 2, 8])
     splits["temperature"] = torch.tensor([], dtype=torch.long)
     col = _Readouts(2)
-    det, log = detector_stage(col, items, feats, splits, per_family=0, layout=False)
+    det, log = detector_stage(col, items, feats, splits, per_family=1, layout=False)
     ids = [it.image_id for it in items]
-    assert col.asked == [] and list(det.parts) == ["image", "question", "pixels"]
     reader_img = first_per_image(splits["reader"], ids)
+    assert reader_img.tolist() == [7, 1, 5]
+    aug = augment_items([items[i] for i in reader_img.tolist()], 1)
+    assert col.asked == [[it.id for it in aug]] and list(det.parts) == [
+        "image", "question", "pixels"]
     cal_img = first_per_image(splits["defer"], ids)
     px = det.parts["pixels"]
-    want = PixelNovelty().fit(pixel_descriptors(_images(items, reader_img))).calibrate(
-        pixel_descriptors(_images(items, cal_img)))
+    fit_px = torch.cat([pixel_descriptors(_images(items, reader_img)),
+                        pixel_descriptors([it.image() for it in aug])])
+    want = PixelNovelty().fit(fit_px).calibrate(pixel_descriptors(_images(items, cal_img)))
     assert torch.equal(px.t["bank"], want.t["bank"])
     assert torch.equal(px.t["calibration"], want.t["calibration"])
-    assert det.parts["image"].n_fit == 24 and len(det.parts["image"].t["calibration"]) == 4
-    assert log["parts"]["pixels"]["n_augmented"] == 0 and "layout" not in log["parts"]
-    assert log["parts"]["pixels"]["bank_descriptors"] == px.t["bank"].shape[0]
+    assert det.parts["image"].n_fit == 6 + 4 and len(det.parts["image"].t["calibration"]) == 4
+    assert log["parts"]["pixels"]["n_augmented"] == 4 and "layout" not in log["parts"]
+    assert log["parts"]["pixels"]["bank_descriptors"] == len(want.t["bank"])
     assert "cross_flag_rate" not in log                 # one clean split: nothing out of sample
     assert log["smallest_p_value"] == round(3 / 5, 6)
     rows = {k: v[splits["defer"]] for k, v in feats.items()}
