@@ -88,6 +88,9 @@ def _stage_inputs():
     return items, feats, splits
 
 
+ALPHA = 0.5     # the stage's α here: a cross-calibrated flag rate strictly between 0 and 1
+
+
 def _images(items, rows) -> list:
     return [items[i].image() for i in torch.as_tensor(rows).tolist()]
 
@@ -106,7 +109,7 @@ def test_augment_items_samples_each_family_with_the_seed_plus_200():
 def test_detector_stage_fits_reader_images_and_calibrates_on_the_other_splits():
     items, feats, splits = _stage_inputs()
     col = _Readouts(2)
-    det, log = detector_stage(col, items, feats, splits, per_family=2, seed=3, alpha=0.9,
+    det, log = detector_stage(col, items, feats, splits, per_family=2, seed=3, alpha=ALPHA,
                               pixels=False)
     ids = [it.image_id for it in items]
     reader_img = first_per_image(splits["reader"], ids)
@@ -137,9 +140,23 @@ def test_detector_stage_fits_reader_images_and_calibrates_on_the_other_splits():
     rows = {k: v[cal] for k, v in feats.items()}
     rows[LAYOUT_FEATURE] = layout_vectors(_images(items, cal))
     assert np.array_equal(det.clean, np.sort(det.clean_sample(rows)))
-    # the card
+    # the card: its fields (their prose is not checked) and the parts' kinds
     parts = log["parts"]
     assert list(parts) == ["image", "question", "layout"]
+    assert list(log) == ["parts", "combined", "alpha", "smallest_p_value", "clean_sample",
+                         "cross_flag_rate"] and list(log["clean_sample"]) == ["n", "of"]
+    assert list(parts["image"]) == ["kind", "feature", "fitted_on", "augment_families",
+                                    "augment_per_family", "n_images", "n_augmented",
+                                    "bank_tokens", "calibrated_on", "n_calibration"]
+    assert list(parts["question"]) == ["kind", "feature", "fitted_on", "n_fit",
+                                       "calibrated_on", "n_calibration"]
+    assert list(parts["layout"]) == ["kind", "feature", "side", "fitted_on",
+                                     "augment_families", "n_images", "n_augmented",
+                                     "bank_scenes", "calibrated_on", "n_calibration"]
+    assert (parts["image"]["kind"], parts["question"]["kind"]) == ("token_knn", "knn (k = 1)")
+    assert parts["layout"]["kind"].startswith("layout_knn_outline (")
+    assert (parts["layout"]["feature"], parts["layout"]["side"]) == (
+        NearLayoutNovelty.DESCRIBED["descriptor"], 64)
     assert (parts["image"]["n_images"], parts["image"]["n_augmented"],
             parts["image"]["augment_per_family"], parts["image"]["n_calibration"],
             parts["image"]["bank_tokens"]) == (8, 8, 2, 8, img.t["bank"].shape[0])
@@ -150,7 +167,10 @@ def test_detector_stage_fits_reader_images_and_calibrates_on_the_other_splits():
     assert parts["layout"]["augment_families"] == list(AUGMENT_FAMILIES)
     assert log["combined"] == "p = min(1, 3 min(p_image, p_question, p_layout)); flag when " \
                               "p < alpha"
-    assert log["alpha"] == 0.9 and log["smallest_p_value"] == round(3 / 9, 6)
+    assert log["alpha"] == ALPHA and log["smallest_p_value"] == round(3 / 9, 6)
+    for part in parts.values():                  # prose, but there
+        assert all(isinstance(part[k], str) and part[k]
+                   for k in ("kind", "feature", "fitted_on", "calibrated_on"))
     assert log["clean_sample"]["n"] == 24
     # out of sample: each clean split calibrates, the other is read, the rates averaged
     rates = []
@@ -162,39 +182,76 @@ def test_detector_stage_fits_reader_images_and_calibrates_on_the_other_splits():
                    "layout": lay.recalibrated(layout_vectors(_images(items, a_img)))}
         read = {k: v[splits[b]] for k, v in feats.items()}
         read[LAYOUT_FEATURE] = layout_vectors(_images(items, splits[b]))
-        rates.append((CompositeNovelty(by_hand).p_values(read) < 0.9).mean())
+        rates.append((CompositeNovelty(by_hand).p_values(read) < ALPHA).mean())
     assert log["cross_flag_rate"] == round(float(np.mean(rates)), 4)
+    assert round(float(np.mean(rates)), 5) != log["cross_flag_rate"]    # a fifth decimal
     assert 0 < log["cross_flag_rate"] < 1 and rates[0] != rates[1]
 
 
-def test_detector_stage_with_the_pixel_part_and_one_clean_split():
+def test_detector_stage_with_the_pixel_part(capsys):
     items, feats, splits = _stage_inputs()
-    # three reader images and one re-encoding a family (a small pixel bank)
-    splits["reader"] = torch.tensor([7, 1, 0, 5, 2, 8])
-    splits["temperature"] = torch.tensor([], dtype=torch.long)
+    # three reader images, one re-encoding a family, two rows of two images a clean split
+    splits = {"reader": torch.tensor([7, 1, 0, 5, 2, 8]), "temperature": torch.tensor([24, 27]),
+              "defer": torch.tensor([36, 40])}
     col = _Readouts(2)
-    det, log = detector_stage(col, items, feats, splits, per_family=1, layout=False)
+    det, log = detector_stage(col, items, feats, splits, per_family=1, alpha=0.6,
+                              layout=False)
     ids = [it.image_id for it in items]
+    described: dict = {}
+
+    def pixels_of(rows) -> torch.Tensor:           # each image described once in this test
+        for i in rows.tolist():
+            if ids[i] not in described:
+                described[ids[i]] = pixel_descriptors([items[i].image()])[0]
+        return torch.stack([described[ids[i]] for i in rows.tolist()])
+
     reader_img = first_per_image(splits["reader"], ids)
     assert reader_img.tolist() == [7, 1, 5]
     aug = augment_items([items[i] for i in reader_img.tolist()], 1)
     assert col.asked == [[it.id for it in aug]] and list(det.parts) == [
         "image", "question", "pixels"]
-    cal_img = first_per_image(splits["defer"], ids)
+    cal = torch.cat([splits["temperature"], splits["defer"]])
+    cal_img = first_per_image(cal, ids)
     px = det.parts["pixels"]
-    fit_px = torch.cat([pixel_descriptors(_images(items, reader_img)),
+    fit_px = torch.cat([pixels_of(reader_img),
                         pixel_descriptors([it.image() for it in aug])])
-    want = PixelNovelty().fit(fit_px).calibrate(pixel_descriptors(_images(items, cal_img)))
+    want = PixelNovelty().fit(fit_px).calibrate(pixels_of(cal_img))
     assert torch.equal(px.t["bank"], want.t["bank"])
     assert torch.equal(px.t["calibration"], want.t["calibration"])
     assert det.parts["image"].n_fit == 6 + 4 and len(det.parts["image"].t["calibration"]) == 4
-    assert log["parts"]["pixels"]["n_augmented"] == 4 and "layout" not in log["parts"]
-    assert log["parts"]["pixels"]["bank_descriptors"] == len(want.t["bank"])
-    assert "cross_flag_rate" not in log                 # one clean split: nothing out of sample
-    assert log["smallest_p_value"] == round(3 / 5, 6)
-    rows = {k: v[splits["defer"]] for k, v in feats.items()}
-    rows[PIXEL_FEATURE] = pixel_descriptors(_images(items, splits["defer"]))
+    assert len(det.parts["question"].t["calibration"]) == 4
+    pixels = log["parts"]["pixels"]
+    assert (pixels["n_images"], pixels["n_augmented"], pixels["bank_descriptors"]) == (
+        3, 4, len(want.t["bank"])) and "layout" not in log["parts"]
+    assert list(pixels) == ["kind", "feature", "side", "fitted_on", "n_images",
+                            "n_augmented", "bank_descriptors", "calibrated_on",
+                            "n_calibration"]
+    assert pixels["kind"].startswith("pixel_knn (") and pixels["fitted_on"]
+    assert log["smallest_p_value"] == round(3 / 5, 6) == log["alpha"]     # 4 rows, 4 images
+    assert "too few calibration items" in capsys.readouterr().err    # p < α never holds
+    rows = {k: v[cal] for k, v in feats.items()}
+    rows[PIXEL_FEATURE] = pixels_of(cal)
     assert np.array_equal(det.clean, np.sort(det.clean_sample(rows)))
+    rates = []
+    for a, b in (("temperature", "defer"), ("defer", "temperature")):
+        a_img = first_per_image(splits[a], ids)
+        by_hand = {"image": det.parts["image"].recalibrated(
+                       features(IMAGE_FEATURE, {k: v[a_img] for k, v in feats.items()})),
+                   "question": det.parts["question"].recalibrated(feats["h_pre"][splits[a]]),
+                   "pixels": px.recalibrated(pixels_of(a_img))}
+        read = {k: v[splits[b]] for k, v in feats.items()}
+        read[PIXEL_FEATURE] = pixels_of(splits[b])
+        rates.append((CompositeNovelty(by_hand).p_values(read) < 0.6).mean())
+    assert log["cross_flag_rate"] == round(float(np.mean(rates)), 4)
+
+
+def test_detector_stage_with_one_clean_split_reads_nothing_out_of_sample():
+    items, feats, splits = _stage_inputs()
+    splits["defer"] = torch.tensor([], dtype=torch.long)
+    det, log = detector_stage(_Readouts(2), items, feats, splits, per_family=0,
+                              pixels=False, layout=False)
+    assert list(det.parts) == ["image", "question"] and "cross_flag_rate" not in log
+    assert len(det.parts["image"].t["calibration"]) == 4 and len(det.clean) == 12
 
 
 def test_clean_rows_add_what_the_image_parts_read_and_reuse_described_images():
