@@ -32,7 +32,8 @@ def test_first_per_image_keeps_the_first_row_of_each_image_in_row_order():
     ids = ["a", "b", "a", "c", "b", "d"]
     got = first_per_image(torch.tensor([4, 2, 0, 3, 1]), ids)
     assert got.dtype == torch.long and got.tolist() == [4, 2, 3]
-    assert first_per_image(torch.tensor([], dtype=torch.long), ids).tolist() == []
+    none = first_per_image(torch.tensor([], dtype=torch.long), ids)
+    assert none.tolist() == [] and none.dtype == torch.long      # an index, even empty
 
 
 def _feats(rng: np.random.Generator, n: int, shift: float = 0.0) -> dict[str, torch.Tensor]:
@@ -254,6 +255,22 @@ def test_detector_stage_with_one_clean_split_reads_nothing_out_of_sample():
     assert len(det.parts["image"].t["calibration"]) == 4 and len(det.clean) == 12
 
 
+def test_the_cross_calibrated_rate_flags_below_alpha_only():
+    items, feats, splits = _stage_inputs()
+    _, log = detector_stage(_Readouts(2), items, feats, splits, per_family=0, alpha=1.0,
+                            pixels=False, layout=False)
+    assert log["cross_flag_rate"] < 1.0      # rows at p = 1 are not flagged at alpha 1
+
+
+def test_fit_detectors_caps_the_pixel_bank():
+    items = load("render:plain:2")
+    px = pixel_descriptors([items[0].image(), items[3].image()])
+    rng = np.random.default_rng(0)
+    f = _feats(rng, 4)
+    det = fit_detectors(f, None, f, f, pixels=(px, px), pixel_bank=100)
+    assert det.parts["pixels"].t["bank"].shape[0] == 100
+
+
 def test_clean_rows_add_what_the_image_parts_read_and_reuse_described_images():
     items, feats, _ = _stage_inputs()
     rows = torch.tensor([5, 0, 1, 40])
@@ -270,6 +287,8 @@ def test_clean_rows_add_what_the_image_parts_read_and_reuse_described_images():
     assert torch.equal(out[LAYOUT_FEATURE], lay)
     assert torch.equal(out[PIXEL_FEATURE], pixel_descriptors(_images(items, rows)))
     assert set(described) == {items[i].image_id for i in rows.tolist()}
+    assert torch.equal(_clean_rows(both, items, feats, rows)[PIXEL_FEATURE],
+                       out[PIXEL_FEATURE])                     # no cache given
     described[items[5].image_id] = torch.zeros_like(px[0])   # read from the cache
     again = _clean_rows(both, items, feats, rows, described)
     assert not again[PIXEL_FEATURE][0].any() and torch.equal(again[PIXEL_FEATURE][1:],
