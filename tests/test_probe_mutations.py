@@ -138,3 +138,17 @@ def test_plan_cuts_around_each_hesitation_in_pairs():
     rows = [(lab, t, m) for lab, t, m in zip(labels, trajs, masks) if lab.startswith("hes:")]
     assert rows == [(f"hes:{j}:{side}", cut, None) for j, pair in enumerate(cuts)
                     for side, cut in zip(("pre", "post"), pair)]
+
+
+def test_tgs_interval_is_the_seeded_image_bootstrap_of_the_mean():
+    from clients.probes.stats import cluster_bootstrap
+
+    rows = [{"image_id": f"i{k % 6}"} for k in range(24)]
+    d = np.linspace(0.0, 1.0, 24) ** 2
+    cfg = Config(data="test", bootstrap=37)
+    got = tgs_probe._ci(rows, d, cfg)
+    ids = [r["image_id"] for r in rows]
+    assert got == cluster_bootstrap(ids, lambda idx: float(d[idx].mean()), 37, 42)
+    assert got != cluster_bootstrap(ids, lambda idx: float(d[idx].mean()), 1000, 42)
+    assert got[0] < d.mean() < got[1]
+    assert np.isnan(tgs_probe._ci([], d, cfg)).all()               # no rows: no interval
