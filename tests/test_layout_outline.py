@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from scipy import stats
 
 import heads.layout_novelty as ln
 from heads.layout_novelty import (
@@ -154,3 +155,111 @@ def test_an_outline_part_saves_loads_and_refuses_version_1_vectors(tmp_path):
     other().fit(y[:12]).calibrate(y[12:]).save(tmp_path, "other")
     with pytest.raises(ValueError, match="descriptor: the part records"):
         cls.load(tmp_path, "other")                               # same kind, other outline
+
+
+def test_moments_of_a_triangle_are_its_pixel_coordinates_moments():
+    # a slanted triangle: skewed, correlated, not symmetric about either axis
+    tri = (np.arange(12)[None, :] <= 1.3 * np.arange(9)[:, None] + 1).astype(float)
+    ys, xs = np.nonzero(tri)
+    zx, zy = (xs - xs.mean()) / xs.std(), (ys - ys.mean()) / ys.std()
+    want = [np.mean(zx * zy), stats.skew(xs), stats.skew(ys),
+            stats.kurtosis(xs, fisher=False), stats.kurtosis(ys, fisher=False),
+            np.mean(zx ** 2 * zy ** 2), np.mean(zx ** 2 * zy), np.mean(zx * zy ** 2)]
+    assert np.allclose(ln._moments(tri), want, atol=1e-9)
+    assert len(set(np.round(want, 6))) == 8                        # no two alike
+
+
+def test_moments_of_a_bar_two_pixels_thick():
+    # a coordinate's variance under 1 (two rows: 1/4) is standardised like any other
+    for bar, across in ((np.ones((2, 24)), 4), (np.ones((24, 2)), 3)):
+        m = ln._moments(bar)
+        assert m[across] == pytest.approx(1.0) and m[5] == pytest.approx(1.0)
+
+
+def test_rays_of_drawn_masks_worked_out_by_hand():
+    # an L: a 10 x 20 bar over a 10 x 10 block at its left; centroid (7⅚, 7⅚); a ray
+    # leaves it at a pixel's edge: right 19.5 and down 19.5, up and left −0.5
+    ell = np.zeros((20, 20))
+    ell[:10, :] = 1.0
+    ell[10:, :10] = 1.0
+    r = np.array([19.5 - 47 / 6, 47 / 6 + 0.5, 47 / 6 + 0.5, 19.5 - 47 / 6])
+    assert np.allclose(ln._rays(ell, 4), r / r.mean() - 1, atol=1e-9)
+    # a 21 x 5 block with a 3-px bar to its right: centroid (10, 12); rightwards the ray
+    # does not leave the object within the half diagonal + 2 and is read at its last
+    # sample, 24.5 px
+    flag = np.zeros((21, 40))
+    flag[:, :5] = 1.0
+    flag[9:12, 5:] = 1.0
+    r = np.array([24.5, 1.5, 12.5, 1.5])
+    assert np.allclose(ln._rays(flag, 4), r / r.mean() - 1, atol=1e-9)
+    # a frame: the centroid is off the object, every ray 0 (−1 after the mean)
+    frame = np.ones((12, 12))
+    frame[2:-2, 2:-2] = 0.0
+    assert np.array_equal(ln._rays(frame, 4), -np.ones(4))
+    # a one-pixel diagonal line: the centroid sits where it is exactly ½; across it the
+    # rays are 0, along the axes ½ px, along it ≈ 3.95 (2.5·√2 to the last pixel's centre,
+    # then where the bilinear value falls to ½, (1 − √½)·√2 further)
+    out = ln._rays(np.eye(6), 8)
+    assert np.array_equal(out[[1, 5]], [-1.0, -1.0])
+    assert np.allclose(out[[0, 2, 4, 6]], out[0]) and out[3] == pytest.approx(out[7])
+    along = 2.5 * np.sqrt(2) + (1 - np.sqrt(0.5)) * np.sqrt(2)
+    assert (1 + out[3]) / (1 + out[0]) == pytest.approx(along / 0.5, abs=0.02)
+
+
+def test_outline_numbers_of_a_partial_mask_and_of_no_outline():
+    soft = np.zeros((4, 4))
+    soft[:2, :2] = 1.0                                   # the top-left quarter
+    got = ln._outline(soft, Outline(grid=2, grid_weight=3.0), gain=5.0)
+    assert np.allclose(got, [1.5, 0.0, 0.0, 0.0])        # weight/grid, not scaled by gain
+    assert ln._outline(soft, Outline()).shape == (0,)
+
+
+def test_outline_text_and_the_part_class_it_names():
+    assert Outline().text() == "none"
+    o = Outline(grid=6, grid_weight=2.0, moments=True, moment_weight=0.5, rays=16,
+                ray_weight=3.0, sized=True, aspect_weight=1.0, area_weight=0.5,
+                colour_weight=0.25, shape_factor=2.0)
+    assert o.text() == ("6x6 thumbnail (weight 2), standardised moments (weight 0.5), "
+                        "16-ray radial profile (weight 3), times 2·sqrt(area share) capped "
+                        "at 1, aspect weight 1, area weight 0.5, colour weight 0.25, score "
+                        "also 2 x nearest outline")
+    cls = outline_part(o, "layout_knn_x", "scene_x")
+    assert issubclass(cls, ln.OutlineLayoutNovelty) and cls.KIND == "layout_knn_x"
+    assert cls.OUTLINE is o and cls.DIM == ln.DIM + ln.SLOTS * (36 + 8 + 16)
+    assert cls.DESCRIBED == {"side": ln.SIDE, "descriptor": ln.DESCRIBED["descriptor"]
+                             + "; outline: " + o.text()}
+    part = cls()
+    assert (part.kind, part.feature) == ("layout_knn_x", "scene_x")
+
+
+def test_shape_columns_without_outline_numbers():
+    keep = shape_columns(None)
+    assert keep.dtype == bool and keep.shape == (ln.DIM,)
+    assert keep.sum() == ln.DIM - 4 * ln.SLOTS
+
+
+def test_outline_score_of_no_rows_and_of_more_rows_than_a_block():
+    part = outline_part(Outline(shape_factor=2.0), "layout_knn_test")().fit(
+        torch.zeros(3, ln.DIM, dtype=torch.float64))
+    assert part.score(torch.zeros(0, ln.DIM)).shape == (0,)
+    q = torch.zeros(1500, ln.DIM, dtype=torch.float64)
+    q[:, 1] = torch.linspace(0.0, 1.0, 1500)             # an area only: scene distance
+    q[:, 2] = 0.5                                        # and an aspect: the outline's
+    want = np.maximum(np.hypot(q[:, 1].numpy(), 0.5), 2 * 0.5)
+    assert np.allclose(part.score(q), want, atol=1e-6)
+
+
+def test_a_large_object_keeps_its_outline_numbers_at_full_weight():
+    im = Image.new("RGB", (64, 64), BG)
+    ImageDraw.Draw(im).rectangle([(10, 12), (49, 51)], fill=(0, 128, 0))   # 40 × 40 px
+    plain = scene_descriptor(im, outline=Outline(moments=True, rays=8))
+    sized = scene_descriptor(im, outline=Outline(moments=True, rays=8, sized=True))
+    assert 2 * np.sqrt(40 * 40 / 64 ** 2) > 1                     # the gain is capped at 1
+    assert np.array_equal(sized, plain) and np.abs(plain[ln.DIM: ln.DIM + 16]).max() > 0.1
+
+
+def test_layout_descriptors_of_no_images_have_the_outline_width():
+    o = Outline(grid=3, rays=4)
+    none = layout_descriptors([], outline=o)
+    assert none.shape == (0, ln.DIM + ln.SLOTS * 13) and none.dtype == torch.float32
+    assert layout_descriptors([]).shape == (0, ln.DIM)

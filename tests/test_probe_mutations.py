@@ -114,3 +114,41 @@ def test_a_probe_against_an_answer_only_deployment_says_so():
     item = Item(id="i", image_path="none.png", question="q?", answer="yes", image_id="im")
     with pytest.raises(RuntimeError, match="answer-only"):
         asyncio.run(Memo(ctx, item)._call(lambda: b""))
+
+
+HESITANT = ("<think>I see a red circle. Wait, it may be orange. Hmm, no: the colour is red."
+            "</think><answer>red</answer><confidence>8</confidence>")
+
+
+def test_plan_masks_each_ratio_with_each_seed_and_the_whole_think_once():
+    cfg = Config(data="test", bootstrap=50, mask_ratios=(0.0, 0.5, 1.0), mask_seeds=(3, 4))
+    labels, trajs, masks, _ = tgs_probe.plan(HESITANT, "what color is the shape?", "0:i", cfg)
+    assert len(labels) == len(trajs) == len(masks)
+    rows = [(lab, t, m) for lab, t, m in zip(labels, trajs, masks) if lab.startswith("mask:")]
+    assert rows == [
+        ("mask:0.5:3", HESITANT, {"target": "think", "ratio": 0.5, "seed": 3}),
+        ("mask:0.5:4", HESITANT, {"target": "think", "ratio": 0.5, "seed": 4}),
+        ("mask:1:0", HESITANT, {"target": "think", "ratio": 1.0, "seed": 0})]   # 0%: none
+
+
+def test_plan_cuts_around_each_hesitation_in_pairs():
+    labels, trajs, masks, _ = tgs_probe.plan(HESITANT, "what color is the shape?", "0:i", CFG)
+    cuts = text.hesitations(HESITANT)
+    assert len(cuts) == 2
+    rows = [(lab, t, m) for lab, t, m in zip(labels, trajs, masks) if lab.startswith("hes:")]
+    assert rows == [(f"hes:{j}:{side}", cut, None) for j, pair in enumerate(cuts)
+                    for side, cut in zip(("pre", "post"), pair)]
+
+
+def test_tgs_interval_is_the_seeded_image_bootstrap_of_the_mean():
+    from clients.probes.stats import cluster_bootstrap
+
+    rows = [{"image_id": f"i{k % 6}"} for k in range(24)]
+    d = np.linspace(0.0, 1.0, 24) ** 2
+    cfg = Config(data="test", bootstrap=37)
+    got = tgs_probe._ci(rows, d, cfg)
+    ids = [r["image_id"] for r in rows]
+    assert got == cluster_bootstrap(ids, lambda idx: float(d[idx].mean()), 37, 42)
+    assert got != cluster_bootstrap(ids, lambda idx: float(d[idx].mean()), 1000, 42)
+    assert got[0] < d.mean() < got[1]
+    assert np.isnan(tgs_probe._ci([], d, cfg)).all()               # no rows: no interval
