@@ -314,21 +314,6 @@ def test_store_resumes_and_drops_a_half_written_line(tmp_path):
     assert Store(path, {"a": 2}).done == {}            # other parameters: nothing reused
 
 
-def test_store_moves_rows_of_another_parameter_set_aside(tmp_path):
-    path = tmp_path / "p.jsonl"
-    old = Store(path, {"heads": "old"})
-    old.add("x", {"v": 1})
-    old.close()
-    new = Store(path, {"heads": "new"})
-    new.add("y", {"v": 2})
-    new.close()
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["y"]            # only the run the file reports
-    moved = [json.loads(x) for x in (tmp_path / "p.jsonl.previous").read_text().splitlines()]
-    assert [(r["id"], r["record"]) for r in moved] == [("x", {"v": 1})]
-    assert Store(path, {"heads": "new"}).done == {"y": {"v": 2}}
-
-
 def test_probes_send_computed_pixels_of_corrupted_items(tmp_path):
     from dataclasses import dataclass
 

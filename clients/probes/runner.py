@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from rich.console import Console
 
 from clients.http import AsyncDualReadClient
 from clients.probes.images import png
@@ -35,7 +34,6 @@ from models.data import HardNegativeIndex, Item
 
 FORMAT = 1          # bump when a record's layout changes: old lines stop matching
 DEADLINE_S = 24 * 3600.0   # how long a run keeps retrying 429s (backpressure) by default
-console = Console(stderr=True)
 
 
 class TooManyFailures(RuntimeError):
@@ -84,9 +82,7 @@ def tag_of(params: dict) -> str:
 
 
 class Store:
-    """Append-only JSONL of finished items for one probe and one parameter set. Rows of
-    another parameter set (other heads, actor or settings) found at open are moved to
-    `<file>.previous`, replacing what it held: the file holds only the run it reports."""
+    """Append-only JSONL of finished items for one probe and one parameter set."""
 
     def __init__(self, path: Path, params: dict) -> None:
         self.path = Path(path)
@@ -103,7 +99,6 @@ class Store:
         if len(keep) != len(raw):
             with open(self.path, "r+b") as fh:
                 fh.truncate(len(keep))
-        mine, other = [], []
         for line in keep.decode("utf-8").splitlines():
             try:
                 row = json.loads(line)
@@ -111,15 +106,6 @@ class Store:
                 continue
             if row.get("tag") == self.tag:
                 self.done[row["id"]] = row["record"]
-                mine.append(line)
-            else:
-                other.append(line)
-        if other:
-            previous = self.path.with_name(self.path.name + ".previous")
-            previous.write_text("".join(x + "\n" for x in other), encoding="utf-8")
-            self.path.write_text("".join(x + "\n" for x in mine), encoding="utf-8")
-            console.log(f"{self.path.name}: {len(other)} rows of another parameter set "
-                        f"moved to {previous.name}")
 
     def add(self, item_id: str, record: dict) -> None:
         self.fh.write(json.dumps({"id": item_id, "tag": self.tag, "record": record}) + "\n")
