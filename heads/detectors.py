@@ -24,7 +24,14 @@ from rich.console import Console
 
 from heads.collect import Collector
 from heads.layout_novelty import NearLayoutNovelty, layout_descriptors
-from heads.novelty import ALPHA, CompositeNovelty, ImagePart, Novelty, features
+from heads.novelty import (
+    ALPHA,
+    IMAGE_FEATURES,
+    CompositeNovelty,
+    ImagePart,
+    Novelty,
+    features,
+)
 from heads.pixel_novelty import PIXEL_BANK, PIXEL_FEATURE, PixelNovelty, pixel_descriptors
 from heads.splits import splits_of
 from models.data import Item
@@ -122,10 +129,13 @@ def _clean_rows(det: CompositeNovelty, items: list[Item], feats: dict, rows: tor
     """Feature rows of `rows`, with what each part reads from the rows' images (the clean
     sample and its checks read every part)."""
     out = _rows(feats, rows)
-    if PIXEL_FEATURE in det.image_features:
-        out[PIXEL_FEATURE] = _descriptors(items, rows, {} if described is None else described)
-    if LAYOUT_FEATURE in det.image_features:
-        out[LAYOUT_FEATURE] = _layouts(items, rows)
+    for f in det.image_features:
+        if f == PIXEL_FEATURE:
+            out[f] = _descriptors(items, rows, {} if described is None else described)
+        elif f == LAYOUT_FEATURE:
+            out[f] = _layouts(items, rows)
+        else:           # a part of heads fitted before (an older layout version)
+            out[f] = IMAGE_FEATURES[f]([items[i].image() for i in rows.tolist()])
     return out
 
 

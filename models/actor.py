@@ -92,8 +92,11 @@ class RowLimits(StoppingCriteria):
 
 
 def processor_size(image_processor: object, height: int, width: int) -> tuple[int, int] | None:
-    """The (height, width) a Qwen2-VL-style image processor resizes an image to (its own
-    module's `smart_resize`), or None for processors that do not resize that way."""
+    """The (height, width) a Qwen2-VL-style PIL image processor resizes an image to (its own
+    module's `smart_resize`), or None for processors that do not resize that way (the
+    torchvision ones resample differently) or would refuse the size."""
+    if not type(image_processor).__name__.endswith("Pil"):
+        return None
     smart_resize = getattr(sys.modules.get(type(image_processor).__module__), "smart_resize",
                            None)
     size = getattr(image_processor, "size", None)
@@ -101,8 +104,11 @@ def processor_size(image_processor: object, height: int, width: int) -> tuple[in
     if (smart_resize is None or not getattr(image_processor, "do_resize", False)
             or not patch or not merge or not getattr(size, "longest_edge", None)):
         return None
-    return tuple(smart_resize(height, width, factor=patch * merge,
-                              min_pixels=size.shortest_edge, max_pixels=size.longest_edge))
+    try:
+        return tuple(smart_resize(height, width, factor=patch * merge,
+                                  min_pixels=size.shortest_edge, max_pixels=size.longest_edge))
+    except ValueError:      # e.g. an aspect ratio past its limit after rounding
+        return None
 
 
 def prepared_images(images: Sequence[Image.Image], image_processor: object = None

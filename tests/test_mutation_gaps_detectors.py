@@ -293,3 +293,16 @@ def test_clean_rows_add_what_the_image_parts_read_and_reuse_described_images():
     again = _clean_rows(both, items, feats, rows, described)
     assert not again[PIXEL_FEATURE][0].any() and torch.equal(again[PIXEL_FEATURE][1:],
                                                               out[PIXEL_FEATURE][1:])
+
+
+def test_clean_rows_read_a_layout_part_of_heads_fitted_before_by_its_own_feature():
+    from heads.layout_novelty import LAYOUT_FEATURE as OLD_FEATURE
+    from heads.layout_novelty import LayoutNovelty, layout_descriptors
+
+    items, feats, _ = _stage_inputs()
+    rows = torch.tensor([5, 0, 1])
+    old = CompositeNovelty({"layout": LayoutNovelty().fit(
+        layout_descriptors(_images(items, rows)))})
+    assert OLD_FEATURE != LAYOUT_FEATURE           # the fitted part reads another vector
+    out = _clean_rows(old, items, feats, rows)
+    assert torch.equal(out[OLD_FEATURE], layout_descriptors(_images(items, rows)))

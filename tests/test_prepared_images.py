@@ -74,3 +74,22 @@ def test_without_a_smart_resize_processor_images_are_only_made_rgb():
     out = prepared_images([grey, grey], object())
     assert out[0] is out[1] and out[0].mode == "RGB" and out[0].size == (300, 200)
     assert processor_size(object(), 300, 200) is None
+
+
+def test_a_size_the_processors_rule_refuses_after_rounding_is_left_to_the_processor(qwen3):
+    ip = copy.deepcopy(qwen3.processor.image_processor)
+    ip.size = SizeDict(shortest_edge=3136, longest_edge=1003520)   # a stock Qwen budget
+    thin = _rand(80, 12800)                                         # aspect 160 < 200
+    ready = prepared_images([thin], ip)                             # no ValueError
+    direct, mine = _pixels(ip, [thin]), _pixels(ip, ready)
+    assert all(torch.equal(direct[k], mine[k]) for k in direct)
+
+
+def test_only_the_pil_processors_are_shrunk_ahead(qwen3):
+    ip = _wide_range(qwen3)
+    assert processor_size(ip, 700, 900) is not None
+    fast = copy.copy(ip)
+    fast.__class__ = type("Qwen2VLImageProcessorFast", (type(ip),),
+                          {"__module__": type(ip).__module__})     # resamples otherwise
+    assert processor_size(fast, 700, 900) is None
+    assert prepared_images([_rand(700, 900)], fast)[0].size == (900, 700)

@@ -5,6 +5,7 @@ Pillow, typer), no model stack. `app.cli` registers it in the full command tree;
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -43,12 +44,14 @@ def probe(
         raise typer.BadParameter(f"choose one of {', '.join(PROBES)} or all", param_hint="NAME")
     urls = url or ["http://127.0.0.1:8000"]
     # what reran it (never the API key); options at their defaults are left out
-    cmd = " ".join([f"dualread probe {name}", *(f"--url {u}" for u in urls), f"--data {data}",
-                    *([f"--limit {limit}"] if limit else []), f"--out {out}",
-                    *([f"--concurrency {concurrency}"] if concurrency != 16 else []),
-                    *([f"--seed {seed}"] if seed else []),
-                    *([f"--bootstrap {bootstrap}"] if bootstrap != 1000 else []),
-                    *([f"--deadline-s {deadline_s:g}"] if deadline_s != 24 * 3600.0 else [])])
+    cmd = shlex.join(["dualread", "probe", name, *(x for u in urls for x in ("--url", u)),
+                      "--data", data, *(["--limit", str(limit)] if limit is not None else []),
+                      "--out", str(out),
+                      *(["--concurrency", str(concurrency)] if concurrency != 16 else []),
+                      *(["--seed", str(seed)] if seed else []),
+                      *(["--bootstrap", str(bootstrap)] if bootstrap != 1000 else []),
+                      *(["--deadline-s", repr(deadline_s)] if deadline_s != 24 * 3600.0
+                        else [])])
     try:
         report = run(names, urls[0] if len(urls) == 1 else urls, data, out, limit, concurrency,
                      api_key, seed, bootstrap, progress=progress, deadline_s=deadline_s,
