@@ -129,12 +129,10 @@ def _clean_rows(det: CompositeNovelty, items: list[Item], feats: dict, rows: tor
     """Feature rows of `rows`, with what each part reads from the rows' images (the clean
     sample and its checks read every part)."""
     out = _rows(feats, rows)
-    for f in det.image_features:
-        if f == PIXEL_FEATURE:
+    for f in det.image_features:    # each part by its own feature (older heads' too)
+        if f == PIXEL_FEATURE:      # cached: the pixel descriptors are the costly ones
             out[f] = _descriptors(items, rows, {} if described is None else described)
-        elif f == LAYOUT_FEATURE:
-            out[f] = _layouts(items, rows)
-        else:           # a part of heads fitted before (an older layout version)
+        else:
             out[f] = IMAGE_FEATURES[f]([items[i].image() for i in rows.tolist()])
     return out
 
