@@ -67,3 +67,66 @@ def test_the_documented_multipart_part_says_what_it_takes(api):
     part = form["schema"]["properties"]["max_new_tokens"]
     assert part["type"] == "integer" and "8.0" in part["description"]
     assert form["encoding"]["max_new_tokens"]["contentType"] == "application/json"
+
+
+# ------------------------------------------------------------------ 2. plain messages
+R = "<think>a red circle</think><answer>red</answer>"
+# What each hostile value got before: pydantic's names for a union's choices in the path
+# ("mask.target.(field)"), or a bound for a value that is no number at all.
+SCORE = '{"image": "IMG", "question": "q", "response": "RESP", "mask": %s}'
+PLAIN = [
+    ("/probe/score", SCORE % '{"ratio": NaN}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"ratio": -Infinity}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"ratio": 1.5}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"target": "foo"}',
+     "mask.target: must be 'think', 'answer' or 'response', or an array"),
+    ("/probe/score", SCORE % '{"target": [0, 1.5]}',
+     "mask.target.1: must be an integer from 0 to 20000"),
+    ("/probe/score", SCORE % '{"seed": -1}', "mask.seed: must be an integer from 0 to "),
+    ("/probe/score_batch", '{"image": "IMG", "question": "q", "trajectories": '
+                           '[{"response": "RESP", "mask": {"ratio": NaN}}]}',
+     "trajectories.0.mask.ratio: must be a number from 0 to 1"),
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": 5}',
+     "counterfactual: must be 'blank', or a string"),
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "abc"}',
+     "counterfactual: String should have at least 4 characters"),
+    ("/answer", '{"image": "IMG", "question": "q", "max_new_tokens": NaN}',
+     "max_new_tokens: must be an integer from 1 to 1024"),
+]
+
+
+@pytest.mark.parametrize("path, body, detail", PLAIN)
+def test_validation_messages_name_the_request_s_fields_in_plain_words(api, path, body,
+                                                                      detail):
+    r = api.post(path, content=body.replace("IMG", IMG).replace("RESP", R),
+                 headers={"content-type": "application/json"})
+    got = assert_error(r, 422, detail)["detail"]
+    assert "(field)" not in got and "Input should be" not in got and "literal[" not in got
+    assert "less than" not in got and "greater than" not in got, got
+
+
+def test_the_openai_route_names_its_fields_in_plain_words(api):
+    """The OpenAI route shares the messages: a content part by its index, not pydantic's
+    `content.str` or `content.(field).0.text.text`."""
+    uri = "data:image/png;base64," + IMG
+    image = {"type": "image_url", "image_url": {"url": uri}}
+    cases = [
+        ([{"type": "text", "text": 5}, image], {}, "messages.0.content.0.text: "),
+        ([image, {"type": "image_url", "image_url": {"url": uri, "x": 1}}], {},
+         "messages.0.content.1.image_url: unexpected field"),
+        (5, {}, "messages.0.content: must be a string, or an array"),
+        ([image, {"type": "text", "text": Q}], {"temperature": float("nan")},
+         "temperature: must be a number from 0 to 2"),
+        ([image, {"type": "text", "text": Q}], {"n": 2}, "n: must be an integer equal to 1"),
+    ]
+    for content, extra, detail in cases:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}],
+                           **extra})
+        r = api.post("/v1/chat/completions", content=body,
+                     headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(detail), (detail, message)
+        assert "(field)" not in message and ".str" not in message and "text.text" not in \
+            message and "image_url.image_url" not in message, message
+

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
-from app.errors import InvalidInput, UnsupportedMediaType, explain
+from app.errors import InvalidInput, UnsupportedMediaType, explain, explain_json
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, confidence, error_responses
 from app.schemas import (
     AnswerRequest,
@@ -221,15 +221,19 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     return AnswerItem(image, question, limit)
 
 
+def _validate_json(raw: bytes) -> AnswerRequest:
+    try:
+        return AnswerRequest.model_validate_json(raw)
+    except ValidationError as e:
+        raise InvalidInput(explain_json(e.errors(), raw)) from None
+
+
 async def _json(request: Request, serving: Serving) -> AnswerItem:
     raw = await request.body()
     # a UTF-8 byte-order mark is ignored, as FastAPI's parser does on the other routes
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
-    try:
-        # off the event loop: a 30 MB body of escapes takes pydantic 0.2 s to decode
-        body = await run_in_threadpool(AnswerRequest.model_validate_json, raw)
-    except ValidationError as e:
-        raise InvalidInput(explain(e.errors())) from None
+    # off the event loop: a 30 MB body of escapes takes pydantic 0.2 s to decode
+    body = await run_in_threadpool(_validate_json, raw)
     question = serving.question(body.question)
     limit = serving.max_new_tokens(body.max_new_tokens)
     return AnswerItem(await serving.image_b64(body.image), question, limit)
