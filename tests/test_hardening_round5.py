@@ -18,7 +18,7 @@ IMG = b64(PNG)
 
 def _json_answer(api, number: str):
     """/answer with `max_new_tokens` written as this JSON number, byte for byte."""
-    body = '{"image": "%s", "question": "%s", "max_new_tokens": %s}' % (IMG, Q, number)
+    body = f'{{"image": "{IMG}", "question": "{Q}", "max_new_tokens": {number}}}'
     return api.post("/answer", content=body, headers={"content-type": "application/json"})
 
 
@@ -130,3 +130,41 @@ def test_the_openai_route_names_its_fields_in_plain_words(api):
         assert "(field)" not in message and ".str" not in message and "text.text" not in \
             message and "image_url.image_url" not in message, message
 
+
+# ------------------------------------------------------------------ 3. a clean answer field
+# (response, finished, answer): responses that do not parse, each deferred
+UNUSABLE = [
+    ("<think>I see a red circle, so the", False, ""),          # cut off in its reasoning
+    ("<think>a red circle</think><ans", False, ""),            # cut off inside the tag
+    ("<think>a red circle</think><answer", False, ""),
+    ("<think>a red circle</think> red <conf", False, "red"),
+    ("<think>a red circle</think><answer>red</answer><answer>blue</answer>", True, ""),
+    ("<think>a red circle</think><answer></think></answer>", True, ""),
+]
+
+
+@pytest.mark.parametrize("text, finished, answer", UNUSABLE)
+def test_answer_holds_no_piece_of_a_tag_when_the_response_does_not_parse(
+        api, service, monkeypatch, text, finished, answer):
+    from tests.helpers import stub_answers
+
+    stub_answers(monkeypatch, service, text, finished=finished)
+    body = api.post("/answer", json={"image": IMG, "question": Q}).json()
+    assert body["response"] == text
+    assert body["answer"] == answer, body["answer"]
+    assert body["defer"] and set(body["defer_reasons"]) & {
+        "no_answer_tag", "empty_answer", "truncated", "degenerate_repetition"}, body
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("<think>a</think><answer>red</think></answer><confidence>9</confidence>", "red"),
+    ("<think>a</think><answer><think>b</think> red </answer>", "red"),
+    ("<think>a</think>red</answer>", "red"),               # no answer tag: after reasoning
+    ("  Left kidney \n", "Left kidney"),                  # a plain-format actor's answer
+    ("x < 5", "x < 5"),                                  # a "<" that starts no tag stays
+    ("<think>a</think>\n<answer>red</answer><confidence>8</confidence>", "red"),
+])
+def test_parse_keeps_the_answer_and_drops_only_the_format_s_markup(text, answer):
+    from models.parse import parse_response
+
+    assert parse_response(text).answer == answer
