@@ -188,10 +188,16 @@ DEFER_CODES: dict[DeferCode, str] = {
 
 
 class Timings(BaseModel):
-    queue: float
-    generate: float
-    readout: float
-    heads: float
+    """Milliseconds per stage of one answer."""
+
+    decode_wait: float = Field(
+        0.0, description="waiting for a decode slot (the service decodes at most "
+                         "max_decodes images at once): other requests' large images held "
+                         "this one before it was queued; 0 when a slot was free")
+    queue: float = Field(..., description="queued for the model, until its batch started")
+    generate: float = Field(..., description="the batch's generation")
+    readout: float = Field(..., description="the batch's readout of the actor's states")
+    heads: float = Field(..., description="the batch's heads (confidences, novelty)")
 
 
 class AnswerResponse(BaseModel):
@@ -203,7 +209,8 @@ class AnswerResponse(BaseModel):
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
         "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
-        "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
+        "timings_ms": {"decode_wait": 0.0, "queue": 1.2, "generate": 80.1, "readout": 3.0,
+                       "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence | None = Field(

@@ -168,3 +168,44 @@ def test_parse_keeps_the_answer_and_drops_only_the_format_s_markup(text, answer)
     from models.parse import parse_response
 
     assert parse_response(text).answer == answer
+
+
+# ------------------------------------------------------------------ 4. decode_wait
+def test_the_wait_for_a_decode_slot_is_reported_in_the_timings(service, monkeypatch):
+    """With one decode slot, a small request sent while a large image decodes waits for
+    it before it is queued: `timings_ms.decode_wait` says how long; its own queue time does
+    not hold that wait, and a request that found a slot free reports about nothing."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    import app.serving as serving_module
+    from tests.helpers import small_limits_client
+
+    big = png_bytes(random_image(1, 64, 64))
+    opened = serving_module.open_image
+    decoding = threading.Event()
+
+    def slow_for_big(raw, max_pixels):
+        if raw == big:
+            decoding.set()
+            time.sleep(0.8)                   # a large image's decode, holding the slot
+        return opened(raw, max_pixels)
+
+    monkeypatch.setattr(serving_module, "open_image", slow_for_big)
+    with small_limits_client(service, max_decodes=1) as c, cf.ThreadPoolExecutor(1) as pool:
+        lone = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+        held = pool.submit(c.post, "/answer", json={"image": b64(big), "question": Q})
+        assert decoding.wait(5)
+        small = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+        assert held.result().status_code == 200
+    assert set(small) == {"decode_wait", "queue", "generate", "readout", "heads"}
+    assert small["decode_wait"] >= 400, small          # most of the big decode's 800 ms
+    assert small["queue"] < small["decode_wait"], small
+    assert lone["decode_wait"] < 100, lone
+
+
+def test_the_decode_wait_is_documented_and_in_the_document(api):
+    doc = api.get("/openapi.json").json()
+    timings = doc["components"]["schemas"]["Timings"]["properties"]
+    assert "decode_wait" in timings and "max_decodes" in timings["decode_wait"]["description"]

@@ -254,7 +254,8 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         calibrated=res.calibrated,
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
-        timings_ms=Timings(queue=round(queued_s * 1000, 3),
+        timings_ms=Timings(decode_wait=round(serving.decode_wait_s() * 1000, 3),
+                           queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),
                            readout=round(t.readout * 1000, 3), heads=round(t.heads * 1000, 3)))
 
