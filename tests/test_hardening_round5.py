@@ -61,6 +61,34 @@ def test_multipart_text_that_is_no_json_integer_is_refused_as_json_refuses_a_str
     assert from_form["detail"] == from_json["detail"]
 
 
+SPAN = '{"image": "IMG", "question": "q", "response": "<think>a</think><answer>red</answer>", '
+INTEGER_FIELDS = [
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "blank", '
+                              '"max_new_tokens": %s}', "max_new_tokens", "4"),
+    ("/probe/score", SPAN + '"mask": {"seed": %s}}', "mask.seed", "3"),
+    ("/probe/score", SPAN + '"mask": {"target": [0, %s]}}', "mask.target.1", "9"),
+    ("/probe/score_batch", '{"image": "IMG", "question": "q", "trajectories": [{"response": '
+                           '"<think>a</think><answer>red</answer>", "mask": {"seed": %s}}]}',
+     "trajectories.0.mask.seed", "3"),
+]
+
+
+@pytest.mark.parametrize("path, body, field, whole", INTEGER_FIELDS)
+def test_every_integer_field_of_the_probes_reads_numbers_as_max_new_tokens_does(
+        api, path, body, field, whole):
+    """One rule for every integer field: a whole number with a fraction is that integer,
+    any other number or type is refused with one message naming the field and its range."""
+    def post(value: str):
+        return api.post(path, content=(body % value).replace("IMG", IMG),
+                        headers={"content-type": "application/json"})
+
+    as_int, as_float = post(whole), post(whole + ".0")
+    assert as_int.status_code == as_float.status_code == 200, as_float.text
+    for bad in (whole + ".5", f'"{whole}"', "true", "NaN", "-1", "1e30"):
+        detail = assert_error(post(bad), 422, f"{field}: must be an integer from ")["detail"]
+        assert "; " not in detail, detail             # one message, not one per choice
+
+
 def test_the_documented_multipart_part_says_what_it_takes(api):
     doc = api.get("/openapi.json").json()
     form = doc["paths"]["/answer"]["post"]["requestBody"]["content"]["multipart/form-data"]
