@@ -50,7 +50,7 @@ def _multipart_schema() -> dict:
                             "bytes, not the part's content type); name the part 'image' or "
                             "'file', not both"}
     question = fields["question"]
-    mnt = {**mnt, "description": "an integer, as a JSON number (8, or 8.0: no fraction)"}
+    mnt = {**mnt, "description": "an integer as a JSON number: 8, or 8.0 (a whole number)"}
     # One complete form per name of the image part (a oneOf of bare `required` lists beside
     # shared properties is read by some generators as "both may be sent"); the parts are
     # also listed at the top, where multipart encoders look for which part is a file.
