@@ -13,6 +13,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clients.schemas import B64_PATTERN
@@ -163,34 +164,129 @@ def respond(request: Request, exc: BaseException) -> JSONResponse:
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 B64_HELP = ("not valid base64 (standard alphabet, padded to a multiple of 4, one line; use "
             "`base64 < file | tr -d '\\n'`)")
+# pydantic's names for the choices of a union, which it puts in an error's location
+# (`str`, `constrained-str`, `literal['blank']`, `tuple[...]`, a model's class name)
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "bytes",
+                         "none"})
+_NO_BODY = object()
+# A value of the wrong type, said plainly (what it must be); in a union, one per choice.
+_KINDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+          "bool_type": "true or false", "list_type": "an array", "tuple_type": "an array",
+          "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object", "is_instance_of": "an object"}
 
 
-def explain(errors: list[dict]) -> str:
-    """Validation errors as one line: where and what, never the offending value."""
-    parts = []
+def _is_tag(node: dict, x: str, rest: list, missing: bool) -> bool:
+    """Whether `x`, a key of `node`, is rather the tag pydantic names a discriminated
+    union's choice by (the value of the object's discriminator: `{"type": "text", "text":
+    ...}` is at `...text.text`): then the next name is a field of the same object."""
+    return bool(rest) and x in {v for v in node.values() if isinstance(v, str)} and \
+        (rest[0] in node or (len(rest) == 1 and missing))
+
+
+def _path(err: dict, body: object) -> tuple[list[str], int | None]:
+    """The error's location as the client's field names and list indexes, and where in it
+    a union's choice was (None: no union): pydantic's location also names the union's
+    choices (`mask.target.literal['think',...]`, `content.str`), which are no field of the
+    request. With the body, a key is a field when the object there has it; without, a
+    name that is not a plain lower-case identifier is a choice."""
+    loc = list(err.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]                     # FastAPI's prefix for the request body
+    missing = err.get("type") == "missing"
+    out: list[str] = []
+    union = None
+    node = body
+    for k, x in enumerate(loc):
+        rest = loc[k + 1:]
+        if isinstance(x, int):
+            out.append(str(x))
+            node = node[x] if isinstance(node, list) and -len(node) <= x < len(node) \
+                else _NO_BODY
+            continue
+        if node is not _NO_BODY:
+            if isinstance(node, dict) and x in node and not _is_tag(node, x, rest, missing):
+                out.append(str(x))
+                node = node[x]
+                continue
+            if not rest and missing and isinstance(node, dict):
+                out.append(str(x))            # a field the object lacks
+                continue
+        elif x.islower() and _IDENT.match(x) and x not in _TYPE_NAMES:
+            out.append(x)
+            continue
+        if union is None:
+            union = len(out)
+    return out, union
+
+
+def _message(err: dict) -> str:
+    msg = err.get("msg", "invalid")
+    kind = err.get("type")
+    ctx = err.get("ctx", {})
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") == B64_PATTERN:
+        return B64_HELP           # the pattern itself tells a client little
+    if kind == "string_too_short" and err.get("input") == "":
+        return "empty"
+    if kind == "union_tag_invalid":
+        # pydantic's message quotes the tag sent, which is client text
+        return (f"the tag found using {ctx.get('discriminator', 'its discriminator')} is "
+                f"none of the expected tags: {ctx.get('expected_tags', '')}")
+    return msg
+
+
+def _kind(err: dict) -> str | None:
+    """What a value of the wrong type must be, or None for another kind of error."""
+    if err.get("type") == "literal_error":
+        return str(err.get("ctx", {}).get("expected", "")) or None
+    return _KINDS.get(err.get("type", ""))
+
+
+def explain(errors: list[dict], body: object = _NO_BODY) -> str:
+    """Validation errors as one line: where (the request's own field names) and what, in
+    plain words, never the offending value. `body`: the parsed request, when there is one,
+    to tell its fields from pydantic's names for a union's choices.
+
+    A union's choices each report an error; only those of a choice the value's type fits
+    are kept (`[0, 1.5]` as a span: its second item, not "should be 'think'"), and when
+    none fits, one line says what it must be."""
+    # (path, union site or None, message, what a wrong type must be)
+    read: list[tuple[list[str], tuple[str, ...] | None, str, str | None]] = []
     for err in errors[:10]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            read.append(([], None, "not valid JSON", None))     # loc holds a byte offset
+            continue
+        path, union = _path(err, body)
+        site = None if union is None else tuple(path[:union])
         if err.get("type") == "extra_forbidden":
             # The unknown key itself is client text (it could carry an identifier).
-            where = ".".join(loc[:-1]) if len(loc) > 1 else "body"
-            parts.append(f"{where}: unexpected field")
-            continue
-        where = ".".join(x if _IDENT.match(x) or x.isdigit() else "(field)" for x in loc)
-        msg = err.get("msg", "invalid")
-        if err.get("type") == "string_pattern_mismatch" and \
-                err.get("ctx", {}).get("pattern") == B64_PATTERN:
-            msg = B64_HELP           # the pattern itself tells a client little
-        elif err.get("type") == "string_too_short" and err.get("input") == "":
-            msg = "empty"
-        elif err.get("type") == "union_tag_invalid":
-            # pydantic's message quotes the tag sent, which is client text
-            ctx = err.get("ctx", {})
-            msg = (f"the tag found using {ctx.get('discriminator', 'its discriminator')} is "
-                   f"none of the expected tags: {ctx.get('expected_tags', '')}")
-        if err.get("type") == "json_invalid":
-            where, msg = "body", "not valid JSON"      # loc holds a byte offset
-        parts.append(f"{where or 'body'}: {msg}")
-    return "; ".join(parts) or "invalid request"
+            read.append((path[:-1], site, "unexpected field", None))
+        else:
+            read.append((path, site, _message(err), _kind(err)))
+    parts: list[str] = []
+    for site in dict.fromkeys(r[1] for r in read):
+        here = [r for r in read if r[1] == site]
+        if site is not None:
+            # errors below the union's own level, or not about the value's type: the
+            # choices whose type the value has
+            fits = [r for r in here if len(r[0]) > len(site) or r[3] is None]
+            if not fits:
+                kinds = ", or ".join(dict.fromkeys(r[3] for r in here))
+                parts.append(f"{'.'.join(site) or 'body'}: must be {kinds}")
+                continue
+            here = fits
+        parts += [f"{'.'.join(path) or 'body'}: {msg}" for path, _, msg, _ in here]
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
+
+
+def explain_json(errors: list[dict], raw: bytes) -> str:
+    """`explain` for a body pydantic read from JSON itself: the body is parsed again for
+    its field names (only when it was refused)."""
+    try:
+        body = from_json(raw)            # pydantic's own parser: as fast as the first read
+    except ValueError:
+        body = _NO_BODY
+    return explain(errors, body)
 
 
 def install(app: FastAPI) -> None:
@@ -205,7 +301,8 @@ def install(app: FastAPI) -> None:
                               dict(exc.headers or {}))
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, explain(list(exc.errors())), request_id_of(request))
+        return error_response(422, explain(list(exc.errors()), exc.body),
+                              request_id_of(request))
 
     for kind in (ServiceError, *FOREIGN):
         app.add_exception_handler(kind, on_service)

@@ -152,6 +152,10 @@ def _merge(parts: list[Load]) -> Load:
                 sum(p.wall_s for p in parts), sum(p.errors for p in parts))
 
 
+# the stages of `timings_ms` that are the model's (not `decode_wait`, spent before queueing)
+MODEL_STAGES = ("queue", "generate", "readout", "heads")
+
+
 def _post_timed(client: httpx.Client, body: bytes) -> tuple[float, float] | None:
     """Seconds the request took at the client and the seconds the server reports for its
     model stages (queue, generate, readout, heads); None when it failed."""
@@ -163,7 +167,8 @@ def _post_timed(client: httpx.Client, body: bytes) -> tuple[float, float] | None
     took = time.perf_counter() - t
     if r.status_code != 200:
         return None
-    return took, sum(r.json()["timings_ms"].values()) / 1000
+    timings = r.json()["timings_ms"]
+    return took, sum(timings[k] for k in MODEL_STAGES) / 1000
 
 
 def http_bench(bodies: Sequence[bytes], server_flags: dict[str, object],

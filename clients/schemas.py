@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 
 B64_EXAMPLE = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
                "pLvAAAAAElFTkSuQmCC")
@@ -69,16 +70,34 @@ Question = Annotated[str, Field(
     json_schema_extra=_question_schema)]
 
 
-def _whole(value: object) -> object:
-    """A JSON number with no fraction (`8.0`) as the integer it is: JSON Schema's
-    `integer` (and so the OpenAPI document) admits it. Strings and booleans stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
 def integer(lo: int, hi: int) -> Any:
-    """An integer field from `lo` to `hi`: a JSON integer, or a number with no fraction;
-    never "8" or true (a client bug, not a request for 8 or 1)."""
-    return Annotated[int, Field(ge=lo, le=hi, strict=True), BeforeValidator(_whole)]
+    """An integer field from `lo` to `hi`: a JSON integer, or a number with no fraction
+    (`8.0`: JSON Schema's `integer`, and so the OpenAPI document's, admits it); never "8" or
+    true (a client bug, not a request for 8 or 1). Every refusal has one message, which
+    names the range (NaN is no integer, not a value past a bound)."""
+    def check(value: object) -> object:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise PydanticCustomError("integer_range", "must be an integer " + (
+                "equal to {lo}" if lo == hi else "from {lo} to {hi}"), {"lo": lo, "hi": hi})
+        return value
+    return Annotated[int, Field(ge=lo, le=hi, strict=True), BeforeValidator(check)]
+
+
+def number(lo: float, hi: float) -> Any:
+    """A number field from `lo` to `hi` (an integer is a number); never "0.5", true, NaN or
+    an infinity, each refused as not a number (pydantic's own message called NaN "not less
+    than or equal to 1")."""
+    def check(value: object) -> object:
+        # NaN and the infinities fail the comparison (math.isfinite would overflow on a
+        # 4,000-digit integer)
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                not lo <= value <= hi:
+            raise PydanticCustomError("number_range", "must be a number from {lo} to {hi}",
+                                      {"lo": lo, "hi": hi})
+        return float(value)
+    return Annotated[float, Field(ge=lo, le=hi, strict=True), BeforeValidator(check)]
 
 
 class _Request(BaseModel):
@@ -169,10 +188,16 @@ DEFER_CODES: dict[DeferCode, str] = {
 
 
 class Timings(BaseModel):
-    queue: float
-    generate: float
-    readout: float
-    heads: float
+    """Milliseconds per stage of one answer."""
+
+    decode_wait: float = Field(
+        0.0, description="waiting for a decode slot (the service decodes at most "
+                         "max_decodes images at once): other requests' large images held "
+                         "this one before it was queued; 0 when a slot was free")
+    queue: float = Field(..., description="queued for the model, until its batch started")
+    generate: float = Field(..., description="the batch's generation")
+    readout: float = Field(..., description="the batch's readout of the actor's states")
+    heads: float = Field(..., description="the batch's heads (confidences, novelty)")
 
 
 class AnswerResponse(BaseModel):
@@ -184,7 +209,8 @@ class AnswerResponse(BaseModel):
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
         "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
-        "timings_ms": {"queue": 1.2, "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
+        "timings_ms": {"decode_wait": 0.0, "queue": 1.2, "generate": 80.1, "readout": 3.0,
+                       "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence | None = Field(
@@ -291,7 +317,7 @@ class MaskRequest(_Request):
                              "text[start:end]: cut at the text's end, and an empty slice "
                              "(start >= end, or past the end) masks nothing "
                              "(masked_tokens 0)")
-    ratio: float = Field(1.0, ge=0, le=1, strict=True)
+    ratio: number(0, 1) = 1.0
     seed: integer(0, 2**31 - 1) = 0
 
 

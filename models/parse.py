@@ -7,11 +7,34 @@ from dataclasses import dataclass
 
 _CONF = re.compile(r"<confidence>\s*(\d{1,2})\s*</confidence>")
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
+TAGS = ("think", "answer", "confidence")
+_TAG = re.compile(r"</?(?:think|answer|confidence)>")
+# a response cut off inside a tag ends in a piece of it ("<ans", "</thi", "<")
+_CUT_TAG = re.compile(r"</?([a-z]*)$")
+
+
+def clean_answer(text: str, tagged: bool) -> str:
+    """Answer text without the format's markup, stripped: what `answer` holds whether or
+    not the response parses, so it never carries a tag. `tagged`: the content of an
+    `<answer>` tag (a closed reasoning block in it goes, a stray tag is dropped); else a
+    whole response without one, whose answer is what follows its reasoning (none when the
+    reasoning was never closed), with a piece of a tag where it was cut off dropped."""
+    if tagged:
+        return _TAG.sub("", _THINK.sub("", text)).strip()
+    if "</think>" in text:
+        text = text[text.rindex("</think>") + len("</think>"):]
+    if "<think>" in text:
+        text = text[:text.index("<think>")]        # reasoning never closed: no answer
+    text = _TAG.sub("", text)
+    cut = _CUT_TAG.search(text)
+    if cut and any(name.startswith(cut.group(1)) for name in TAGS):
+        text = text[:cut.start()]
+    return text.strip()
 
 
 @dataclass(frozen=True)
 class Parsed:
-    answer: str                      # "" when empty, duplicated or unparseable
+    answer: str                      # "" when empty, duplicated or unclosed; never a tag
     think: str | None
     confidence: int | None           # 0..10, None when absent or invalid
     answer_span: tuple[int, int]     # characters of the answer content in the response
@@ -35,11 +58,13 @@ def parse_response(text: str) -> Parsed:
         body = text.split("<confidence>")[0]
         start = len(body) - len(body.lstrip())
         end = len(body.rstrip())
-        return Parsed(body.strip(), think, conf, (start, end), (start, end), False, False)
+        # no answer tag: the text is the answer (a plain-format actor), less any markup
+        return Parsed(clean_answer(body, False), think, conf, (start, end), (start, end), False,
+                      False)
     s = text.index("<answer>") + len("<answer>")
     close = text.find("</answer>", s)
     e = close if close >= 0 else len(text.split("<confidence>")[0])
-    answer = text[s:e].strip() if n_open == 1 and close >= 0 else ""
+    answer = clean_answer(text[s:e], True) if n_open == 1 and close >= 0 else ""
     close_span = (close, close + len("</answer>")) if close >= 0 else (s, e)
     well = bool(answer) and think is not None and conf is not None
     return Parsed(answer, think, conf, (s, e), close_span, True, well)

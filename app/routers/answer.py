@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
@@ -14,10 +16,9 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
-from app.errors import InvalidInput, UnsupportedMediaType, explain
+from app.errors import InvalidInput, UnsupportedMediaType, explain, explain_json
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, confidence, error_responses
 from app.schemas import (
-    MAX_NEW_TOKENS,
     AnswerRequest,
     AnswerResponse,
     FeedbackRequest,
@@ -33,7 +34,9 @@ router = APIRouter(tags=["answer"], dependencies=[Depends(require_key)])
 IMAGE_PARTS = ("image", "file")
 MULTIPART_FIELDS = {*IMAGE_PARTS, "question", "max_new_tokens"}
 TWO_IMAGES = "multipart body has two image parts; send one, named 'image' or 'file'"
-_INT = re.compile(r"[0-9]{1,4}")    # fullmatch, ASCII: int() would take "٨" as 8
+# A JSON number (RFC 8259), ASCII digits only (int() would take "٨" as 8): the grammar of
+# a `max_new_tokens` part, whose declared content type is application/json
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 IMAGE_TYPES = "image/png, image/jpeg, application/dicom"
 
 
@@ -47,7 +50,7 @@ def _multipart_schema() -> dict:
                             "bytes, not the part's content type); name the part 'image' or "
                             "'file', not both"}
     question = fields["question"]
-    mnt = {**mnt, "description": "an integer in ASCII digits"}
+    mnt = {**mnt, "description": "an integer as a JSON number: 8, or 8.0 (a whole number)"}
     # One complete form per name of the image part (a oneOf of bare `required` lists beside
     # shared properties is read by some generators as "both may be sent"); the parts are
     # also listed at the top, where multipart encoders look for which part is a file.
@@ -161,6 +164,30 @@ async def _form(request: Request) -> FormData:
     return form
 
 
+def _part_value(part: object) -> object:
+    """What a text part holds as the JSON body's field would: a JSON number is read as one
+    (ASCII blanks around it only: str.strip would also take U+3000 and the like); anything
+    else stays text, which an integer field refuses as it refuses "8" in a JSON body."""
+    if not isinstance(part, str):
+        return part
+    text = part.strip(" \t")
+    # over Python's int digit limit json.loads raises; the text is refused as text instead
+    if len(text) <= sys.get_int_max_str_digits() and _JSON_NUMBER.fullmatch(text):
+        return json.loads(text)
+    return text
+
+
+def _part_field(name: str, part: object) -> object:
+    """A multipart part validated by the JSON body's own field (`AnswerRequest`): one set of
+    accepted values and one message for both encodings."""
+    try:
+        model = AnswerRequest.__pydantic_validator__.validate_assignment(
+            AnswerRequest.model_construct(), name, _part_value(part))
+    except ValidationError as e:
+        raise InvalidInput(explain(e.errors())) from None
+    return getattr(model, name)
+
+
 async def _multipart(request: Request, serving: Serving) -> AnswerItem:
     form = await _form(request)
     try:
@@ -186,14 +213,7 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
         raise InvalidInput("multipart body needs a 'file' part or an 'image' part, holding "
                            "a file (curl -F image=@x.png)")
     raw_mnt = form.get("max_new_tokens")
-    mnt = None
-    if raw_mnt is not None:
-        # ASCII blanks only: str.strip and int() also take U+3000 and the like
-        raw_mnt = raw_mnt.strip(" \t") if isinstance(raw_mnt, str) else raw_mnt
-        if not isinstance(raw_mnt, str) or not _INT.fullmatch(raw_mnt) or \
-                not 1 <= int(raw_mnt) <= MAX_NEW_TOKENS:
-            raise InvalidInput(f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}")
-        mnt = int(raw_mnt)
+    mnt = None if raw_mnt is None else _part_field("max_new_tokens", raw_mnt)
     q = form.get("question")
     question = serving.question(q if isinstance(q, str) else "")
     limit = serving.max_new_tokens(mnt)
@@ -201,15 +221,19 @@ async def _read_form(form: FormData, serving: Serving) -> AnswerItem:
     return AnswerItem(image, question, limit)
 
 
+def _validate_json(raw: bytes) -> AnswerRequest:
+    try:
+        return AnswerRequest.model_validate_json(raw)
+    except ValidationError as e:
+        raise InvalidInput(explain_json(e.errors(), raw)) from None
+
+
 async def _json(request: Request, serving: Serving) -> AnswerItem:
     raw = await request.body()
     # a UTF-8 byte-order mark is ignored, as FastAPI's parser does on the other routes
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
-    try:
-        # off the event loop: a 30 MB body of escapes takes pydantic 0.2 s to decode
-        body = await run_in_threadpool(AnswerRequest.model_validate_json, raw)
-    except ValidationError as e:
-        raise InvalidInput(explain(e.errors())) from None
+    # off the event loop: a 30 MB body of escapes takes pydantic 0.2 s to decode
+    body = await run_in_threadpool(_validate_json, raw)
     question = serving.question(body.question)
     limit = serving.max_new_tokens(body.max_new_tokens)
     return AnswerItem(await serving.image_b64(body.image), question, limit)
@@ -230,7 +254,8 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         calibrated=res.calibrated,
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
-        timings_ms=Timings(queue=round(queued_s * 1000, 3),
+        timings_ms=Timings(decode_wait=round(serving.decode_wait_s() * 1000, 3),
+                           queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),
                            readout=round(t.readout * 1000, 3), heads=round(t.heads * 1000, 3)))
 

@@ -26,7 +26,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.deps import get_serving, request_id, require_json, require_key
-from app.errors import REQUEST_ID, InvalidInput, detail_of, explain, status_of
+from app.errors import REQUEST_ID, InvalidInput, detail_of, explain_json, status_of
 from app.routers.answer import response
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, error_responses
 from app.schemas import MAX_NEW_TOKENS, AnswerResponse
@@ -38,6 +38,7 @@ from clients.schemas import (
     VISIBLE_LETTER_OR_DIGIT,
     DeferCode,
     integer,
+    number,
 )
 from models.images import ImageInvalid, ImageTooLarge
 
@@ -157,9 +158,8 @@ class ChatRequest(_Strict):
                                 json_schema_extra={"anyOf": [{"type": "boolean",
                                                               "const": False},
                                                              {"type": "null"}]})
-    temperature: float | None = Field(
-        None, ge=0, le=2, strict=True,
-        description="accepted and ignored: decoding is greedy, so the confidence describes "
+    temperature: number(0, 2) | None = Field(
+        None, description="accepted and ignored: decoding is greedy, so the confidence describes "
                     "the answer that is returned")
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
 
@@ -272,7 +272,7 @@ def _parse(raw: bytes) -> ChatRequest:
         loc = tuple(errs[0].get("loc", ())) if errs else ()
         if errs and errs[0].get("type") == "extra_forbidden":
             loc = loc[:-1]           # the unknown key itself is client text
-        raise _Refused(422, explain(errs), _param(loc)) from None
+        raise _Refused(422, explain_json(errs, raw), _param(loc)) from None
 
 
 def _question_and_image(body: ChatRequest) -> tuple[list[str], str]:

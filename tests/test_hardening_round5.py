@@ -1,0 +1,239 @@
+"""Regression tests of the fifth hostile-client review: one set of accepted values and one
+message per field in both encodings, plain validation messages, a clean `answer` when the
+response does not parse, and the wait for a decode slot in `timings_ms`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import random_image
+from tests.helpers import assert_error, b64, png_bytes
+
+Q = "what color is the shape?"
+PNG = png_bytes(random_image(0))
+IMG = b64(PNG)
+
+
+def _json_answer(api, number: str):
+    """/answer with `max_new_tokens` written as this JSON number, byte for byte."""
+    body = f'{{"image": "{IMG}", "question": "{Q}", "max_new_tokens": {number}}}'
+    return api.post("/answer", content=body, headers={"content-type": "application/json"})
+
+
+def _multipart_answer(api, part: str):
+    return api.post("/answer", files={"image": ("x.png", PNG)},
+                    data={"question": Q, "max_new_tokens": part})
+
+
+# ------------------------------------------------------------------ 1. one field, two encodings
+@pytest.mark.parametrize("number", ["0", "-1", "1025", "1.5", "4.25", "1e400", "-0.0",
+                                    "99999999999999999999", "1E5"])
+def test_multipart_refuses_what_json_refuses_with_the_same_message(api, number):
+    """The multipart part is declared application/json: it holds the JSON body's values,
+    refused with the JSON body's message."""
+    from_json = assert_error(_json_answer(api, number), 422, "max_new_tokens")
+    from_form = assert_error(_multipart_answer(api, number), 422, "max_new_tokens")
+    assert from_form["detail"] == from_json["detail"]
+
+
+@pytest.mark.parametrize("number", ["4.0", "4e0", "40e-1", "0.4E1"])
+def test_multipart_accepts_a_whole_number_written_with_a_fraction_as_json_does(api, number):
+    """JSON Schema's `integer` (the document's) admits 4.0: the JSON body took it and the
+    multipart part refused it."""
+    from_json, from_form = _json_answer(api, number), _multipart_answer(api, number)
+    plain = _multipart_answer(api, "4")
+    assert from_json.status_code == from_form.status_code == plain.status_code == 200, \
+        from_form.text
+    # the same limit reached the model (greedy decoding: the same response)
+    assert from_json.json()["response"] == from_form.json()["response"] == \
+        plain.json()["response"]
+
+
+@pytest.mark.parametrize("text", ['"4"', "true", "null", "04", "+4", "4.", ".5", "0x4",
+                                  "\u0664", "4\n"])
+def test_multipart_text_that_is_no_json_integer_is_refused_as_json_refuses_a_string(api, text):
+    """What is not a JSON number is text, and an integer field refuses text in a JSON body
+    with the same message."""
+    from_json = assert_error(_json_answer(api, json.dumps("4")), 422, "max_new_tokens")
+    from_form = assert_error(_multipart_answer(api, text), 422, "max_new_tokens")
+    assert from_form["detail"] == from_json["detail"]
+
+
+SPAN = '{"image": "IMG", "question": "q", "response": "<think>a</think><answer>red</answer>", '
+INTEGER_FIELDS = [
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "blank", '
+                              '"max_new_tokens": %s}', "max_new_tokens", "4"),
+    ("/probe/score", SPAN + '"mask": {"seed": %s}}', "mask.seed", "3"),
+    ("/probe/score", SPAN + '"mask": {"target": [0, %s]}}', "mask.target.1", "9"),
+    ("/probe/score_batch", '{"image": "IMG", "question": "q", "trajectories": [{"response": '
+                           '"<think>a</think><answer>red</answer>", "mask": {"seed": %s}}]}',
+     "trajectories.0.mask.seed", "3"),
+]
+
+
+@pytest.mark.parametrize("path, body, field, whole", INTEGER_FIELDS)
+def test_every_integer_field_of_the_probes_reads_numbers_as_max_new_tokens_does(
+        api, path, body, field, whole):
+    """One rule for every integer field: a whole number with a fraction is that integer,
+    any other number or type is refused with one message naming the field and its range."""
+    def post(value: str):
+        return api.post(path, content=(body % value).replace("IMG", IMG),
+                        headers={"content-type": "application/json"})
+
+    as_int, as_float = post(whole), post(whole + ".0")
+    assert as_int.status_code == as_float.status_code == 200, as_float.text
+    for bad in (whole + ".5", f'"{whole}"', "true", "NaN", "-1", "1e30"):
+        detail = assert_error(post(bad), 422, f"{field}: must be an integer from ")["detail"]
+        assert "; " not in detail, detail             # one message, not one per choice
+
+
+def test_the_documented_multipart_part_says_what_it_takes(api):
+    doc = api.get("/openapi.json").json()
+    form = doc["paths"]["/answer"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    part = form["schema"]["properties"]["max_new_tokens"]
+    assert part["type"] == "integer" and "8.0" in part["description"]
+    assert form["encoding"]["max_new_tokens"]["contentType"] == "application/json"
+
+
+# ------------------------------------------------------------------ 2. plain messages
+R = "<think>a red circle</think><answer>red</answer>"
+# What each hostile value got before: pydantic's names for a union's choices in the path
+# ("mask.target.(field)"), or a bound for a value that is no number at all.
+SCORE = '{"image": "IMG", "question": "q", "response": "RESP", "mask": %s}'
+PLAIN = [
+    ("/probe/score", SCORE % '{"ratio": NaN}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"ratio": -Infinity}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"ratio": 1.5}', "mask.ratio: must be a number from 0 to 1"),
+    ("/probe/score", SCORE % '{"target": "foo"}',
+     "mask.target: must be 'think', 'answer' or 'response', or an array"),
+    ("/probe/score", SCORE % '{"target": [0, 1.5]}',
+     "mask.target.1: must be an integer from 0 to 20000"),
+    ("/probe/score", SCORE % '{"seed": -1}', "mask.seed: must be an integer from 0 to "),
+    ("/probe/score_batch", '{"image": "IMG", "question": "q", "trajectories": '
+                           '[{"response": "RESP", "mask": {"ratio": NaN}}]}',
+     "trajectories.0.mask.ratio: must be a number from 0 to 1"),
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": 5}',
+     "counterfactual: must be 'blank', or a string"),
+    ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "abc"}',
+     "counterfactual: String should have at least 4 characters"),
+    ("/answer", '{"image": "IMG", "question": "q", "max_new_tokens": NaN}',
+     "max_new_tokens: must be an integer from 1 to 1024"),
+]
+
+
+@pytest.mark.parametrize("path, body, detail", PLAIN)
+def test_validation_messages_name_the_request_s_fields_in_plain_words(api, path, body,
+                                                                      detail):
+    r = api.post(path, content=body.replace("IMG", IMG).replace("RESP", R),
+                 headers={"content-type": "application/json"})
+    got = assert_error(r, 422, detail)["detail"]
+    assert "(field)" not in got and "Input should be" not in got and "literal[" not in got
+    assert "less than" not in got and "greater than" not in got, got
+
+
+def test_the_openai_route_names_its_fields_in_plain_words(api):
+    """The OpenAI route shares the messages: a content part by its index, not pydantic's
+    `content.str` or `content.(field).0.text.text`."""
+    uri = "data:image/png;base64," + IMG
+    image = {"type": "image_url", "image_url": {"url": uri}}
+    cases = [
+        ([{"type": "text", "text": 5}, image], {}, "messages.0.content.0.text: "),
+        ([image, {"type": "image_url", "image_url": {"url": uri, "x": 1}}], {},
+         "messages.0.content.1.image_url: unexpected field"),
+        (5, {}, "messages.0.content: must be a string, or an array"),
+        ([image, {"type": "text", "text": Q}], {"temperature": float("nan")},
+         "temperature: must be a number from 0 to 2"),
+        ([image, {"type": "text", "text": Q}], {"n": 2}, "n: must be an integer equal to 1"),
+    ]
+    for content, extra, detail in cases:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}],
+                           **extra})
+        r = api.post("/v1/chat/completions", content=body,
+                     headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(detail), (detail, message)
+        assert "(field)" not in message and ".str" not in message and "text.text" not in \
+            message and "image_url.image_url" not in message, message
+
+
+# ------------------------------------------------------------------ 3. a clean answer field
+# (response, finished, answer): responses that do not parse, each deferred
+UNUSABLE = [
+    ("<think>I see a red circle, so the", False, ""),          # cut off in its reasoning
+    ("<think>a red circle</think><ans", False, ""),            # cut off inside the tag
+    ("<think>a red circle</think><answer", False, ""),
+    ("<think>a red circle</think> red <conf", False, "red"),
+    ("<think>a red circle</think><answer>red</answer><answer>blue</answer>", True, ""),
+    ("<think>a red circle</think><answer></think></answer>", True, ""),
+]
+
+
+@pytest.mark.parametrize("text, finished, answer", UNUSABLE)
+def test_answer_holds_no_piece_of_a_tag_when_the_response_does_not_parse(
+        api, service, monkeypatch, text, finished, answer):
+    from tests.helpers import stub_answers
+
+    stub_answers(monkeypatch, service, text, finished=finished)
+    body = api.post("/answer", json={"image": IMG, "question": Q}).json()
+    assert body["response"] == text
+    assert body["answer"] == answer, body["answer"]
+    assert body["defer"] and set(body["defer_reasons"]) & {
+        "no_answer_tag", "empty_answer", "truncated", "degenerate_repetition"}, body
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("<think>a</think><answer>red</think></answer><confidence>9</confidence>", "red"),
+    ("<think>a</think><answer><think>b</think> red </answer>", "red"),
+    ("<think>a</think>red</answer>", "red"),               # no answer tag: after reasoning
+    ("  Left kidney \n", "Left kidney"),                  # a plain-format actor's answer
+    ("x < 5", "x < 5"),                                  # a "<" that starts no tag stays
+    ("<think>a</think>\n<answer>red</answer><confidence>8</confidence>", "red"),
+])
+def test_parse_keeps_the_answer_and_drops_only_the_format_s_markup(text, answer):
+    from models.parse import parse_response
+
+    assert parse_response(text).answer == answer
+
+
+# ------------------------------------------------------------------ 4. decode_wait
+def test_the_wait_for_a_decode_slot_is_reported_in_the_timings(service, monkeypatch):
+    """With one decode slot, a small request sent while a large image decodes waits for
+    it before it is queued: `timings_ms.decode_wait` says how long; its own queue time does
+    not hold that wait, and a request that found a slot free reports about nothing."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    import app.serving as serving_module
+    from tests.helpers import small_limits_client
+
+    big = png_bytes(random_image(1, 64, 64))
+    opened = serving_module.open_image
+    decoding = threading.Event()
+
+    def slow_for_big(raw, max_pixels):
+        if raw == big:
+            decoding.set()
+            time.sleep(0.8)                   # a large image's decode, holding the slot
+        return opened(raw, max_pixels)
+
+    monkeypatch.setattr(serving_module, "open_image", slow_for_big)
+    with small_limits_client(service, max_decodes=1) as c, cf.ThreadPoolExecutor(1) as pool:
+        lone = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+        held = pool.submit(c.post, "/answer", json={"image": b64(big), "question": Q})
+        assert decoding.wait(5)
+        small = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+        assert held.result().status_code == 200
+    assert set(small) == {"decode_wait", "queue", "generate", "readout", "heads"}
+    assert small["decode_wait"] >= 400, small          # most of the big decode's 800 ms
+    assert small["queue"] < small["decode_wait"], small
+    assert lone["decode_wait"] < 100, lone
+
+
+def test_the_decode_wait_is_documented_and_in_the_document(api):
+    doc = api.get("/openapi.json").json()
+    timings = doc["components"]["schemas"]["Timings"]["properties"]
+    assert "decode_wait" in timings and "max_decodes" in timings["decode_wait"]["description"]
