@@ -184,7 +184,10 @@ def coreset(z: torch.Tensor, size: int, pool: int = CORESET_POOL, seed: int = 0
 # roundings at most, each within u of a term no larger than 2(|a|² + |b|²); doubled
 F32_SLACK = 4 * (DIM + 4) * 2.0 ** -24
 ROWS = 512            # descriptors matched against the whole bank at once (bounded memory)
-CENTRES = 64          # bank rows (k-centre) that route a descriptor to a part of the bank
+# bank rows (k-centre) that route a descriptor to a part of the bank: with 64, half an
+# image's distinct descriptors were routed to rows far from their nearest and matched
+# against the whole bank again (most of the score's cost); with 256, a few per cent
+CENTRES = 256
 NEAR_CENTRE = 256     # bank rows kept with each centre: those nearest to it
 PIECE = 16            # descriptors per block of the routed products (padding is wasted work)
 TOP = 8               # descriptors of each image whose nearest distance bounds its score

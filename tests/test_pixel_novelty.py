@@ -2,21 +2,24 @@
 coreset bank, conformal p-values, the composite's third part, save and load."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from heads.novelty import CompositeNovelty, Novelty, load_detector
+from heads.novelty import CompositeNovelty, Novelty, load_detector, load_part
 from heads.pixel_novelty import (
     DIM,
     PIXEL_FEATURE,
     PixelNovelty,
     coreset,
+    distinct,
     pixel_descriptors,
     with_pixels,
 )
+from models.data import load
 
 # colours of the constructed "training" scenes; ORANGE is never drawn in them
 SEEN = ((200, 30, 30), (30, 60, 200), (40, 160, 60))
@@ -146,3 +149,29 @@ def test_descriptors_in_chunks_are_the_descriptors_at_once(monkeypatch):
     whole = pn.pixel_descriptors(ims)
     monkeypatch.setattr(pn, "CHUNK", 3)
     assert torch.equal(pn.pixel_descriptors(ims), whole)
+
+
+def test_the_shipped_part_scores_the_brute_force_distance_bit_for_bit():
+    # the bank index only prunes: whichever rows it routes to, the score is the float64
+    # distance of the farthest descriptor to its nearest bank row, bit for bit
+    part = load_part(Path(__file__).resolve().parents[1] / "heads" / "embedded",
+                     "novelty.pixels")
+    ims = list({it.image_id: it.image() for it in load("render:plain:4")}.values())
+    odd = ims[0].copy()
+    ImageDraw.Draw(odd).rectangle([(2, 2), (9, 9)], fill=ORANGE)
+    x = pixel_descriptors(ims + [odd])
+    bank = part.t["bank"].double()
+
+    def brute(img: torch.Tensor) -> torch.Tensor:
+        rows = distinct(img)[0].double()
+        # every bank row within 1e-9 of the nearest by a float64 product (its error is
+        # ~1e-15 here), then the difference of each pair summed, as the score sums it
+        d2 = torch.cdist(rows, bank, compute_mode="use_mm_for_euclid_dist").square()
+        r, j = (d2 <= d2.amin(1, keepdim=True) + 1e-9).nonzero(as_tuple=True)
+        e = (rows[r] - bank[j]).square().sum(1)
+        return torch.full((len(rows),), np.inf, dtype=torch.float64).scatter_reduce(
+            0, r, e, "amin").max().sqrt()
+
+    want = torch.stack([brute(img) for img in x]).numpy()
+    assert np.array_equal(part.score(x), want)
+    assert want[-1] > 2 * want[0]                       # the orange square is far
