@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 from heads.novelty import CompositeNovelty, Novelty, load_detector, load_part
@@ -14,6 +15,7 @@ from heads.pixel_novelty import (
     DIM,
     PIXEL_FEATURE,
     PixelNovelty,
+    _box,
     coreset,
     distinct,
     pixel_descriptors,
@@ -175,3 +177,27 @@ def test_the_shipped_part_scores_the_brute_force_distance_bit_for_bit():
     want = torch.stack([brute(img) for img in x]).numpy()
     assert np.array_equal(part.score(x), want)
     assert want[-1] > 2 * want[0]                       # the orange square is far
+
+
+def _box_as_written(x: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """The box mean as first written: k strided views of the padded maps added in order,
+    along the rows then the columns (the reference the phase-split sums must equal)."""
+    p = k // 2
+    x = F.pad(x, (p, p, p, p), mode="replicate")
+    h, w = x.shape[-2] - 2 * p, x.shape[-1] - 2 * p
+    out = x.narrow(-2, 0, h)[..., ::stride, :].clone()
+    for i in range(1, k):
+        out.add_(x.narrow(-2, i, h)[..., ::stride, :])
+    res = out.narrow(-1, 0, w)[..., ::stride].clone()
+    for i in range(1, k):
+        res.add_(out.narrow(-1, i, w)[..., ::stride])
+    return res / (k * k)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_box_means_are_the_strided_sums_bit_for_bit(stride):
+    rng = np.random.default_rng(8)
+    for shape in ((2, 3, 64, 64), (1, 5, 37, 50), (1, 1, 5, 3)):
+        x = torch.from_numpy(rng.random(shape, dtype=np.float32))
+        for k in (1, 3, 5, 11):
+            assert torch.equal(_box(x, k, stride), _box_as_written(x, k, stride))
