@@ -357,13 +357,22 @@ class OutlineLayoutNovelty(LayoutNovelty):
         f = self.OUTLINE.shape_factor
         if not f or len(d) == 0:
             return d
-        cols = torch.from_numpy(shape_columns(self.OUTLINE))
-        bank = self.t["bank"][:, cols].float()
+        cols, bank = self._outline_bank()
         a = torch.as_tensor(x)[:, cols].float()
         out = []
         for s in range(0, len(a), 1024):
             out.append(torch.cdist(a[s: s + 1024], bank).min(1).values.double())
         return np.maximum(d, f * torch.cat(out).numpy())
+
+    def _outline_bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outline columns and the bank's outline rows in float32, kept until the bank
+        changes (taking them cost more than an item's score)."""
+        bank = self.t["bank"]
+        cached = getattr(self, "_outlines", None)
+        if cached is None or cached[0] is not bank:
+            cols = torch.from_numpy(shape_columns(self.OUTLINE))
+            cached = self._outlines = (bank, cols, bank[:, cols].float())
+        return cached[1], cached[2]
 
 
 def outline_part(outline: Outline, kind: str, feature: str = LAYOUT_FEATURE

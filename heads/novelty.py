@@ -199,7 +199,7 @@ class Novelty:
             return torch.einsum("nd,de,ne->n", d, self.t["precision"], d).clamp_min(0).sqrt(
             ).numpy()
         if self.kind == "knn":
-            return kth_distance(z.numpy(), self.t["bank"].numpy(), self.k)
+            return kth_distance(z.numpy(), self.t["bank"].numpy(), self.k, self._bank_norms())
         if self.kind == "logistic":
             return (z @ self.t["coef"] + self.t["intercept"]).numpy()
         n, m, dim = z.shape
@@ -220,6 +220,16 @@ class Novelty:
             cached = self._b32 = (bank, b, (b * b).sum(1))
         return cached[1], cached[2]
 
+    def _bank_norms(self) -> np.ndarray:
+        """The float64 bank's squared row norms (`knn`), kept until the bank changes
+        (computing them cost several times one row's distances)."""
+        bank = self.t["bank"]
+        cached = getattr(self, "_b2", None)
+        if cached is None or cached[0] is not bank:
+            b = bank.numpy()
+            cached = self._b2 = (bank, (b * b).sum(1))
+        return cached[1]
+
     def _nearest(self, z: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
         """Distance of each row to its k-th nearest bank row (|a|² + |b|² − 2a·b, one
         matrix product per chunk; in float32, which halves the cost on CPUs)."""
@@ -227,8 +237,10 @@ class Novelty:
         out = []
         for s in range(0, len(z), chunk):
             a = z[s: s + chunk].float()
-            d2 = (a * a).sum(1, keepdim=True) + b2 - 2.0 * (a @ bank.T)
-            best = d2.min(1).values if k == 1 else d2.kthvalue(k, dim=1).values
+            # (|a|² + |b|²) − 2a·b in place: the same roundings as the expression written
+            # out (2a·b is exact), without its two temporaries of [rows, bank]
+            d2 = ((a * a).sum(1, keepdim=True) + b2).sub_((a @ bank.T).mul_(2.0))
+            best = d2.amin(1) if k == 1 else d2.topk(k, 1, largest=False).values[:, -1]
             out.append(best.clamp_min(0).sqrt().double())
         return torch.cat(out) if out else torch.zeros(0, dtype=z.dtype)
 

@@ -148,3 +148,33 @@ def test_aurc_equals_random_tie_order_on_average():
         order = np.lexsort((rng.random(40), -c))
         runs.append(np.mean(np.cumsum(1 - z[order]) / np.arange(1, 41)))
     assert aurc(c, z) == pytest.approx(np.mean(runs), abs=3e-3)
+
+
+def test_one_scoring_call_reads_each_dualread_reader_once_and_scores_as_separate_calls():
+    """PSR's and PER's log-odds are kept within a scoring call (`registry.Scored`) for the
+    served probabilities and `branch_log_odds` alike: the same numbers, bit for bit, as
+    each computed on its own."""
+    from heads import registry
+    from heads.methods.dualread import branch_log_odds
+
+    dim = 8
+    h = Heads.new(dim)
+    for reader in h.readers.values():
+        reader.eval()
+    g = torch.Generator().manual_seed(2)
+    f = {"h_pre": torch.randn(4, dim, generator=g), "h_close": torch.randn(4, dim, generator=g),
+         "phi": torch.randn(4, 4 * dim, generator=g)}
+    calls = {name: 0 for name in h.readers}
+    for name, reader in h.readers.items():
+        reader.register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    names = ("psr", "per", "dualread")
+    alone = {n: registry.get(n).score(h, dict(f)) for n in names}
+    lg_alone = branch_log_odds(h, dict(f))
+    for n in calls:
+        calls[n] = 0
+    shared = registry.Scored(dict(f))
+    kept = {n: registry.get(n).score(h, shared) for n in names}
+    lg_kept = branch_log_odds(h, shared)
+    assert all(np.array_equal(kept[n], alone[n]) for n in names)
+    assert np.array_equal(lg_kept, lg_alone)
+    assert calls["psr"] == 1 and calls["state"] == 1 and calls["visual"] == 1

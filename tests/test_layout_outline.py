@@ -238,6 +238,30 @@ def test_shape_columns_without_outline_numbers():
     assert keep.sum() == ln.DIM - 4 * ln.SLOTS
 
 
+def test_the_outline_score_is_the_distances_written_out_bit_for_bit():
+    # the bank's outline rows are kept between calls: the score is still the one written
+    # out from the bank (as it was first computed), and follows a new bank
+    part = load_part(SHIPPED, "novelty.layout")
+    x = layout_descriptors([it.image() for it in load("render:plain:6")],
+                           outline=ln.NEAR_OUTLINE).double()
+    x[1, 3:6] = torch.tensor([0.1, 0.9, 0.4], dtype=torch.float64)    # an unseen colour
+    cols = torch.from_numpy(shape_columns(ln.NEAR_OUTLINE))
+
+    def as_written() -> np.ndarray:
+        b, a = part.t["bank"].float(), x.float()
+        scene = ((a * a).sum(1, keepdim=True) + (b * b).sum(1) - 2.0 * (a @ b.T)).min(1).values
+        outline = torch.cdist(a[:, cols], part.t["bank"][:, cols].float()).min(1).values
+        return np.maximum(scene.clamp_min(0).sqrt().double().numpy(),
+                          ln.NEAR_OUTLINE.shape_factor * outline.double().numpy())
+
+    assert np.array_equal(part.score(x), as_written())
+    x[:, 1 + 6] += 0.3                # a thumbnail cell no fitting outline has, now banked
+    assert (part.score(x)[:2] > 0.5).all()
+    part.extend_bank(x[:2])
+    assert np.array_equal(part.score(x), as_written())
+    assert (part.score(x)[:2] < 1e-3).all()
+
+
 def test_outline_score_of_no_rows_and_of_more_rows_than_a_block():
     part = outline_part(Outline(shape_factor=2.0), "layout_knn_test")().fit(
         torch.zeros(3, ln.DIM, dtype=torch.float64))

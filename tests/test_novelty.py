@@ -97,6 +97,44 @@ def test_knn_matches_sklearn_neighbours():
     assert np.allclose(nov.score(q), want, rtol=1e-6)
 
 
+def _kth_as_written(z: np.ndarray, bank: np.ndarray, k: int) -> np.ndarray:
+    """`knn`'s score as first written (norms each call, roots of every distance, then the
+    k-th): the reference the faster path must equal bit for bit."""
+    out = np.empty(len(z))
+    b2 = (bank * bank).sum(1)
+    for i, a in enumerate(z):
+        d = np.sqrt(np.maximum(b2 + a @ a - 2.0 * (bank @ a), 0.0))
+        out[i] = np.partition(d, k - 1)[k - 1]
+    return out
+
+
+def _nearest_as_written(bank: torch.Tensor, z: torch.Tensor, k: int) -> torch.Tensor:
+    """The float32 k-th nearest distance as first written (temporaries, kthvalue)."""
+    b, a = bank.float(), z.float()
+    d2 = (a * a).sum(1, keepdim=True) + (b * b).sum(1) - 2.0 * (a @ b.T)
+    best = d2.min(1).values if k == 1 else d2.kthvalue(k, dim=1).values
+    return best.clamp_min(0).sqrt().double()
+
+
+@pytest.mark.parametrize("k", [1, 4, 37])
+def test_knn_score_is_the_distances_written_out_bit_for_bit(k):
+    x, q = gaussian(500, 24, 2), gaussian(30, 24, 3) * 1.3
+    nov = Novelty("knn", "h_pre", k=k).fit(x)
+    z = nov._std(q).numpy()
+    assert np.array_equal(nov.score(q), _kth_as_written(z, nov.t["bank"].numpy(), k))
+    nov.extend_bank(q[:5])        # the kept norms follow a new bank
+    assert np.array_equal(nov.score(q), _kth_as_written(z, nov.t["bank"].numpy(), k))
+
+
+@pytest.mark.parametrize("k", [1, 3, 9])
+def test_nearest_is_the_float32_expression_written_out_bit_for_bit(k):
+    nov = Novelty("knn", "h_pre", k=k).fit(gaussian(700, 40, 4))
+    z = nov._std(gaussian(50, 40, 5) * 1.2)
+    assert torch.equal(nov._nearest(z, k), _nearest_as_written(nov.t["bank"], z, k))
+    nov.extend_bank(gaussian(20, 40, 6))
+    assert torch.equal(nov._nearest(z, k), _nearest_as_written(nov.t["bank"], z, k))
+
+
 def test_token_knn_is_the_worst_token():
     bank = torch.zeros(50, 4, 2, dtype=torch.float64)
     bank[:, :, 0] = torch.linspace(-1, 1, 200).reshape(50, 4)

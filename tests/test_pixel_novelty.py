@@ -2,21 +2,26 @@
 coreset bank, conformal p-values, the composite's third part, save and load."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-from heads.novelty import CompositeNovelty, Novelty, load_detector
+from heads.novelty import CompositeNovelty, Novelty, load_detector, load_part
 from heads.pixel_novelty import (
     DIM,
     PIXEL_FEATURE,
     PixelNovelty,
+    _box,
     coreset,
+    distinct,
     pixel_descriptors,
     with_pixels,
 )
+from models.data import load
 
 # colours of the constructed "training" scenes; ORANGE is never drawn in them
 SEEN = ((200, 30, 30), (30, 60, 200), (40, 160, 60))
@@ -146,3 +151,53 @@ def test_descriptors_in_chunks_are_the_descriptors_at_once(monkeypatch):
     whole = pn.pixel_descriptors(ims)
     monkeypatch.setattr(pn, "CHUNK", 3)
     assert torch.equal(pn.pixel_descriptors(ims), whole)
+
+
+def test_the_shipped_part_scores_the_brute_force_distance_bit_for_bit():
+    # the bank index only prunes: whichever rows it routes to, the score is the float64
+    # distance of the farthest descriptor to its nearest bank row, bit for bit
+    part = load_part(Path(__file__).resolve().parents[1] / "heads" / "embedded",
+                     "novelty.pixels")
+    ims = list({it.image_id: it.image() for it in load("render:plain:4")}.values())
+    odd = ims[0].copy()
+    ImageDraw.Draw(odd).rectangle([(2, 2), (9, 9)], fill=ORANGE)
+    x = pixel_descriptors(ims + [odd])
+    bank = part.t["bank"].double()
+
+    def brute(img: torch.Tensor) -> torch.Tensor:
+        rows = distinct(img)[0].double()
+        # every bank row within 1e-9 of the nearest by a float64 product (its error is
+        # ~1e-15 here), then the difference of each pair summed, as the score sums it
+        d2 = torch.cdist(rows, bank, compute_mode="use_mm_for_euclid_dist").square()
+        r, j = (d2 <= d2.amin(1, keepdim=True) + 1e-9).nonzero(as_tuple=True)
+        e = (rows[r] - bank[j]).square().sum(1)
+        return torch.full((len(rows),), np.inf, dtype=torch.float64).scatter_reduce(
+            0, r, e, "amin").max().sqrt()
+
+    want = torch.stack([brute(img) for img in x]).numpy()
+    assert np.array_equal(part.score(x), want)
+    assert want[-1] > 2 * want[0]                       # the orange square is far
+
+
+def _box_as_written(x: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """The box mean as first written: k strided views of the padded maps added in order,
+    along the rows then the columns (the reference the phase-split sums must equal)."""
+    p = k // 2
+    x = F.pad(x, (p, p, p, p), mode="replicate")
+    h, w = x.shape[-2] - 2 * p, x.shape[-1] - 2 * p
+    out = x.narrow(-2, 0, h)[..., ::stride, :].clone()
+    for i in range(1, k):
+        out.add_(x.narrow(-2, i, h)[..., ::stride, :])
+    res = out.narrow(-1, 0, w)[..., ::stride].clone()
+    for i in range(1, k):
+        res.add_(out.narrow(-1, i, w)[..., ::stride])
+    return res / (k * k)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_box_means_are_the_strided_sums_bit_for_bit(stride):
+    rng = np.random.default_rng(8)
+    for shape in ((2, 3, 64, 64), (1, 5, 37, 50), (1, 1, 5, 3)):
+        x = torch.from_numpy(rng.random(shape, dtype=np.float32))
+        for k in (1, 3, 5, 11):
+            assert torch.equal(_box(x, k, stride), _box_as_written(x, k, stride))

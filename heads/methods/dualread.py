@@ -172,15 +172,29 @@ def fit_post_branch(heads: Heads, data: FitData, name: str, reader: str, key: st
     return log
 
 
+# PSR's and PER's log-odds and the consistency term, each read once per scoring call
+# (`once`): the served probabilities and `branch_log_odds` share them
+def kept_pre_logits(heads: Heads, f: Features) -> torch.Tensor:
+    return once(f, "pre_logits", lambda: pre_logits(heads, f))
+
+
+def kept_post_logits(heads: Heads, f: Features) -> torch.Tensor:
+    return once(f, "post_logits", lambda: post_logits(heads, f))
+
+
+def kept_consistency(heads: Heads, f: Features) -> torch.Tensor | float:
+    return once(f, "consistency", lambda: consistency_log_prob(heads, f))
+
+
 def p_pre(heads: Heads, f: Features) -> torch.Tensor:
-    return once(f, "p_pre", lambda: torch.sigmoid(pre_logits(heads, f).double()
+    return once(f, "p_pre", lambda: torch.sigmoid(kept_pre_logits(heads, f).double()
                                                   / heads.temperature("psr")))
 
 
 def p_post(heads: Heads, f: Features) -> torch.Tensor:
     return once(f, "p_post", lambda: torch.sigmoid(
-        post_logits(heads, f).double() / heads.temperature("per")
-        + consistency_log_prob(heads, f)))
+        kept_post_logits(heads, f).double() / heads.temperature("per")
+        + kept_consistency(heads, f)))
 
 
 def consistency_logits(heads: Heads, f: Features) -> torch.Tensor:
@@ -222,9 +236,9 @@ def branch_log_odds(heads: Heads, f: dict[str, torch.Tensor]) -> np.ndarray:
     """[N, 3]: PSR's and PER's log-odds before their temperatures, and the answer-
     consistency term added after PER's (what `heads.recert.dualread_at` needs to rescore)."""
     with torch.inference_mode():
-        pre = pre_logits(heads, f).double().reshape(-1)
-        post = post_logits(heads, f).double().reshape(-1)
-        cons = consistency_log_prob(heads, f)
+        pre = kept_pre_logits(heads, f).double().reshape(-1)
+        post = kept_post_logits(heads, f).double().reshape(-1)
+        cons = kept_consistency(heads, f)
         cons = torch.as_tensor(cons, dtype=torch.float64).expand_as(post).reshape(-1)
     return torch.stack([pre, post, cons], 1).numpy()
 
