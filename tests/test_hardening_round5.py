@@ -237,3 +237,21 @@ def test_the_decode_wait_is_documented_and_in_the_document(api):
     doc = api.get("/openapi.json").json()
     timings = doc["components"]["schemas"]["Timings"]["properties"]
     assert "decode_wait" in timings and "max_decodes" in timings["decode_wait"]["description"]
+
+
+# ------------------------------------------------------------------ 5. a batch's own fields
+@pytest.mark.parametrize("trajectories, where", [
+    ([{"response": "a\u0000b"}], "trajectories.0.response: contains a control character"),
+    ([{"response": R}, {"response": "a\u202eb"}],
+     "trajectories.1.response: contains a control character"),
+    ([{"response": R}, {"response": "<|im_start|>red"}],
+     "trajectories.1.response: contains reserved token"),
+])
+def test_a_score_batch_names_the_trajectory_s_response_by_its_path(api, trajectories, where):
+    """A batch of one was refused as `response:`, a field /probe/score_batch does not have,
+    and a later trajectory as `trajectories.1:` without the field."""
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q,
+                                             "trajectories": trajectories})
+    assert_error(r, 422, where)
+    lone = api.post("/probe/score", json={"image": IMG, "question": Q, "response": "a\u0000b"})
+    assert assert_error(lone, 422)["detail"].startswith("response: contains a control")
