@@ -255,3 +255,25 @@ def test_a_score_batch_names_the_trajectory_s_response_by_its_path(api, trajecto
     assert_error(r, 422, where)
     lone = api.post("/probe/score", json={"image": IMG, "question": Q, "response": "a\u0000b"})
     assert assert_error(lone, 422)["detail"].startswith("response: contains a control")
+
+
+# ------------------------------------------------------------------ 6. a tag made by removing one
+@pytest.mark.parametrize("text, answer", [
+    ("<think>a</think>red <ans</answer>wer>", "red"),                       # no answer tag
+    ("<think>a</think>red <thi</answer>nk>x", "red x"),
+    ("<think>a</think><answer>red <thi<think>nk></answer><confidence>9</confidence>", "red"),
+    ("<think>a</think><answer>red <con<think>b</think>fidence></answer>", "red"),
+])
+def test_removing_a_tag_does_not_leave_the_tag_its_neighbours_spell(text, answer):
+    """One pass of removal joined `<ans` and `wer>` into `<answer>`: the answer carried a
+    whole tag, which it never should, parsed or not."""
+    from models.parse import parse_response
+
+    assert parse_response(text).answer == answer
+
+
+def test_a_scored_trajectory_s_answer_carries_no_tag_its_pieces_spell(api):
+    r = api.post("/probe/score", json={"image": IMG, "question": Q,
+                                       "response": "<think>a</think>red <ans</answer>wer>"})
+    assert r.status_code == 200, r.text
+    assert r.json()["answer"] == "red"
