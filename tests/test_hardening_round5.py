@@ -277,3 +277,30 @@ def test_a_scored_trajectory_s_answer_carries_no_tag_its_pieces_spell(api):
                                        "response": "<think>a</think>red <ans</answer>wer>"})
     assert r.status_code == 200, r.text
     assert r.json()["answer"] == "red"
+
+
+# ------------------------------------------------------------------ 7. a refused body read once
+def test_a_refused_body_is_parsed_again_only_for_a_discriminated_union_s_tag(api, monkeypatch):
+    """The second parse (for field names) holds the GIL as the first does, so every other
+    request waited twice as long on a refused 30 MB body; only a tag in an error's location
+    (the OpenAI route's content parts) needs it, and the messages are the same."""
+    import app.errors as errors
+
+    calls = []
+    parse = errors.from_json
+    monkeypatch.setattr(errors, "from_json", lambda raw: calls.append(1) or parse(raw))
+    bad = f'{{"image": "{IMG}", "question": "{Q}", "max_new_tokens": "8", "Extra": 1}}'
+    r = api.post("/answer", content=bad, headers={"content-type": "application/json"})
+    assert assert_error(r, 422)["detail"] == \
+        "max_new_tokens: must be an integer from 1 to 1024; body: unexpected field"
+    uri = "data:image/png;base64," + IMG
+    chat = {"model": "m", "max_tokens": "8", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": Q}]}]}
+    r = api.post("/v1/chat/completions", json=chat)
+    assert r.json()["error"]["message"] == "max_tokens: must be an integer from 1 to 1024"
+    assert calls == []
+    chat["max_tokens"] = 8
+    chat["messages"][0]["content"][1]["text"] = 5
+    r = api.post("/v1/chat/completions", json=chat)
+    assert r.json()["error"]["message"].startswith("messages.0.content.1.text: "), r.text
+    assert calls == [1]
