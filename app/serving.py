@@ -309,28 +309,32 @@ class Serving:
             joined, max(len(joined), s.max_question_chars), s.max_question_tokens)
 
     def _score_items(self, image: Image.Image, question: str,
-                     trajectories: Sequence[tuple[str, MaskSpec | None]]) -> list[ScoreItem]:
+                     trajectories: Sequence[tuple[str, MaskSpec | None]], batch: bool
+                     ) -> list[ScoreItem]:
         backend = self.require_backend()
         out = []
         for k, (response, mask) in enumerate(trajectories):
-            where = "response" if len(trajectories) == 1 else f"trajectories.{k}"
+            # the request's own field: a batch of one still has its response in a list
+            where = f"trajectories.{k}." if batch else ""
             try:
                 text = backend.check_response(response, self.settings.max_response_tokens)
+            except TrajectoryInvalid as e:
+                raise TrajectoryInvalid(f"{where}response: {e.detail}") from None
+            try:
                 if mask is not None:
                     char_span(text, mask.target)   # a span must lie inside what is scored
-            except TrajectoryInvalid as e:
-                raise TrajectoryInvalid(f"{where}: {e.detail}") from None
             except ValueError as e:
-                raise TrajectoryInvalid(f"{where}: {e}") from None
+                raise TrajectoryInvalid(f"{where}mask.target: {e}") from None
             out.append(ScoreItem(image, question, response, mask))
         return out
 
     async def score_items(self, image: Image.Image, question: str,
-                          trajectories: Sequence[tuple[str, MaskSpec | None]]
-                          ) -> list[ScoreItem]:
+                          trajectories: Sequence[tuple[str, MaskSpec | None]],
+                          batch: bool = False) -> list[ScoreItem]:
         """Checked score jobs (token budget, reserved tokens, mask spans); tokenising up to
         64 long trajectories runs off the event loop."""
-        return await run_in_threadpool(self._score_items, image, question, trajectories)
+        return await run_in_threadpool(self._score_items, image, question, trajectories,
+                                      batch)
 
     # ----------------------------------------------------------------- running
     def _deadline(self) -> float:

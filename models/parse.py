@@ -13,6 +13,18 @@ _TAG = re.compile(r"</?(?:think|answer|confidence)>")
 _CUT_TAG = re.compile(r"</?([a-z]*)$")
 
 
+def _untagged(text: str, blocks: bool) -> str:
+    """`text` less the format's tags (and, with `blocks`, closed reasoning blocks), removed
+    until none is left: dropping one can join its neighbours into another
+    (`<ans</answer>wer>`). Each round removes at least one tag, and the text is a bounded
+    response."""
+    while True:
+        out = _TAG.sub("", _THINK.sub("", text) if blocks else text)
+        if out == text:
+            return out
+        text = out
+
+
 def clean_answer(text: str, tagged: bool) -> str:
     """Answer text without the format's markup, stripped: what `answer` holds whether or
     not the response parses, so it never carries a tag. `tagged`: the content of an
@@ -20,12 +32,12 @@ def clean_answer(text: str, tagged: bool) -> str:
     whole response without one, whose answer is what follows its reasoning (none when the
     reasoning was never closed), with a piece of a tag where it was cut off dropped."""
     if tagged:
-        return _TAG.sub("", _THINK.sub("", text)).strip()
+        return _untagged(text, blocks=True).strip()
     if "</think>" in text:
         text = text[text.rindex("</think>") + len("</think>"):]
     if "<think>" in text:
         text = text[:text.index("<think>")]        # reasoning never closed: no answer
-    text = _TAG.sub("", text)
+    text = _untagged(text, blocks=False)
     cut = _CUT_TAG.search(text)
     if cut and any(name.startswith(cut.group(1)) for name in TAGS):
         text = text[:cut.start()]

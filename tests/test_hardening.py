@@ -1243,7 +1243,7 @@ def test_control_characters_are_refused_in_trajectories_too(api):
         assert_error(r, 422, "response: contains a control character")
     r = api.post("/probe/score_batch", json={"image": IMG, "question": Q, "trajectories": [
         {"response": "<answer>red</answer>"}, {"response": "a\u0007b"}]})
-    assert_error(r, 422, "trajectories.1: contains a control character (U+0007)")
+    assert_error(r, 422, "trajectories.1.response: contains a control character (U+0007)")
     ok = api.post("/probe/score", json={"image": IMG, "question": Q,
                                         "response": "<think>a\tb\nc</think><answer>red</answer>"})
     assert ok.status_code == 200      # tab and newline are text

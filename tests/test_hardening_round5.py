@@ -237,3 +237,70 @@ def test_the_decode_wait_is_documented_and_in_the_document(api):
     doc = api.get("/openapi.json").json()
     timings = doc["components"]["schemas"]["Timings"]["properties"]
     assert "decode_wait" in timings and "max_decodes" in timings["decode_wait"]["description"]
+
+
+# ------------------------------------------------------------------ 5. a batch's own fields
+@pytest.mark.parametrize("trajectories, where", [
+    ([{"response": "a\u0000b"}], "trajectories.0.response: contains a control character"),
+    ([{"response": R}, {"response": "a\u202eb"}],
+     "trajectories.1.response: contains a control character"),
+    ([{"response": R}, {"response": "<|im_start|>red"}],
+     "trajectories.1.response: contains reserved token"),
+])
+def test_a_score_batch_names_the_trajectory_s_response_by_its_path(api, trajectories, where):
+    """A batch of one was refused as `response:`, a field /probe/score_batch does not have,
+    and a later trajectory as `trajectories.1:` without the field."""
+    r = api.post("/probe/score_batch", json={"image": IMG, "question": Q,
+                                             "trajectories": trajectories})
+    assert_error(r, 422, where)
+    lone = api.post("/probe/score", json={"image": IMG, "question": Q, "response": "a\u0000b"})
+    assert assert_error(lone, 422)["detail"].startswith("response: contains a control")
+
+
+# ------------------------------------------------------------------ 6. a tag made by removing one
+@pytest.mark.parametrize("text, answer", [
+    ("<think>a</think>red <ans</answer>wer>", "red"),                       # no answer tag
+    ("<think>a</think>red <thi</answer>nk>x", "red x"),
+    ("<think>a</think><answer>red <thi<think>nk></answer><confidence>9</confidence>", "red"),
+    ("<think>a</think><answer>red <con<think>b</think>fidence></answer>", "red"),
+])
+def test_removing_a_tag_does_not_leave_the_tag_its_neighbours_spell(text, answer):
+    """One pass of removal joined `<ans` and `wer>` into `<answer>`: the answer carried a
+    whole tag, which it never should, parsed or not."""
+    from models.parse import parse_response
+
+    assert parse_response(text).answer == answer
+
+
+def test_a_scored_trajectory_s_answer_carries_no_tag_its_pieces_spell(api):
+    r = api.post("/probe/score", json={"image": IMG, "question": Q,
+                                       "response": "<think>a</think>red <ans</answer>wer>"})
+    assert r.status_code == 200, r.text
+    assert r.json()["answer"] == "red"
+
+
+# ------------------------------------------------------------------ 7. a refused body read once
+def test_a_refused_body_is_parsed_again_only_for_a_discriminated_union_s_tag(api, monkeypatch):
+    """The second parse (for field names) holds the GIL as the first does, so every other
+    request waited twice as long on a refused 30 MB body; only a tag in an error's location
+    (the OpenAI route's content parts) needs it, and the messages are the same."""
+    import app.errors as errors
+
+    calls = []
+    parse = errors.from_json
+    monkeypatch.setattr(errors, "from_json", lambda raw: calls.append(1) or parse(raw))
+    bad = f'{{"image": "{IMG}", "question": "{Q}", "max_new_tokens": "8", "Extra": 1}}'
+    r = api.post("/answer", content=bad, headers={"content-type": "application/json"})
+    assert assert_error(r, 422)["detail"] == \
+        "max_new_tokens: must be an integer from 1 to 1024; body: unexpected field"
+    uri = "data:image/png;base64," + IMG
+    chat = {"model": "m", "max_tokens": "8", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": Q}]}]}
+    r = api.post("/v1/chat/completions", json=chat)
+    assert r.json()["error"]["message"] == "max_tokens: must be an integer from 1 to 1024"
+    assert calls == []
+    chat["max_tokens"] = 8
+    chat["messages"][0]["content"][1]["text"] = 5
+    r = api.post("/v1/chat/completions", json=chat)
+    assert r.json()["error"]["message"].startswith("messages.0.content.1.text: "), r.text
+    assert calls == [1]

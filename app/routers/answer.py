@@ -225,7 +225,7 @@ def _validate_json(raw: bytes) -> AnswerRequest:
     try:
         return AnswerRequest.model_validate_json(raw)
     except ValidationError as e:
-        raise InvalidInput(explain_json(e.errors(), raw)) from None
+        raise InvalidInput(explain_json(e.errors(), raw, AnswerRequest)) from None
 
 
 async def _json(request: Request, serving: Serving) -> AnswerItem:

@@ -272,7 +272,7 @@ def _parse(raw: bytes) -> ChatRequest:
         loc = tuple(errs[0].get("loc", ())) if errs else ()
         if errs and errs[0].get("type") == "extra_forbidden":
             loc = loc[:-1]           # the unknown key itself is client text
-        raise _Refused(422, explain_json(errs, raw), _param(loc)) from None
+        raise _Refused(422, explain_json(errs, raw, ChatRequest), _param(loc)) from None
 
 
 def _question_and_image(body: ChatRequest) -> tuple[list[str], str]:

@@ -117,7 +117,8 @@ async def score_batch(request: Request, body: ScoreBatchRequest,
     masks = [mask_spec(t.mask, t.response) for t in body.trajectories]
     image = await serving.image_b64(body.image)
     items = await serving.score_items(
-        image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)])
+        image, question, [(t.response, m) for t, m in zip(body.trajectories, masks)],
+        batch=True)
     served = await serving.score(items, gone=request.is_disconnected)
     request.scope["state"]["batch_size"] = max(s.batch for s in served)
     return ScoreBatchResponse(results=[trajectory_score(s.result) for s in served],
