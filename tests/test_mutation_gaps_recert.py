@@ -40,7 +40,10 @@ from heads.recert import (
     Settings,
     Verdict,
     _base_flags,
+    distinct_inputs,
     input_key,
+    spending_view,
+    spent_delta,
 )
 from models.data import load
 
@@ -72,6 +75,39 @@ def test_verdict_from_dict_keeps_when_and_who_and_defaults_who():
     older = Verdict.from_dict({"request_id": "req-2", "served": served, "correct": 0,
                                "at": 3.5})
     assert older.who == "" and older.at == 3.5 and older.correct is False
+
+
+def test_verdict_to_dict_is_what_from_dict_reads():
+    v = Verdict("req-1", Served("r1", (0.5, -1.0, 0.0), {"novelty": 1.5}, {"novelty": 0.2},
+                                True, "k1"), False, 1_700_000_000.5, "operator:x")
+    d = json.loads(json.dumps(v.to_dict()))
+    assert d == {"request_id": "req-1", "served": v.served.to_dict(), "correct": False,
+                 "at": 1_700_000_000.5, "who": "operator:x"}
+    assert Verdict.from_dict(d) == v
+
+
+def test_distinct_inputs_keeps_the_first_verdict_of_each_key_and_every_keyless_one():
+    keys = ["a", "", "b", "a", "", "b", "c"]
+    vs = [Verdict(f"req-{i}", Served(SHIPPED, (0.0, 0.0, 0.0), key=k), True, 0.0, "op")
+          for i, k in enumerate(keys)]
+    assert [v.request_id for v in distinct_inputs(vs)] == \
+        ["req-0", "req-1", "req-2", "req-4", "req-6"]
+    assert distinct_inputs([]) == []
+
+
+# ------------------------------------------------------------------ α-spending
+def test_spending_view_by_hand():
+    # three tests at δ = 0.2: δ (1 − 1/4) = 0.15 spent, the fourth at 0.2 / 20 = 0.01
+    got = spending_view(0.2, 3)
+    assert list(got) == ["scheme", "delta_total", "tests", "delta_spent", "next_delta"]
+    assert (got["delta_total"], got["tests"], got["delta_spent"], got["next_delta"]) == \
+        (0.2, 3, 0.15, 0.01)
+    assert isinstance(got["scheme"], str) and got["scheme"]
+    assert spending_view(0.1, 0)["delta_spent"] == 0 and \
+        spending_view(0.1, 0)["next_delta"] == 0.05
+    assert spent_delta(0.1, 1) == 0.05 and spent_delta(0.3, 2) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="count from 1"):
+        spent_delta(0.1, 0)
 
 
 # ------------------------------------------------------------------ the input key
@@ -168,6 +204,20 @@ def test_the_view_counts_the_open_window_and_shows_the_last_50_events(tmp_path):
     assert got["chain"] == [SHIPPED, "r1-abc"] and got["chain"] is not store.chain
     assert [e["n"] for e in got["history"]] == list(range(10, 60))
     assert "req-" not in json.dumps(got)                     # no request id in the view
+
+
+def test_levels_are_the_settings_else_the_shipped_policy_else_the_defaults(tmp_path):
+    store = _store(tmp_path)
+    store.rules[SHIPPED].policy = _policy(0.6) | {"target_risk": 0.07, "delta": 0.2}
+    assert store.levels() == (0.07, 0.2)
+    store.settings = Settings(target_risk=0.03)
+    assert store.levels() == (0.03, 0.2)
+    store.settings = Settings(delta=0.05)
+    assert store.levels() == (0.07, 0.05)
+    store.settings = Settings()
+    store.rules[SHIPPED].policy = None               # defer everything: no r or δ of its own
+    assert store.levels() == (0.05, 0.1)
+    assert all(type(x) is float for x in store.levels())
 
 
 # ------------------------------------------------------------------ the base detector's flags
