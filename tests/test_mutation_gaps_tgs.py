@@ -205,17 +205,17 @@ def _same(got, want, where: str = "") -> None:
         assert type(got) is type(want) and got == want, (where, got, want)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def recs() -> list[dict]:
     return _records()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def summary(recs) -> dict:
     return tgs_probe.summarise(recs, CFG)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def want(recs) -> dict:
     return _want_summary(recs)
 
