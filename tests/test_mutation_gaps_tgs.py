@@ -379,3 +379,17 @@ def test_plan_external_without_a_description_or_an_own_trajectory():
     _, gold = tgs_probe.plan_external(None, {}, _item("3", "Z", "what shape?", "circle"), "k",
                                       {})
     assert gold.startswith("<think>The image shows circle. That supports circle")
+
+
+def test_plan_draws_the_alternatives_with_the_items_key():
+    """Each item gets its own seeded picks: another key, other alternatives."""
+    q = "what color is the shape?"
+
+    def alts(key: str, axis: str) -> list[str]:
+        labels, trajs, _, _ = tgs_probe.plan(OWN, q, key, CFG)
+        return [t for lab, t in zip(labels, trajs) if lab.startswith(f"alt:{axis}:")]
+
+    # a colour has seven others: which five, and in which order, is the key's draw
+    assert alts("0:a", "vision") != alts("1:b", "vision")
+    assert alts("0:a", "answer") != alts("1:b", "answer")
+    assert alts("0:a", "vision") == alts("0:a", "vision")
