@@ -61,6 +61,7 @@ def _records() -> list[dict]:
     del recs[0]["interfaces"]                  # read from the good trajectory's scores
     recs[2]["scores"]["hes:0:pre"]["dualread"] = 0.02       # |Δ| exactly .02: unchanged
     recs[2]["scores"]["hes:0:post"]["dualread"] = 0.0
+    recs[0]["scores"]["hes:1:post"]["psr"] = recs[0]["scores"]["hes:1:pre"]["psr"]  # no change
     recs[6]["real_c"]["dualread"] = TAU                     # wrong, at τ: released
     recs[4]["scores"]["answer"]["dualread"] = TAU           # a flip at τ: released
     del recs[5]["real_c"]["dualread"]
@@ -231,6 +232,7 @@ def test_the_records_exercise_every_branch(recs, want):
     assert want["deferral"]["flip_paraphrase_own"]["n"] == 0
     assert 0 < want["deferral"]["own_wrong"]["ge_tau"] < 1
     assert 0 < want["dualread"]["hesitation"]["p_unchanged"] < 1
+    assert 0 < want["psr"]["hesitation"]["p_unchanged"] < 1
     assert {want[k]["p_jsd_le_0.1_vision"] for k in IFACES} - {0.0, 1.0}
 
 
