@@ -395,3 +395,17 @@ def test_plan_draws_the_alternatives_with_the_items_key():
     assert alts("0:a", "vision") != alts("1:b", "vision")
     assert alts("0:a", "answer") != alts("1:b", "answer")
     assert alts("0:a", "vision") == alts("0:a", "vision")
+
+
+def test_nothing_to_score_gives_nan_without_numpy_warnings():
+    """An item with no scores (every call failed) leaves NaN where there is nothing to
+    average — by the guards, not by numpy's mean of an empty slice, which warns."""
+    import warnings
+
+    empty = {"image_id": "a", "z": True, "interfaces": list(IFACES), "masked_tokens": 0,
+             "scores": {}, "variants": {}, "hesitations": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = tgs_probe.summarise([empty], CFG)
+    assert all(math.isnan(s[k]["pair"]) for k in IFACES)
+    assert all(math.isnan(s["verbalized"][f"p_jsd11_le_0.1_{a}"]) for a in AXES)
