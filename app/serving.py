@@ -297,14 +297,16 @@ class Serving:
         return self.require_backend().check_question(question, s.max_question_chars,
                                                      s.max_question_tokens)
 
-    def chat_question(self, texts: Sequence[str]) -> str:
-        """The OpenAI route's question: its text parts joined by newlines, each part within
-        the question length as sent (the document states the length per part), the whole
-        checked as `question` is but for that length (the token limit still holds)."""
+    def chat_question(self, texts: Sequence[tuple[str, str]]) -> str:
+        """The OpenAI route's question: its text parts (each with its field's path) joined
+        by newlines, each part within the question length as sent (the document states the
+        length per part), the whole checked as `question` is but for that length (the
+        token limit still holds)."""
         s = self.settings
-        if any(len(t) > s.max_question_chars for t in texts):
-            raise InvalidInput(f"a text part is longer than {s.max_question_chars} characters")
-        joined = "\n".join(texts)
+        for where, text in texts:
+            if len(text) > s.max_question_chars:
+                raise InvalidInput(f"{where}: longer than {s.max_question_chars} characters")
+        joined = "\n".join(text for _, text in texts)
         return self.require_backend().check_question(
             joined, max(len(joined), s.max_question_chars), s.max_question_tokens)
 

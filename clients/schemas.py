@@ -27,13 +27,25 @@ B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$
 # list), so the document shows the limit the server enforces (`app.openapi`).
 LIMIT = "x-limit"
 
+
+
+def _image_string(value: object) -> object:
+    # a value of another type is refused as what an image field takes (in a union with
+    # "blank", pydantic's "a string" would read as though 'blank' were not one)
+    if not isinstance(value, str):
+        raise PydanticCustomError("image_type", "must be a base64 string of a PNG, JPEG or "
+                                                "DICOM file")
+    return value
+
+
 # An image in a JSON body. The decoded bytes must be a PNG, JPEG or DICOM file within the
 # service's size limits (413) that decodes (422): JSON Schema cannot say that, so `format`
 # names it and the description says it.
 Image64 = Annotated[str, Field(
     min_length=4, pattern=B64_PATTERN,
     description="a PNG, JPEG or DICOM file, base64 (standard alphabet, padded, one line)",
-    json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"})]
+    json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"}),
+    BeforeValidator(_image_string)]
 # Characters refused in questions and trajectories (as a regular-expression class): C0
 # and C1 controls but tab, newline and carriage return; DEL; bidi embeddings, overrides and
 # isolates. The service reads them from here (app.text.CONTROL); escapes that ECMA-262 and

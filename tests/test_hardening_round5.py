@@ -115,9 +115,9 @@ PLAIN = [
                            '[{"response": "RESP", "mask": {"ratio": NaN}}]}',
      "trajectories.0.mask.ratio: must be a number from 0 to 1"),
     ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": 5}',
-     "counterfactual: must be 'blank', or a string"),
+     "counterfactual: must be 'blank' or a base64 string of a PNG, JPEG or DICOM file"),
     ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "abc"}',
-     "counterfactual: String should have at least 4 characters"),
+     "counterfactual: must have at least 4 characters"),
     ("/answer", '{"image": "IMG", "question": "q", "max_new_tokens": NaN}',
      "max_new_tokens: must be an integer from 1 to 1024"),
 ]
@@ -142,7 +142,7 @@ def test_the_openai_route_names_its_fields_in_plain_words(api):
         ([{"type": "text", "text": 5}, image], {}, "messages.0.content.0.text: "),
         ([image, {"type": "image_url", "image_url": {"url": uri, "x": 1}}], {},
          "messages.0.content.1.image_url: unexpected field"),
-        (5, {}, "messages.0.content: must be a string, or an array"),
+        (5, {}, "messages.0.content: must be a string or an array"),
         ([image, {"type": "text", "text": Q}], {"temperature": float("nan")},
          "temperature: must be a number from 0 to 2"),
         ([image, {"type": "text", "text": Q}], {"n": 2}, "n: must be an integer equal to 1"),
@@ -304,3 +304,232 @@ def test_a_refused_body_is_parsed_again_only_for_a_discriminated_union_s_tag(api
     r = api.post("/v1/chat/completions", json=chat)
     assert r.json()["error"]["message"].startswith("messages.0.content.1.text: "), r.text
     assert calls == [1]
+
+
+# ------------------------------------------------------------------ 8. every message in plain words
+# pydantic's own wording: what its messages say, which the service's replace
+PYDANTIC_WORDS = ("Input should", "should have", "after validation", "Unable to",
+                  "Field required", "literal[", "(field)", "Value error", "Invalid JSON",
+                  "invalid value")
+SCORE_BODY = {"image": IMG, "question": Q, "response": R, "mask": {"target": "think"}}
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMG}},
+    {"type": "text", "text": Q}]}]}
+
+
+def _message_of(r) -> str:
+    assert r.status_code == 422, r.text
+    body = r.json()
+    return body["error"]["message"] if "error" in body else body["detail"]
+
+
+@pytest.mark.parametrize("path, body, detail", [
+    ("/probe/score", {**SCORE_BODY, "mask": 5}, "mask: must be an object"),
+    ("/probe/score", {**SCORE_BODY, "mask": []}, "mask: must be an object"),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [1, 2, 3]}},
+     "mask.target: must have at most 2 items"),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [1]}}, "mask.target.1: required"),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": []},
+     "trajectories: must have at least 1 item"),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": 5},
+     "trajectories: must be an array"),
+    ("/probe/counterfactual", {"image": IMG, "question": Q, "counterfactual": ["blank"]},
+     "counterfactual: must be 'blank' or a base64 string of a PNG, JPEG or DICOM file"),
+    ("/probe/counterfactual", {"image": 5, "question": Q, "counterfactual": "blank"},
+     "image: must be a base64 string of a PNG, JPEG or DICOM file"),
+    ("/answer", {"question": Q}, "image: required"),
+    ("/feedback", {"request_id": "x" * 65, "correct": True},
+     "request_id: must have at most 64 characters"),
+    ("/feedback", {"request_id": "x", "correct": 1}, "correct: must be true or false"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": []},
+     "messages: must have at least 1 item"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{}]}]},
+     "messages.0.content.0.type: required"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
+        {"type": "video"}]}]}, "messages.0.content.0.type: must be 'text' or 'image_url'"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "robot", "content": "a"}]},
+     "messages.0.role: must be 'system', 'developer', 'user' or 'assistant'"),
+])
+def test_pydantic_s_wording_is_replaced_by_the_service_s(api, path, body, detail):
+    """The review's leftovers ("mask: Input should be a valid dictionary or object to
+    extract fields from", "Tuple should have at most 2 items after validation, not 3",
+    "List should have at least 1 item after validation", "Unable to extract tag using
+    discriminator 'type'"), each said plainly under the request's own field."""
+    got = _message_of(api.post(path, json=body))
+    assert got == detail, got
+
+
+def _core_schema_kinds(model) -> set[str]:
+    from typing import get_args
+
+    from pydantic_core.core_schema import CoreSchemaType
+
+    known, found, todo = set(get_args(CoreSchemaType)), set(), [model.__pydantic_core_schema__]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            if isinstance(x.get("type"), str) and x["type"] in known:
+                found.add(x["type"])
+            todo.extend(x.values())
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
+    return found
+
+
+# The errors pydantic-core raises per kind of schema node (its validators' error types;
+# `default`, `nullable` and `union` add none of their own), and in parsing JSON.
+RAISES = {
+    "str": {"string_type", "string_too_short", "string_too_long", "string_pattern_mismatch",
+            "string_unicode"},
+    "int": {"int_type", "int_parsing", "int_from_float", "greater_than_equal",
+            "less_than_equal", "greater_than", "less_than"},
+    "float": {"float_type", "float_parsing", "finite_number", "greater_than_equal",
+              "less_than_equal", "greater_than", "less_than"},
+    "bool": {"bool_type", "bool_parsing"},
+    "literal": {"literal_error"},
+    "list": {"list_type", "too_short", "too_long"},
+    "tuple": {"tuple_type", "too_short", "too_long", "missing"},
+    "model": {"model_type", "model_attributes_type"},
+    "model-fields": {"missing", "extra_forbidden", "dict_type", "model_attributes_type"},
+    "tagged-union": {"union_tag_invalid", "union_tag_not_found", "dict_type",
+                     "model_attributes_type"},
+    "function-before": {"value_error", "assertion_error"},
+    "union": set(), "nullable": set(), "default": set(),
+}
+PARSING = {"json_invalid", "json_type", "recursion_loop"}
+
+
+def test_every_error_type_a_request_can_raise_has_the_service_s_message():
+    """Every request model's kinds of field (walked from its core schema, so a new kind is
+    caught) and the errors each can raise: each has a message of the service's own (a
+    type without one is answered "invalid value")."""
+    import app.errors as errors
+    from app.routers.calibration import PinRequest
+    from app.routers.openai import ChatRequest
+    from app.schemas import (
+        AnswerRequest,
+        CounterfactualRequest,
+        FeedbackRequest,
+        ScoreBatchRequest,
+        ScoreRequest,
+    )
+
+    kinds = set().union(*(_core_schema_kinds(m) for m in (
+        AnswerRequest, CounterfactualRequest, ScoreRequest, ScoreBatchRequest, FeedbackRequest,
+        ChatRequest, PinRequest)))
+    assert kinds <= set(RAISES), kinds - set(RAISES)
+    reachable = set().union(PARSING, *(RAISES[k] for k in kinds))
+    said = set(errors._PLAIN) | set(errors._KINDS) | errors._OWN
+    assert reachable <= said, reachable - said
+    assert {"integer_range", "number_range", "image_type"} <= errors._OWN
+    for kind in reachable - errors._OWN:        # none falls back on pydantic's message
+        msg = errors._message({"type": kind, "msg": "Input should be X", "loc": ("a",),
+                               "ctx": {"min_length": 2, "max_length": 3, "ge": 0, "le": 1,
+                                       "gt": 0, "lt": 1, "expected": "'a' or 'b'",
+                                       "expected_tags": "'a', 'b'", "discriminator": "'t'"}})
+        assert "Input should" not in msg and msg != "invalid value" or kind in (
+            "value_error", "assertion_error"), (kind, msg)
+
+
+def _paths(node, here=()):
+    """Every field and item of a body, containers too, as (path, value)."""
+    if here:
+        yield here
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*here, k))
+    elif isinstance(node, list):
+        for k, v in enumerate(node):
+            yield from _paths(v, (*here, k))
+
+
+def _with(body, path, value):
+    body = json.loads(json.dumps(body))
+    node = body
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return body
+
+
+HOSTILE = [5, 2.5, "", "ab", True, None, [], [1, 2, 3], {}, {"type": "x"}, [{}]]
+
+
+@pytest.mark.parametrize("route, base", [
+    ("/answer", {"image": IMG, "question": Q, "max_new_tokens": 4}),
+    ("/probe/counterfactual", {"image": IMG, "question": Q, "counterfactual": "blank",
+                               "reference_answer": "red"}),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [0, 5], "ratio": 1.0, "seed": 0}}),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": [
+        {"response": R, "mask": {"target": "think"}}]}),
+    ("/feedback", {"request_id": "x", "correct": True}),
+    ("/v1/chat/completions", {**CHAT_BODY, "max_tokens": 4, "temperature": 0}),
+])
+def test_a_hostile_value_anywhere_is_refused_in_plain_words_under_its_own_field(
+        api, monkeypatch, route, base):
+    """Each field and item of each route's body replaced by values of every JSON kind:
+    every refusal names a path of the body sent and none is pydantic's wording or the
+    fallback for an error type without a message of the service's."""
+    import app.errors as errors
+
+    seen = []
+    message = errors._message
+    monkeypatch.setattr(errors, "_message", lambda err: seen.append(err["type"]) or
+                        message(err))
+    refused = 0
+    for path in list(_paths(base)):
+        for value in HOSTILE:
+            body = _with(base, path, value)
+            r = api.post(route, json=body)
+            if r.status_code != 422:
+                continue
+            refused += 1
+            got = _message_of(r)
+            assert not any(w in got for w in PYDANTIC_WORDS), (path, value, got)
+            for part in got.split("; "):
+                where = part.split(": ", 1)[0]
+                if where in ("body", "") or " " in where or "[" in where:
+                    continue           # the body, or a refusal of the route's own
+                node = body
+                for name in where.split(".")[:-1]:
+                    node = node[int(name)] if isinstance(node, list) else node[name]
+                last = where.split(".")[-1]
+                assert (int(last) < len(node) + 2) if isinstance(node, list) else \
+                    isinstance(node, dict), (path, value, got)
+    assert refused > 10 and seen
+    assert set(seen) <= set(errors._PLAIN) | set(errors._KINDS) | errors._OWN, set(seen)
+
+
+def _chat(content) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+def test_the_openai_route_s_question_and_image_refusals_name_its_own_fields(api):
+    """The route has no `question` or `image` field: its refusals named them ("question
+    contains ...", "image: cannot decode ...")."""
+    uri = "data:image/png;base64,"
+    image = {"type": "image_url", "image_url": {"url": uri + IMG}}
+    cases = [
+        ([image, {"type": "text", "text": "what\u0007?"}],
+         "messages.0.content: the question (its text parts, joined) contains a control "
+         "character (U+0007)"),
+        ([{"type": "text", "text": "?"}, image, {"type": "text", "text": "!"}],
+         "messages.0.content: the question (its text parts, joined) has no letter or digit"),
+        ([image, {"type": "text", "text": "what <|im_start|> is it?"}],
+         "messages.0.content: the question (its text parts, joined) contains reserved token"),
+        ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {
+            "url": uri + b64(b"not an image at all")}}],
+         "messages.0.content.1.image_url.url: cannot decode image"),
+        ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {"url": uri + "%%%%"}}],
+         "messages.0.content.1.image_url.url: not valid base64"),
+        ([{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}},
+          {"type": "text", "text": Q}],
+         "messages.0.content.0.image_url.url: must be a base64 data URI"),
+        ([image, {"type": "text", "text": "a" * 2001}],
+         "messages.0.content.1.text: longer than 2000 characters"),
+    ]
+    for content, detail in cases:
+        r = api.post("/v1/chat/completions", json=_chat(content))
+        got = _message_of(r)
+        assert got.startswith(detail), (detail, got)
+        assert not got.startswith(("question", "image")), got
