@@ -234,6 +234,7 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
     out: list[str] = []
     union = None
     node = body
+    tagged = None         # the object whose tag the location named last
     for k, x in enumerate(loc):
         rest = loc[k + 1:]
         if isinstance(x, int):
@@ -242,10 +243,15 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
                 else _NO_BODY
             continue
         if node is not _NO_BODY:
-            if isinstance(node, dict) and x in node and not _is_tag(node, x, rest, missing):
+            # one tag per object: after it, a name is the object's field, even when the
+            # field is named as a tag is (`image_url` of an image_url part)
+            if isinstance(node, dict) and x in node and (
+                    node is tagged or not _is_tag(node, x, rest, missing)):
                 out.append(str(x))
                 node = node[x]
                 continue
+            if isinstance(node, dict) and x in node:
+                tagged = node
             if not rest and missing and isinstance(node, dict):
                 out.append(str(x))            # a field the object lacks
                 continue

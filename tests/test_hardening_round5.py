@@ -533,3 +533,19 @@ def test_the_openai_route_s_question_and_image_refusals_name_its_own_fields(api)
         got = _message_of(r)
         assert got.startswith(detail), (detail, got)
         assert not got.startswith(("question", "image")), got
+
+
+@pytest.mark.parametrize("image_url, detail", [
+    ({"type": "text"}, "messages.0.content.0.image_url.url: required; "
+                       "messages.0.content.0.image_url: unexpected field"),
+    ({"type": "image_url"}, "messages.0.content.0.image_url.url: required; "
+                            "messages.0.content.0.image_url: unexpected field"),
+    ({"text": "x"}, "messages.0.content.0.image_url.url: required; "
+                    "messages.0.content.0.image_url: unexpected field"),
+])
+def test_a_field_named_as_a_tag_is_read_as_the_field_after_the_tag(api, image_url, detail):
+    """pydantic names an image part `...0.image_url.image_url.url` (its tag, then its
+    field): an `image_url` object holding a value that is also a tag had both read as the
+    tag, and the missing url was reported at `messages.0.content.0.url`."""
+    content = [{"type": "image_url", "image_url": image_url}, {"type": "text", "text": Q}]
+    assert _message_of(api.post("/v1/chat/completions", json=_chat(content))) == detail
