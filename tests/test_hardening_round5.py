@@ -549,3 +549,35 @@ def test_a_field_named_as_a_tag_is_read_as_the_field_after_the_tag(api, image_ur
     tag, and the missing url was reported at `messages.0.content.0.url`."""
     content = [{"type": "image_url", "image_url": image_url}, {"type": "text", "text": Q}]
     assert _message_of(api.post("/v1/chat/completions", json=_chat(content))) == detail
+
+
+# ------------------------------------------------------------------ 9. a damaged PNG
+def _png_chunks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, data length) of each chunk of a PNG."""
+    out, i = [], 8
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        out.append((i, n))
+        i += 12 + n
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2])      # IHDR, IDAT, IEND
+def test_a_png_with_one_bad_crc_is_called_damaged_not_another_format(api, chunk):
+    """One flipped bit in a chunk's CRC: PIL refused the header's as "not a PNG, JPEG or
+    DICOM file" and took the image data's unchecked (altered pixels decode as pixels)."""
+    at, n = _png_chunks(PNG)[chunk]
+    bad = bytearray(PNG)
+    bad[at + 8 + n] ^= 1
+    for r in (api.post("/answer", json={"image": b64(bytes(bad)), "question": Q}),
+              api.post("/answer", files={"image": ("x.png", bytes(bad))},
+                       data={"question": Q})):
+        body = assert_error(r, 422, "image: cannot decode image: damaged PNG file (chunk "
+                                    f"{chunk + 1}, at byte {at}, fails its CRC checksum)")
+        assert "not a PNG" not in body["detail"]
+
+
+def test_a_png_cut_inside_its_header_is_called_damaged(api):
+    r = api.post("/answer", json={"image": b64(PNG[:40]), "question": Q})
+    assert_error(r, 422, "image: cannot decode image: damaged PNG file (its header cannot be "
+                         "read)")
