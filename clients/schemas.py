@@ -200,12 +200,19 @@ DEFER_CODES: dict[DeferCode, str] = {
 
 
 class Timings(BaseModel):
-    """Milliseconds per stage of one answer."""
+    """Milliseconds per stage of one answer, in order: together the request's time in the
+    server but for writing the response."""
 
+    read: float = Field(
+        0.0, description="from the request's arrival to its image's decoding: receiving "
+                         "the body, its JSON or multipart parsing and the question's checks")
     decode_wait: float = Field(
         0.0, description="waiting for a decode slot (the service decodes at most "
                          "max_decodes images at once): other requests' large images held "
                          "this one before it was queued; 0 when a slot was free")
+    decode: float = Field(
+        0.0, description="decoding the image: base64, the file's checks and its pixels "
+                         "(a large PNG's can take over a second)")
     queue: float = Field(..., description="queued for the model, until its batch started")
     generate: float = Field(..., description="the batch's generation")
     readout: float = Field(..., description="the batch's readout of the actor's states")
@@ -221,8 +228,8 @@ class AnswerResponse(BaseModel):
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
         "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
-        "timings_ms": {"decode_wait": 0.0, "queue": 1.2, "generate": 80.1, "readout": 3.0,
-                       "heads": 0.4}}]})
+        "timings_ms": {"read": 0.6, "decode_wait": 0.0, "decode": 1.1, "queue": 1.2,
+                       "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence | None = Field(

@@ -227,7 +227,8 @@ def test_the_wait_for_a_decode_slot_is_reported_in_the_timings(service, monkeypa
         assert decoding.wait(5)
         small = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
         assert held.result().status_code == 200
-    assert set(small) == {"decode_wait", "queue", "generate", "readout", "heads"}
+    assert set(small) == {"read", "decode_wait", "decode", "queue", "generate", "readout",
+                          "heads"}
     assert small["decode_wait"] >= 400, small          # most of the big decode's 800 ms
     assert small["queue"] < small["decode_wait"], small
     assert lone["decode_wait"] < 100, lone
@@ -581,3 +582,66 @@ def test_a_png_cut_inside_its_header_is_called_damaged(api):
     r = api.post("/answer", json={"image": b64(PNG[:40]), "question": Q})
     assert_error(r, 422, "image: cannot decode image: damaged PNG file (its header cannot be "
                          "read)")
+
+
+# ------------------------------------------------------------------ 10. stages that add up
+def test_the_timings_cover_reading_the_request_and_decoding_its_image(service, monkeypatch):
+    """A large image's request took ~5 s while its stages added up to ~2.1 s: its image's
+    decoding (and the body's parsing) were in none. With decoding slowed by 0.6 s and
+    parsing by 0.3 s, `decode` and `read` hold them and the stages add up to the
+    request's time in the app (the access log's latency, measured around it)."""
+    import time
+
+    import app.routers.answer as answer_module
+    import app.serving as serving_module
+    from tests.helpers import small_limits_client
+
+    opened, parse = serving_module.open_image, answer_module._validate_json
+
+    def slow_open(raw, max_pixels):
+        time.sleep(0.6)
+        return opened(raw, max_pixels)
+
+    def slow_parse(raw):
+        time.sleep(0.3)
+        return parse(raw)
+
+    monkeypatch.setattr(serving_module, "open_image", slow_open)
+    monkeypatch.setattr(answer_module, "_validate_json", slow_parse)
+    with small_limits_client(service) as c:
+        for send in (lambda: c.post("/answer", json={"image": IMG, "question": Q}),
+                     lambda: c.post("/answer", files={"image": ("x.png", PNG)},
+                                    data={"question": Q})):
+            t = time.perf_counter()
+            r = send()
+            took = (time.perf_counter() - t) * 1000
+            assert r.status_code == 200, r.text
+            timings = r.json()["timings_ms"]
+            assert list(timings) == ["read", "decode_wait", "decode", "queue", "generate",
+                                     "readout", "heads"]
+            assert 600 <= timings["decode"] < 600 + 300, timings
+            assert timings["decode_wait"] < 100, timings
+            assert sum(timings.values()) <= took, (timings, took)
+            # all but writing the response and the test client's own work
+            assert sum(timings.values()) >= 0.9 * took - 50, (timings, took)
+        parsed = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+    assert 300 <= parsed["read"] < 300 + 300, parsed     # the JSON body's slowed parsing
+    assert timings["read"] < 300, timings                  # multipart: not parsed by it
+    chat = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMG}},
+        {"type": "text", "text": Q}]}]}
+    with small_limits_client(service) as c:
+        ext = c.post("/v1/chat/completions", json=chat).json()["dualread"]["timings_ms"]
+    assert ext["decode"] >= 600, ext
+
+
+def test_the_new_stages_are_documented_in_order(api):
+    doc = api.get("/openapi.json").json()
+    timings = doc["components"]["schemas"]["Timings"]["properties"]
+    assert list(timings) == ["read", "decode_wait", "decode", "queue", "generate", "readout",
+                             "heads"]
+    from pathlib import Path
+
+    api_md = Path(__file__).parents[1].joinpath("docs", "api.md").read_text()
+    for key in timings:
+        assert f"`{key}`" in api_md, key
