@@ -173,9 +173,44 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple",
 _NO_BODY = object()
 # A value of the wrong type, said plainly (what it must be); in a union, one per choice.
 _KINDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
-          "bool_type": "true or false", "list_type": "an array", "tuple_type": "an array",
+          "bool_type": "true or false", "bool_parsing": "true or false",
+          "list_type": "an array", "tuple_type": "an array", "iterable_type": "an array",
           "dict_type": "an object", "model_type": "an object",
-          "model_attributes_type": "an object", "is_instance_of": "an object"}
+          "model_attributes_type": "an object", "is_instance_of": "an object",
+          "image_type": "a base64 string of a PNG, JPEG or DICOM file"}
+# The service's own errors (`clients.schemas`): their messages are written there.
+_OWN = frozenset({"integer_range", "number_range", "image_type"})
+# Every other error pydantic can report on a request, in the service's words: pydantic's
+# own quote the value or its types ("Tuple should have at most 2 items after validation,
+# not 3", "Unable to extract tag using discriminator 'type'"). Those the request models
+# can raise are listed here (a test walks the models for the rest); one not listed is
+# answered "invalid value" and logged by type.
+_PLAIN = {
+    "missing": "required",
+    "string_too_short": "must have at least {min_length} {characters}",
+    "string_too_long": "must have at most {max_length} {characters}",
+    "string_pattern_mismatch": "is not in the accepted form",
+    "string_unicode": "must be valid Unicode text",
+    "too_short": "must have at least {min_length} {items}",
+    "too_long": "must have at most {max_length} {items}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than_equal": "must be at most {le}",
+    "greater_than": "must be over {gt}",
+    "less_than": "must be under {lt}",
+    "finite_number": "must be a finite number",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "json_invalid": "not valid JSON",
+    "json_type": "not valid JSON",
+    "extra_forbidden": "unexpected field",
+    "literal_error": "must be {expected}",
+    "union_tag_invalid": "must be {expected_tags}",
+    "union_tag_not_found": "required",
+    "value_error": "invalid value",
+    "assertion_error": "invalid value",
+    "recursion_loop": "nested too deeply",
+}
 
 
 def _is_tag(node: dict, x: str, rest: list, missing: bool) -> bool:
@@ -195,10 +230,11 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
     loc = list(err.get("loc", ()))
     if loc[:1] == ["body"]:
         loc = loc[1:]                     # FastAPI's prefix for the request body
-    missing = err.get("type") == "missing"
+    missing = err.get("type") in ("missing", "union_tag_not_found")
     out: list[str] = []
     union = None
     node = body
+    tagged = None         # the object whose tag the location named last
     for k, x in enumerate(loc):
         rest = loc[k + 1:]
         if isinstance(x, int):
@@ -207,10 +243,15 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
                 else _NO_BODY
             continue
         if node is not _NO_BODY:
-            if isinstance(node, dict) and x in node and not _is_tag(node, x, rest, missing):
+            # one tag per object: after it, a name is the object's field, even when the
+            # field is named as a tag is (`image_url` of an image_url part)
+            if isinstance(node, dict) and x in node and (
+                    node is tagged or not _is_tag(node, x, rest, missing)):
                 out.append(str(x))
                 node = node[x]
                 continue
+            if isinstance(node, dict) and x in node:
+                tagged = node
             if not rest and missing and isinstance(node, dict):
                 out.append(str(x))            # a field the object lacks
                 continue
@@ -222,19 +263,39 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
     return out, union
 
 
+def _or(choices: str) -> str:
+    """pydantic's list of choices ("'text', 'image_url'") as "'text' or 'image_url'"."""
+    head, comma, last = choices.rpartition(", ")
+    return f"{head} or {last}" if comma and " or " not in choices else choices
+
+
 def _message(err: dict) -> str:
-    msg = err.get("msg", "invalid")
-    kind = err.get("type")
-    ctx = err.get("ctx", {})
+    """What is wrong, in the service's words: never pydantic's message (`_PLAIN`), which
+    may quote the value, but the service's own errors' (`_OWN`)."""
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    if kind in _OWN:
+        return err.get("msg", "invalid value")
     if kind == "string_pattern_mismatch" and ctx.get("pattern") == B64_PATTERN:
         return B64_HELP           # the pattern itself tells a client little
     if kind == "string_too_short" and err.get("input") == "":
         return "empty"
-    if kind == "union_tag_invalid":
-        # pydantic's message quotes the tag sent, which is client text
-        return (f"the tag found using {ctx.get('discriminator', 'its discriminator')} is "
-                f"none of the expected tags: {ctx.get('expected_tags', '')}")
-    return msg
+    if kind in _KINDS:
+        return f"must be {_KINDS[kind]}"
+    if kind not in _PLAIN:
+        log.warning("validation error of a type without a message: %s", kind)
+        return "invalid value"
+    # ctx holds the rule (bounds, the expected tags), never the value sent: for a union's
+    # tag, pydantic's message quotes the tag sent, which is client text
+    words = {k: _or(str(v)) if k in ("expected", "expected_tags") else v
+             for k, v in ctx.items()}
+    one = [ctx.get("min_length", ctx.get("max_length"))] == [1]
+    words.update(items="item" if one else "items", characters="character" if one else
+                 "characters")
+    try:
+        return _PLAIN[kind].format(**words)
+    except (KeyError, IndexError, ValueError):   # a rule without its bound: none claimed
+        return "invalid value"
 
 
 def _kind(err: dict) -> str | None:
@@ -265,6 +326,11 @@ def explain(errors: list[dict], body: object = _NO_BODY) -> str:
             site = None if union is None else tuple(path[:union])
             read.append((path, site, "unexpected field", None))
         else:
+            if err.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+                # about the field that names the object's kind (`type`), not the object
+                name = str((err.get("ctx") or {}).get("discriminator", "")).strip("'")
+                if _IDENT.match(name):
+                    err = {**err, "loc": (*err.get("loc", ()), name)}
             path, union = _path(err, body)
             site = None if union is None else tuple(path[:union])
             read.append((path, site, _message(err), _kind(err)))
@@ -276,8 +342,12 @@ def explain(errors: list[dict], body: object = _NO_BODY) -> str:
             # choices whose type the value has
             fits = [r for r in here if len(r[0]) > len(site) or r[3] is None]
             if not fits:
-                kinds = ", or ".join(dict.fromkeys(r[3] for r in here))
-                parts.append(f"{'.'.join(site) or 'body'}: must be {kinds}")
+                kinds = [str(r[3]) for r in here]
+                kinds = list(dict.fromkeys(kinds))
+                # "'blank' or a base64 string", "'think', 'answer' or 'response', or an array"
+                said = (", or " if any(" or " in k for k in kinds[:-1]) else " or ").join(
+                    [", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+                parts.append(f"{'.'.join(site) or 'body'}: must be {said}")
                 continue
             here = fits
         parts += [f"{'.'.join(path) or 'body'}: {msg}" for path, _, msg, _ in here]

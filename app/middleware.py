@@ -268,7 +268,9 @@ class RequestContext:
         client_id = headers.get(REQUEST_ID, "")
         correlation = client_id if CLIENT_ID.match(client_id) else None
         state = scope.setdefault("state", {})
-        state.update(request_id=rid, late=self.draining(), batch_size=None)
+        # `arrived`: where the request's `timings_ms.read` starts (app.serving)
+        state.update(request_id=rid, late=self.draining(), batch_size=None,
+                     arrived=time.monotonic())
         t0 = time.perf_counter()
         status = 500
         started = False

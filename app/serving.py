@@ -167,10 +167,24 @@ def b64_limit(max_bytes: int) -> int:
 # whether its client has gone. Set by `Serving.admit`; (None, None) outside a request.
 _REQUEST: ContextVar[tuple[float | None, Gone | None]] = ContextVar(
     "dualread_request", default=(None, None))
-# Seconds the request in this task has waited for decode slots so far (one item: a list,
-# so the task's own context is updated in place). Set by `Serving.admit`.
-_DECODE_WAIT: ContextVar[list[float] | None] = ContextVar("dualread_decode_wait",
-                                                          default=None)
+
+
+@dataclass
+class RequestClock:
+    """Where the request in this task has spent its time before its job is queued
+    (seconds; updated in place, so the task's own context holds it). Set by `admit`."""
+
+    arrived: float                    # time.monotonic() the app received it
+    read: float | None = None         # arrival to its first image: body, parsing, checks
+    decode_wait: float = 0.0          # waiting for decode slots
+    decode: float = 0.0               # decoding its images (base64, pixels, checks)
+
+    def image_started(self) -> None:
+        if self.read is None:
+            self.read = time.monotonic() - self.arrived
+
+
+_CLOCK: ContextVar[RequestClock | None] = ContextVar("dualread_clock", default=None)
 
 
 class Serving:
@@ -219,15 +233,24 @@ class Serving:
         self.require_backend()
         _REQUEST.set((time.monotonic() + self.settings.request_timeout_s,
                       getattr(request, "is_disconnected", None)))
-        _DECODE_WAIT.set([0.0])
+        # from when the app received it (the middleware's mark), else from now
+        arrived = request.scope["state"].get("arrived")
+        _CLOCK.set(RequestClock(time.monotonic() if arrived is None else arrived))
+
+    @staticmethod
+    def clock() -> RequestClock:
+        """Where the current request spent its time before its job was queued
+        (`timings_ms.read`, `decode_wait`, `decode`); a fresh one outside a request."""
+        clock = _CLOCK.get()
+        return RequestClock(time.monotonic(), 0.0) if clock is None else clock
 
     @staticmethod
     def decode_wait_s() -> float:
         """Seconds the current request waited for a decode slot (`--max-decodes`), over all
         its images: large images decoding for others hold small requests here, before
         any queue (`timings_ms.decode_wait`)."""
-        waited = _DECODE_WAIT.get()
-        return 0.0 if waited is None else waited[0]
+        clock = _CLOCK.get()
+        return 0.0 if clock is None else clock.decode_wait
 
     def require_backend(self) -> Backend:
         if self.backend is None or self.batcher is None:
@@ -240,6 +263,9 @@ class Serving:
         limit = self.settings.max_image_bytes
         if len(raw) > limit:
             raise ImageTooLarge(f"{what}: {len(raw)} bytes, over the limit of {limit}")
+        clock = _CLOCK.get()
+        if clock is not None:
+            clock.image_started()
         # waiting for a slot counts against the request's deadline like queueing does
         waiting = time.monotonic()
         try:
@@ -252,10 +278,10 @@ class Serving:
         except TimeoutError:
             raise DeadlineExceeded(f"{what}: deadline passed waiting to be decoded") from None
         finally:
-            waited = _DECODE_WAIT.get()
-            if waited is not None:
-                waited[0] += time.monotonic() - waiting
+            if clock is not None:
+                clock.decode_wait += time.monotonic() - waiting
         started = False
+        decoding = time.monotonic()
         try:
             gone = _REQUEST.get()[1]
             if gone is not None and await gone():     # nobody to decode for any more
@@ -273,17 +299,26 @@ class Serving:
         finally:
             if not started:
                 self.decode_slots.release()
+            if clock is not None:
+                clock.decode += time.monotonic() - decoding
 
     async def image_b64(self, b64: str, what: str = "image") -> Image.Image:
         # The encoded size bounds the decoded one: refuse before decoding a huge string.
         if len(b64) > b64_limit(self.settings.max_image_bytes):
             raise ImageTooLarge(f"{what}: over the limit of {self.settings.max_image_bytes} "
                                 "bytes")
+        clock = _CLOCK.get()
+        if clock is not None:
+            clock.image_started()
+        decoding = time.monotonic()
         try:
             raw = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidInput(f"{what}: not valid base64 (one line, no wrapping; "
                                "use `base64 < file | tr -d '\\n'`)") from None
+        finally:
+            if clock is not None:      # a 10 MB image's base64: ~0.2 s (its check's regex)
+                clock.decode += time.monotonic() - decoding
         return await self.image(raw, what)
 
     def max_new_tokens(self, asked: int | None) -> int:
@@ -297,14 +332,16 @@ class Serving:
         return self.require_backend().check_question(question, s.max_question_chars,
                                                      s.max_question_tokens)
 
-    def chat_question(self, texts: Sequence[str]) -> str:
-        """The OpenAI route's question: its text parts joined by newlines, each part within
-        the question length as sent (the document states the length per part), the whole
-        checked as `question` is but for that length (the token limit still holds)."""
+    def chat_question(self, texts: Sequence[tuple[str, str]]) -> str:
+        """The OpenAI route's question: its text parts (each with its field's path) joined
+        by newlines, each part within the question length as sent (the document states the
+        length per part), the whole checked as `question` is but for that length (the
+        token limit still holds)."""
         s = self.settings
-        if any(len(t) > s.max_question_chars for t in texts):
-            raise InvalidInput(f"a text part is longer than {s.max_question_chars} characters")
-        joined = "\n".join(texts)
+        for where, text in texts:
+            if len(text) > s.max_question_chars:
+                raise InvalidInput(f"{where}: longer than {s.max_question_chars} characters")
+        joined = "\n".join(text for _, text in texts)
         return self.require_backend().check_question(
             joined, max(len(joined), s.max_question_chars), s.max_question_tokens)
 

@@ -27,13 +27,25 @@ B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$
 # list), so the document shows the limit the server enforces (`app.openapi`).
 LIMIT = "x-limit"
 
+
+
+def _image_string(value: object) -> object:
+    # a value of another type is refused as what an image field takes (in a union with
+    # "blank", pydantic's "a string" would read as though 'blank' were not one)
+    if not isinstance(value, str):
+        raise PydanticCustomError("image_type", "must be a base64 string of a PNG, JPEG or "
+                                                "DICOM file")
+    return value
+
+
 # An image in a JSON body. The decoded bytes must be a PNG, JPEG or DICOM file within the
 # service's size limits (413) that decodes (422): JSON Schema cannot say that, so `format`
 # names it and the description says it.
 Image64 = Annotated[str, Field(
     min_length=4, pattern=B64_PATTERN,
     description="a PNG, JPEG or DICOM file, base64 (standard alphabet, padded, one line)",
-    json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"})]
+    json_schema_extra={"format": "image-base64", "contentEncoding": "base64", LIMIT: "image"}),
+    BeforeValidator(_image_string)]
 # Characters refused in questions and trajectories (as a regular-expression class): C0
 # and C1 controls but tab, newline and carriage return; DEL; bidi embeddings, overrides and
 # isolates. The service reads them from here (app.text.CONTROL); escapes that ECMA-262 and
@@ -188,12 +200,19 @@ DEFER_CODES: dict[DeferCode, str] = {
 
 
 class Timings(BaseModel):
-    """Milliseconds per stage of one answer."""
+    """Milliseconds per stage of one answer, in order: together the request's time in the
+    server but for writing the response."""
 
+    read: float = Field(
+        0.0, description="from the request's arrival to its image's decoding: receiving "
+                         "the body, its JSON or multipart parsing and the question's checks")
     decode_wait: float = Field(
         0.0, description="waiting for a decode slot (the service decodes at most "
                          "max_decodes images at once): other requests' large images held "
                          "this one before it was queued; 0 when a slot was free")
+    decode: float = Field(
+        0.0, description="decoding the image: base64, the file's checks and its pixels "
+                         "(a large PNG's can take over a second)")
     queue: float = Field(..., description="queued for the model, until its batch started")
     generate: float = Field(..., description="the batch's generation")
     readout: float = Field(..., description="the batch's readout of the actor's states")
@@ -209,8 +228,8 @@ class AnswerResponse(BaseModel):
         "novelty": {"score": -2.3, "p_value": 0.41, "novel": False},
         "model": "3f2a...",
         "heads": "9c1b...", "request_id": "5b0e...",
-        "timings_ms": {"decode_wait": 0.0, "queue": 1.2, "generate": 80.1, "readout": 3.0,
-                       "heads": 0.4}}]})
+        "timings_ms": {"read": 0.6, "decode_wait": 0.0, "decode": 1.1, "queue": 1.2,
+                       "generate": 80.1, "readout": 3.0, "heads": 0.4}}]})
     answer: str
     response: str
     confidence: Confidence | None = Field(

@@ -25,8 +25,8 @@ Policy (the service documents the same):
   bit depth; other photometric
   interpretations are refused. Malformed tags (also finite ones that overflow once
   applied) are refused with the tag's name.
-- PNG: at most MAX_PNG_CHUNKS chunks, counted before PIL sees it. EXIF: at most
-  MAX_EXIF_BYTES.
+- PNG: at most MAX_PNG_CHUNKS chunks, counted before PIL sees it, each with its CRC
+  checked (a damaged file is refused as one). EXIF: at most MAX_EXIF_BYTES.
 - JPEG, read marker by marker before PIL sees it: Huffman-coded baseline, extended or
   progressive only; at most one scan per component (sequential) or MAX_JPEG_SCANS
   (progressive), since each scan decodes the whole image again; at most
@@ -44,6 +44,7 @@ import logging
 import re
 import threading
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,17 +181,30 @@ def _exif_too_large() -> ImageInvalid:
                         f"camera writes one segment of at most that)")
 
 
+def _damaged_png(why: str) -> ImageInvalid:
+    return ImageInvalid(f"cannot decode image: damaged PNG file ({why}): it was altered or "
+                        f"cut short on its way; send the file again or re-encode it")
+
+
 def check_png(data: bytes) -> None:
     """Refuse a PNG of more than MAX_PNG_CHUNKS chunks before PIL reads them (an encoder
-    writes tens, or a few thousand image-data chunks for a large picture)."""
+    writes tens, or a few thousand image-data chunks for a large picture), and one whose
+    chunk fails its CRC: PIL checks the chunks before the image data only, and calls such
+    a file "not a PNG" (the image data's own it does not check: altered pixels decode)."""
     i, n, chunks = 8, len(data), 0
+    view = memoryview(data)
     while i + 8 <= n:
         chunks += 1
         if chunks > MAX_PNG_CHUNKS:
             raise ImageInvalid(f"PNG with over {MAX_PNG_CHUNKS} chunks; re-encode it")
+        end = i + 12 + int.from_bytes(data[i:i + 4], "big")
+        # a chunk cut short is PIL's to report ("truncated")
+        if end <= n and zlib.crc32(view[i + 4:end - 4]) != int.from_bytes(data[end - 4:end],
+                                                                            "big"):
+            raise _damaged_png(f"chunk {chunks}, at byte {i}, fails its CRC checksum")
         if data[i + 4:i + 8] == b"IEND":
             return
-        i += 12 + int.from_bytes(data[i:i + 4], "big")
+        i = end
 
 
 def check_jpeg(data: bytes) -> None:
@@ -480,6 +494,8 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise ImageTooLarge("image rejected as a decompression bomb") from None
         except UnidentifiedImageError:
+            if png:       # PIL could not read past a PNG's signature
+                raise _damaged_png("its header cannot be read") from None
             raise ImageInvalid(f"cannot decode image: not a PNG, JPEG or DICOM file; "
                                f"{FORMAT_HINT}") from None
         except Exception as e:

@@ -56,7 +56,8 @@ def test_answer_json_contract(api):
     assert all(0 <= v <= 1 for v in body["confidence"].values())
     below = body["confidence"]["dualread"] < body["defer_threshold"]
     assert body["defer"] == (below or body["defer_reason"] is not None)
-    assert set(body["timings_ms"]) == {"decode_wait", "queue", "generate", "readout", "heads"}
+    assert set(body["timings_ms"]) == {"read", "decode_wait", "decode", "queue", "generate",
+                                       "readout", "heads"}
     assert r.headers["x-request-id"] == body["request_id"]
 
 

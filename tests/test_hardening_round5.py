@@ -115,9 +115,9 @@ PLAIN = [
                            '[{"response": "RESP", "mask": {"ratio": NaN}}]}',
      "trajectories.0.mask.ratio: must be a number from 0 to 1"),
     ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": 5}',
-     "counterfactual: must be 'blank', or a string"),
+     "counterfactual: must be 'blank' or a base64 string of a PNG, JPEG or DICOM file"),
     ("/probe/counterfactual", '{"image": "IMG", "question": "q", "counterfactual": "abc"}',
-     "counterfactual: String should have at least 4 characters"),
+     "counterfactual: must have at least 4 characters"),
     ("/answer", '{"image": "IMG", "question": "q", "max_new_tokens": NaN}',
      "max_new_tokens: must be an integer from 1 to 1024"),
 ]
@@ -142,7 +142,7 @@ def test_the_openai_route_names_its_fields_in_plain_words(api):
         ([{"type": "text", "text": 5}, image], {}, "messages.0.content.0.text: "),
         ([image, {"type": "image_url", "image_url": {"url": uri, "x": 1}}], {},
          "messages.0.content.1.image_url: unexpected field"),
-        (5, {}, "messages.0.content: must be a string, or an array"),
+        (5, {}, "messages.0.content: must be a string or an array"),
         ([image, {"type": "text", "text": Q}], {"temperature": float("nan")},
          "temperature: must be a number from 0 to 2"),
         ([image, {"type": "text", "text": Q}], {"n": 2}, "n: must be an integer equal to 1"),
@@ -227,7 +227,8 @@ def test_the_wait_for_a_decode_slot_is_reported_in_the_timings(service, monkeypa
         assert decoding.wait(5)
         small = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
         assert held.result().status_code == 200
-    assert set(small) == {"decode_wait", "queue", "generate", "readout", "heads"}
+    assert set(small) == {"read", "decode_wait", "decode", "queue", "generate", "readout",
+                          "heads"}
     assert small["decode_wait"] >= 400, small          # most of the big decode's 800 ms
     assert small["queue"] < small["decode_wait"], small
     assert lone["decode_wait"] < 100, lone
@@ -304,3 +305,343 @@ def test_a_refused_body_is_parsed_again_only_for_a_discriminated_union_s_tag(api
     r = api.post("/v1/chat/completions", json=chat)
     assert r.json()["error"]["message"].startswith("messages.0.content.1.text: "), r.text
     assert calls == [1]
+
+
+# ------------------------------------------------------------------ 8. every message in plain words
+# pydantic's own wording: what its messages say, which the service's replace
+PYDANTIC_WORDS = ("Input should", "should have", "after validation", "Unable to",
+                  "Field required", "literal[", "(field)", "Value error", "Invalid JSON",
+                  "invalid value")
+SCORE_BODY = {"image": IMG, "question": Q, "response": R, "mask": {"target": "think"}}
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMG}},
+    {"type": "text", "text": Q}]}]}
+
+
+def _message_of(r) -> str:
+    assert r.status_code == 422, r.text
+    body = r.json()
+    return body["error"]["message"] if "error" in body else body["detail"]
+
+
+@pytest.mark.parametrize("path, body, detail", [
+    ("/probe/score", {**SCORE_BODY, "mask": 5}, "mask: must be an object"),
+    ("/probe/score", {**SCORE_BODY, "mask": []}, "mask: must be an object"),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [1, 2, 3]}},
+     "mask.target: must have at most 2 items"),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [1]}}, "mask.target.1: required"),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": []},
+     "trajectories: must have at least 1 item"),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": 5},
+     "trajectories: must be an array"),
+    ("/probe/counterfactual", {"image": IMG, "question": Q, "counterfactual": ["blank"]},
+     "counterfactual: must be 'blank' or a base64 string of a PNG, JPEG or DICOM file"),
+    ("/probe/counterfactual", {"image": 5, "question": Q, "counterfactual": "blank"},
+     "image: must be a base64 string of a PNG, JPEG or DICOM file"),
+    ("/answer", {"question": Q}, "image: required"),
+    ("/feedback", {"request_id": "x" * 65, "correct": True},
+     "request_id: must have at most 64 characters"),
+    ("/feedback", {"request_id": "x", "correct": 1}, "correct: must be true or false"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": []},
+     "messages: must have at least 1 item"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{}]}]},
+     "messages.0.content.0.type: required"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
+        {"type": "video"}]}]}, "messages.0.content.0.type: must be 'text' or 'image_url'"),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "robot", "content": "a"}]},
+     "messages.0.role: must be 'system', 'developer', 'user' or 'assistant'"),
+])
+def test_pydantic_s_wording_is_replaced_by_the_service_s(api, path, body, detail):
+    """The review's leftovers ("mask: Input should be a valid dictionary or object to
+    extract fields from", "Tuple should have at most 2 items after validation, not 3",
+    "List should have at least 1 item after validation", "Unable to extract tag using
+    discriminator 'type'"), each said plainly under the request's own field."""
+    got = _message_of(api.post(path, json=body))
+    assert got == detail, got
+
+
+def _core_schema_kinds(model) -> set[str]:
+    from typing import get_args
+
+    from pydantic_core.core_schema import CoreSchemaType
+
+    known, found, todo = set(get_args(CoreSchemaType)), set(), [model.__pydantic_core_schema__]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            if isinstance(x.get("type"), str) and x["type"] in known:
+                found.add(x["type"])
+            todo.extend(x.values())
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
+    return found
+
+
+# The errors pydantic-core raises per kind of schema node (its validators' error types;
+# `default`, `nullable` and `union` add none of their own), and in parsing JSON.
+RAISES = {
+    "str": {"string_type", "string_too_short", "string_too_long", "string_pattern_mismatch",
+            "string_unicode"},
+    "int": {"int_type", "int_parsing", "int_from_float", "greater_than_equal",
+            "less_than_equal", "greater_than", "less_than"},
+    "float": {"float_type", "float_parsing", "finite_number", "greater_than_equal",
+              "less_than_equal", "greater_than", "less_than"},
+    "bool": {"bool_type", "bool_parsing"},
+    "literal": {"literal_error"},
+    "list": {"list_type", "too_short", "too_long"},
+    "tuple": {"tuple_type", "too_short", "too_long", "missing"},
+    "model": {"model_type", "model_attributes_type"},
+    "model-fields": {"missing", "extra_forbidden", "dict_type", "model_attributes_type"},
+    "tagged-union": {"union_tag_invalid", "union_tag_not_found", "dict_type",
+                     "model_attributes_type"},
+    "function-before": {"value_error", "assertion_error"},
+    "union": set(), "nullable": set(), "default": set(),
+}
+PARSING = {"json_invalid", "json_type", "recursion_loop"}
+
+
+def test_every_error_type_a_request_can_raise_has_the_service_s_message():
+    """Every request model's kinds of field (walked from its core schema, so a new kind is
+    caught) and the errors each can raise: each has a message of the service's own (a
+    type without one is answered "invalid value")."""
+    import app.errors as errors
+    from app.routers.calibration import PinRequest
+    from app.routers.openai import ChatRequest
+    from app.schemas import (
+        AnswerRequest,
+        CounterfactualRequest,
+        FeedbackRequest,
+        ScoreBatchRequest,
+        ScoreRequest,
+    )
+
+    kinds = set().union(*(_core_schema_kinds(m) for m in (
+        AnswerRequest, CounterfactualRequest, ScoreRequest, ScoreBatchRequest, FeedbackRequest,
+        ChatRequest, PinRequest)))
+    assert kinds <= set(RAISES), kinds - set(RAISES)
+    reachable = set().union(PARSING, *(RAISES[k] for k in kinds))
+    said = set(errors._PLAIN) | set(errors._KINDS) | errors._OWN
+    assert reachable <= said, reachable - said
+    assert {"integer_range", "number_range", "image_type"} <= errors._OWN
+    for kind in reachable - errors._OWN:        # none falls back on pydantic's message
+        msg = errors._message({"type": kind, "msg": "Input should be X", "loc": ("a",),
+                               "ctx": {"min_length": 2, "max_length": 3, "ge": 0, "le": 1,
+                                       "gt": 0, "lt": 1, "expected": "'a' or 'b'",
+                                       "expected_tags": "'a', 'b'", "discriminator": "'t'"}})
+        assert "Input should" not in msg and msg != "invalid value" or kind in (
+            "value_error", "assertion_error"), (kind, msg)
+
+
+def _paths(node, here=()):
+    """Every field and item of a body, containers too, as (path, value)."""
+    if here:
+        yield here
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*here, k))
+    elif isinstance(node, list):
+        for k, v in enumerate(node):
+            yield from _paths(v, (*here, k))
+
+
+def _with(body, path, value):
+    body = json.loads(json.dumps(body))
+    node = body
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return body
+
+
+HOSTILE = [5, 2.5, "", "ab", True, None, [], [1, 2, 3], {}, {"type": "x"}, [{}]]
+
+
+@pytest.mark.parametrize("route, base", [
+    ("/answer", {"image": IMG, "question": Q, "max_new_tokens": 4}),
+    ("/probe/counterfactual", {"image": IMG, "question": Q, "counterfactual": "blank",
+                               "reference_answer": "red"}),
+    ("/probe/score", {**SCORE_BODY, "mask": {"target": [0, 5], "ratio": 1.0, "seed": 0}}),
+    ("/probe/score_batch", {"image": IMG, "question": Q, "trajectories": [
+        {"response": R, "mask": {"target": "think"}}]}),
+    ("/feedback", {"request_id": "x", "correct": True}),
+    ("/v1/chat/completions", {**CHAT_BODY, "max_tokens": 4, "temperature": 0}),
+])
+def test_a_hostile_value_anywhere_is_refused_in_plain_words_under_its_own_field(
+        api, monkeypatch, route, base):
+    """Each field and item of each route's body replaced by values of every JSON kind:
+    every refusal names a path of the body sent and none is pydantic's wording or the
+    fallback for an error type without a message of the service's."""
+    import app.errors as errors
+
+    seen = []
+    message = errors._message
+    monkeypatch.setattr(errors, "_message", lambda err: seen.append(err["type"]) or
+                        message(err))
+    refused = 0
+    for path in list(_paths(base)):
+        for value in HOSTILE:
+            body = _with(base, path, value)
+            r = api.post(route, json=body)
+            if r.status_code != 422:
+                continue
+            refused += 1
+            got = _message_of(r)
+            assert not any(w in got for w in PYDANTIC_WORDS), (path, value, got)
+            for part in got.split("; "):
+                where = part.split(": ", 1)[0]
+                if where in ("body", "") or " " in where or "[" in where:
+                    continue           # the body, or a refusal of the route's own
+                node = body
+                for name in where.split(".")[:-1]:
+                    node = node[int(name)] if isinstance(node, list) else node[name]
+                last = where.split(".")[-1]
+                assert (int(last) < len(node) + 2) if isinstance(node, list) else \
+                    isinstance(node, dict), (path, value, got)
+    assert refused > 10 and seen
+    assert set(seen) <= set(errors._PLAIN) | set(errors._KINDS) | errors._OWN, set(seen)
+
+
+def _chat(content) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+def test_the_openai_route_s_question_and_image_refusals_name_its_own_fields(api):
+    """The route has no `question` or `image` field: its refusals named them ("question
+    contains ...", "image: cannot decode ...")."""
+    uri = "data:image/png;base64,"
+    image = {"type": "image_url", "image_url": {"url": uri + IMG}}
+    cases = [
+        ([image, {"type": "text", "text": "what\u0007?"}],
+         "messages.0.content: the question (its text parts, joined) contains a control "
+         "character (U+0007)"),
+        ([{"type": "text", "text": "?"}, image, {"type": "text", "text": "!"}],
+         "messages.0.content: the question (its text parts, joined) has no letter or digit"),
+        ([image, {"type": "text", "text": "what <|im_start|> is it?"}],
+         "messages.0.content: the question (its text parts, joined) contains reserved token"),
+        ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {
+            "url": uri + b64(b"not an image at all")}}],
+         "messages.0.content.1.image_url.url: cannot decode image"),
+        ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {"url": uri + "%%%%"}}],
+         "messages.0.content.1.image_url.url: not valid base64"),
+        ([{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}},
+          {"type": "text", "text": Q}],
+         "messages.0.content.0.image_url.url: must be a base64 data URI"),
+        ([image, {"type": "text", "text": "a" * 2001}],
+         "messages.0.content.1.text: longer than 2000 characters"),
+    ]
+    for content, detail in cases:
+        r = api.post("/v1/chat/completions", json=_chat(content))
+        got = _message_of(r)
+        assert got.startswith(detail), (detail, got)
+        assert not got.startswith(("question", "image")), got
+
+
+@pytest.mark.parametrize("image_url, detail", [
+    ({"type": "text"}, "messages.0.content.0.image_url.url: required; "
+                       "messages.0.content.0.image_url: unexpected field"),
+    ({"type": "image_url"}, "messages.0.content.0.image_url.url: required; "
+                            "messages.0.content.0.image_url: unexpected field"),
+    ({"text": "x"}, "messages.0.content.0.image_url.url: required; "
+                    "messages.0.content.0.image_url: unexpected field"),
+])
+def test_a_field_named_as_a_tag_is_read_as_the_field_after_the_tag(api, image_url, detail):
+    """pydantic names an image part `...0.image_url.image_url.url` (its tag, then its
+    field): an `image_url` object holding a value that is also a tag had both read as the
+    tag, and the missing url was reported at `messages.0.content.0.url`."""
+    content = [{"type": "image_url", "image_url": image_url}, {"type": "text", "text": Q}]
+    assert _message_of(api.post("/v1/chat/completions", json=_chat(content))) == detail
+
+
+# ------------------------------------------------------------------ 9. a damaged PNG
+def _png_chunks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, data length) of each chunk of a PNG."""
+    out, i = [], 8
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        out.append((i, n))
+        i += 12 + n
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2])      # IHDR, IDAT, IEND
+def test_a_png_with_one_bad_crc_is_called_damaged_not_another_format(api, chunk):
+    """One flipped bit in a chunk's CRC: PIL refused the header's as "not a PNG, JPEG or
+    DICOM file" and took the image data's unchecked (altered pixels decode as pixels)."""
+    at, n = _png_chunks(PNG)[chunk]
+    bad = bytearray(PNG)
+    bad[at + 8 + n] ^= 1
+    for r in (api.post("/answer", json={"image": b64(bytes(bad)), "question": Q}),
+              api.post("/answer", files={"image": ("x.png", bytes(bad))},
+                       data={"question": Q})):
+        body = assert_error(r, 422, "image: cannot decode image: damaged PNG file (chunk "
+                                    f"{chunk + 1}, at byte {at}, fails its CRC checksum)")
+        assert "not a PNG" not in body["detail"]
+
+
+def test_a_png_cut_inside_its_header_is_called_damaged(api):
+    r = api.post("/answer", json={"image": b64(PNG[:40]), "question": Q})
+    assert_error(r, 422, "image: cannot decode image: damaged PNG file (its header cannot be "
+                         "read)")
+
+
+# ------------------------------------------------------------------ 10. stages that add up
+def test_the_timings_cover_reading_the_request_and_decoding_its_image(service, monkeypatch):
+    """A large image's request took ~5 s while its stages added up to ~2.1 s: its image's
+    decoding (and the body's parsing) were in none. With decoding slowed by 0.6 s and
+    parsing by 0.3 s, `decode` and `read` hold them and the stages add up to the
+    request's time in the app (the access log's latency, measured around it)."""
+    import time
+
+    import app.routers.answer as answer_module
+    import app.serving as serving_module
+    from tests.helpers import small_limits_client
+
+    opened, parse = serving_module.open_image, answer_module._validate_json
+
+    def slow_open(raw, max_pixels):
+        time.sleep(0.6)
+        return opened(raw, max_pixels)
+
+    def slow_parse(raw):
+        time.sleep(0.3)
+        return parse(raw)
+
+    monkeypatch.setattr(serving_module, "open_image", slow_open)
+    monkeypatch.setattr(answer_module, "_validate_json", slow_parse)
+    with small_limits_client(service) as c:
+        for send in (lambda: c.post("/answer", json={"image": IMG, "question": Q}),
+                     lambda: c.post("/answer", files={"image": ("x.png", PNG)},
+                                    data={"question": Q})):
+            t = time.perf_counter()
+            r = send()
+            took = (time.perf_counter() - t) * 1000
+            assert r.status_code == 200, r.text
+            timings = r.json()["timings_ms"]
+            assert list(timings) == ["read", "decode_wait", "decode", "queue", "generate",
+                                     "readout", "heads"]
+            assert 600 <= timings["decode"] < 600 + 300, timings
+            assert timings["decode_wait"] < 100, timings
+            assert sum(timings.values()) <= took, (timings, took)
+            # all but writing the response and the test client's own work
+            assert sum(timings.values()) >= 0.9 * took - 50, (timings, took)
+        parsed = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
+    assert 300 <= parsed["read"] < 300 + 300, parsed     # the JSON body's slowed parsing
+    assert timings["read"] < 300, timings                  # multipart: not parsed by it
+    chat = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMG}},
+        {"type": "text", "text": Q}]}]}
+    with small_limits_client(service) as c:
+        ext = c.post("/v1/chat/completions", json=chat).json()["dualread"]["timings_ms"]
+    assert ext["decode"] >= 600, ext
+
+
+def test_the_new_stages_are_documented_in_order(api):
+    doc = api.get("/openapi.json").json()
+    timings = doc["components"]["schemas"]["Timings"]["properties"]
+    assert list(timings) == ["read", "decode_wait", "decode", "queue", "generate", "readout",
+                             "heads"]
+    from pathlib import Path
+
+    api_md = Path(__file__).parents[1].joinpath("docs", "api.md").read_text()
+    for key in timings:
+        assert f"`{key}`" in api_md, key

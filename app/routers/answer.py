@@ -241,7 +241,7 @@ async def _json(request: Request, serving: Serving) -> AnswerItem:
 
 def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> AnswerResponse:
     backend = serving.backend
-    c, t = res.confidence, res.timings
+    c, t, clock = res.confidence, res.timings, serving.clock()
     return AnswerResponse(
         answer=res.answer, response=res.response,
         confidence=None if c is None else confidence(c),
@@ -254,7 +254,9 @@ def response(serving: Serving, rid: str, res: AnswerResult, queued_s: float) -> 
             score=res.novelty.score, p_value=res.novelty.p_value, novel=res.novelty.novel),
         calibrated=res.calibrated,
         model=backend.fingerprint, heads=backend.heads_id, request_id=rid,
-        timings_ms=Timings(decode_wait=round(serving.decode_wait_s() * 1000, 3),
+        timings_ms=Timings(read=round((clock.read or 0.0) * 1000, 3),
+                           decode_wait=round(clock.decode_wait * 1000, 3),
+                           decode=round(clock.decode * 1000, 3),
                            queue=round(queued_s * 1000, 3),
                            generate=round(t.generate * 1000, 3),
                            readout=round(t.readout * 1000, 3), heads=round(t.heads * 1000, 3)))

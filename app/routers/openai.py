@@ -61,6 +61,10 @@ DATA_URI_PATTERN = ("^" + _HEAD + ",(?:[A-Za-z0-9+/]{4})*"
 # The longest head with its comma: a URI is that and the image's base64 at most (the
 # `x-limit` "data_uri" of `app.openapi`).
 DATA_URI_HEAD_CHARS = len("data:;base64,") + max(len(t) for t in MEDIA_TYPES)
+# The served message's content, as a 422's detail names a field (one user message), and
+# the image's url as OpenAI's `param` names it
+CONTENT = "messages.0.content"
+IMAGE_PARAM = "messages[0].content.image_url.url"
 
 
 # ---------------------------------------------------------------------------- request
@@ -275,8 +279,9 @@ def _parse(raw: bytes) -> ChatRequest:
         raise _Refused(422, explain_json(errs, raw, ChatRequest), _param(loc)) from None
 
 
-def _question_and_image(body: ChatRequest) -> tuple[list[str], str]:
-    """(text parts, base64 image) of the one user message."""
+def _question_and_image(body: ChatRequest) -> tuple[list[tuple[str, str]], str, str]:
+    """The one user message's text parts (each with its field's path), its image's base64
+    and the path of the image's url (messages name the route's own fields)."""
     for k, m in enumerate(body.messages):
         if m.role != "user":
             raise _Refused(422, f"messages[{k}]: only one user message is served (the "
@@ -287,24 +292,34 @@ def _question_and_image(body: ChatRequest) -> tuple[list[str], str]:
                        "messages")
     content = body.messages[0].content
     parts = [TextPart(type="text", text=content)] if isinstance(content, str) else content
-    images = [p for p in parts if isinstance(p, ImagePart)]
+    images = [(k, p) for k, p in enumerate(parts) if isinstance(p, ImagePart)]
     if len(images) != 1:
         raise _Refused(422, "the user message needs exactly one image_url part (a data URI)",
                        "messages[0].content")
-    texts = [p.text for p in parts if isinstance(p, TextPart)]
-    return texts, _data_uri(images[0].image_url.url)
+    texts = [(f"{CONTENT}.{k}.text", p.text) for k, p in enumerate(parts)
+             if isinstance(p, TextPart)]
+    [(k, image)] = images
+    where = f"{CONTENT}.{k}.image_url.url"
+    return texts, _data_uri(image.image_url.url, where), where
 
 
-def _data_uri(url: str) -> str:
+def _data_uri(url: str, where: str) -> str:
     """The base64 payload of `data:<type>;base64,<payload>`, `<type>` one the document
     names (`MEDIA_TYPES`); it is not trusted past that (the decoder reads the bytes)."""
-    param = "messages[0].content.image_url.url"
     head, comma, _ = url[: MAX_DATA_URI_HEADER + 1].partition(",")
     if not comma or not DATA_URI_HEAD.fullmatch(head):
-        raise _Refused(422, "image_url.url must be a base64 data URI of a PNG, JPEG or "
-                            "DICOM file (data:image/png;base64,...; image/jpeg, "
-                            "application/dicom): the server fetches no URL", param)
+        raise _Refused(422, f"{where}: must be a base64 data URI of a PNG, JPEG or DICOM "
+                            "file (data:image/png;base64,...; image/jpeg, "
+                            "application/dicom): the server fetches no URL", IMAGE_PARAM)
     return url[len(head) + 1:]
+
+
+def _content_question(detail: str) -> str:
+    """A question's refusal as this route's: it has no `question` field; its text parts,
+    joined, are the question."""
+    if not detail.startswith("question "):
+        return detail
+    return f"{CONTENT}: the question (its text parts, joined) {detail[len('question '):]}"
 
 
 async def _item(request: Request, serving: Serving) -> AnswerItem:
@@ -319,17 +334,16 @@ async def _item(request: Request, serving: Serving) -> AnswerItem:
                        "max_completion_tokens")
     asked = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    texts, b64 = _question_and_image(body)
+    texts, b64, where = _question_and_image(body)
     try:
         question = serving.chat_question(texts)
     except InvalidInput as e:
-        raise _Refused(e.status, e.detail, "messages[0].content") from None
+        raise _Refused(e.status, _content_question(e.detail), "messages[0].content") from None
     limit = serving.max_new_tokens(asked)
     try:
-        image = await serving.image_b64(b64)
+        image = await serving.image_b64(b64, where)
     except (InvalidInput, ImageInvalid, ImageTooLarge) as e:
-        raise _Refused(status_of(e), detail_of(e), "messages[0].content.image_url.url"
-                       ) from None
+        raise _Refused(status_of(e), detail_of(e), IMAGE_PARAM) from None
     return AnswerItem(image, question, limit)
 
 
