@@ -11,6 +11,8 @@ import logging
 import random
 import re
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI, Request
@@ -196,7 +198,8 @@ def _app() -> FastAPI:
 
 def _call(mw: RequestContext, method: str = "GET", path: str = "/ok",
           headers: dict[str, str] | None = None, body: list[bytes] | None = None,
-          receive=None, send_error: BaseException | None = None) -> dict:
+          receive=None, send_error: BaseException | None = None,
+          state: dict | None = None) -> dict:
     chunks = list(body or [])
     sent: list[dict] = []
 
@@ -215,6 +218,8 @@ def _call(mw: RequestContext, method: str = "GET", path: str = "/ok",
              "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
              "server": ("t", 80), "client": ("c", 1),
              "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    if state is not None:
+        scope["state"] = state
     asyncio.run(mw(scope, receive or default_receive, send))
     start = next((m for m in sent if m["type"] == "http.response.start"), None)
     payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -486,3 +491,162 @@ def test_unrouted_requests_are_labelled_unmatched():
 def test_a_body_without_a_content_type_is_passed_on_unchecked():
     r = _call(_mw(), "POST", "/echo", {}, [b"{}"])
     assert r["status"] == 200 and r["json"]["n"] == 2
+
+
+# ------------------------------------------------------------------ RequestContext.__call__
+SMALL = ["/feedback", "/calibration/pin", "/calibration/unpin", "/calibration/rollback"]
+
+
+def _sink() -> FastAPI:
+    """Routes that read the whole body and answer its length (FastAPI turns the
+    middleware's 413 raised inside a read into the JSON reply, as in the service)."""
+    app = FastAPI()
+
+    async def length(request: Request) -> dict:
+        return {"n": len(await request.body())}
+
+    for path in [*SMALL, "/answer", "/feedbackx", "/calibration"]:
+        app.add_api_route(path, length, methods=["POST"])
+    return app
+
+
+def test_no_client_id_sent_means_no_correlation_id():
+    r = _call(_mw())
+    assert r["status"] == 200 and "x-correlation-id" not in r["headers"]
+
+
+def test_other_scopes_get_the_servers_own_receive_and_send():
+    got = []
+
+    async def app(scope, receive, send):
+        got.append((scope, receive, send))
+
+    async def receive():
+        return {"type": "lifespan.startup"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "lifespan"}
+    asyncio.run(_mw(app=app)(scope, receive, send))
+    assert len(got) == 1
+    assert got[0][0] is scope and got[0][1] is receive and got[0][2] is send
+
+
+def test_each_request_state_starts_fresh_and_the_log_reads_the_routes_batch_size(caplog):
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(dict(scope["state"]))
+        scope["state"]["batch_size"] = 8          # as the answering routes do
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    caplog.set_level(logging.INFO, "dualread.access")
+    # a server copies the lifespan's state into each request's scope: a per-request field
+    # found there is not this request's
+    r = _call(_mw(app=app), state={"batch_size": 5, "shared": "kept"})
+    assert r["status"] == 204
+    assert seen == [{"batch_size": None, "shared": "kept", "late": False,
+                     "request_id": r["headers"]["x-request-id"]}]
+    assert json.loads(caplog.records[-1].getMessage())["batch_size"] == 8
+
+
+def test_an_app_that_never_replies_is_counted_as_a_server_error(caplog):
+    async def silent(scope, receive, send):
+        return None
+
+    caplog.set_level(logging.INFO, "dualread.access")
+    m = Metrics()
+    r = _call(_mw(app=silent, metrics=m))
+    assert r["start"] is None
+    assert _count(m, "unmatched", 500) == 1
+    assert json.loads(caplog.records[-1].getMessage())["status"] == 500
+
+
+@pytest.mark.parametrize("path", SMALL)
+def test_the_small_body_routes_refuse_more_than_16_kib(path):
+    mw = _mw(app=_sink(), max_body_bytes=20_000)
+    text = {"content-type": "text/plain"}
+    r = _call(mw, "POST", path, text, [b"x" * 16_000, b"x" * 385])
+    assert r["status"] == 413
+    assert r["json"]["detail"] == "body over the limit of 16384 bytes"
+    r = _call(mw, "POST", path, {**text, "content-length": "16385"}, [b"x" * 16_385])
+    assert r["status"] == 413
+    assert r["json"]["detail"] == "body over the limit of 16384 bytes"
+    r = _call(mw, "POST", path, text, [b"x" * 16_000, b"x" * 384])
+    assert r["status"] == 200 and r["json"] == {"n": 16_384}
+    # the service's own limit when it is the smaller
+    r = _call(_mw(app=_sink(), max_body_bytes=100), "POST", path, text, [b"x" * 101])
+    assert r["json"]["detail"] == "body over the limit of 100 bytes"
+
+
+def test_other_routes_keep_the_service_limit_above_16_kib():
+    mw = _mw(app=_sink(), max_body_bytes=20_000)
+    for path in ("/answer", "/feedbackx", "/calibration"):
+        r = _call(mw, "POST", path, {"content-type": "text/plain"}, [b"x" * 20_000])
+        assert r["status"] == 200 and r["json"] == {"n": 20_000}, path
+
+
+def test_a_json_body_message_without_more_body_is_the_whole_body():
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        if len(reads) == 1:
+            return {"type": "http.request", "body": b"[1, 2]"}     # more_body: optional
+        return {"type": "http.disconnect"}
+
+    r = _call(_mw(), "POST", "/echo", {"content-type": "application/json"}, receive=receive)
+    assert r["status"] == 200 and r["json"]["n"] == 6
+    assert reads == [1]
+
+
+def test_a_json_body_message_without_body_bytes_is_empty():
+    msgs = [{"type": "http.request", "more_body": True},              # body: optional
+            {"type": "http.request", "body": b"[1]", "more_body": False}]
+
+    async def receive():
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    r = _call(_mw(), "POST", "/echo", {"content-type": "application/json"}, receive=receive)
+    assert r["status"] == 200 and r["json"]["n"] == 3
+
+
+def test_a_client_gone_while_its_json_body_is_read_is_not_read_again():
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        if len(reads) > 1:
+            raise AssertionError("read after the disconnect")
+        return {"type": "http.disconnect"}
+
+    m = Metrics()
+    r = _call(_mw(metrics=m), "POST", "/echo", {"content-type": "application/json"},
+              receive=receive)
+    assert r["start"] is None and reads == [1]
+    assert _count(m, "precheck", CLIENT_CLOSED) == 1
+
+
+def test_a_json_body_refused_while_it_is_read_is_labelled_precheck():
+    m = Metrics()
+    json_h = {"content-type": "application/json"}
+    r = _call(_mw(metrics=m, max_body_bytes=10), "POST", "/echo", json_h, [b"[1,", b"2,3,4,5,6]"])
+    assert r["status"] == 413
+    r = _call(_mw(metrics=m, body_timeout_s=0.05), "POST", "/echo", json_h)
+    assert r["status"] == 408
+    assert _count(m, "precheck", 413) == 1 and _count(m, "precheck", 408) == 1
+    assert _count(m, "unmatched", 413) is None and _count(m, "unmatched", 408) is None
+
+
+def test_the_latency_in_the_access_log_and_the_histogram(monkeypatch, caplog):
+    clock = iter([2.0, 2.0123456])          # the request's start and end
+    monkeypatch.setattr(middleware, "time", SimpleNamespace(
+        perf_counter=lambda: next(clock), monotonic=time.monotonic))
+    caplog.set_level(logging.INFO, "dualread.access")
+    m = Metrics()
+    assert _call(_mw(metrics=m))["status"] == 200
+    assert json.loads(caplog.records[-1].getMessage())["latency_ms"] == 12.35
+    assert m.registry.get_sample_value("dualread_request_duration_seconds_sum",
+                                       {"route": "/ok"}) == pytest.approx(0.0123456)
