@@ -1,7 +1,7 @@
 """Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
 the descriptors are read at, distinct rows of no images, the coreset's subsample and its
-greedy k-centre against a reference run here, the bank index's routing rows, and a
-batch added to the bank.
+greedy k-centre against a reference run here, the bank index's routing rows, a batch
+added to the bank, and an image's score held outside its largest routed upper bounds.
 
 No actor is built.
 """
@@ -182,3 +182,27 @@ def test_the_score_is_the_brute_force_largest_nearest_distance():
     by_hand = [float(torch.cdist(img.double(), part.t["bank"]).min(1).values.max())
                for img in x]
     assert part.score(x) == pytest.approx(by_hand, rel=1e-9, abs=1e-9)
+
+
+def test_a_score_held_outside_the_images_top_upper_bounds_is_still_found():
+    """An image whose largest nearest distance is held by a descriptor that is not among
+    its TOP largest routed upper bounds: the second read must match it."""
+    from heads.pixel_novelty import TOP, largest_nearest
+
+    rng = np.random.default_rng(0)
+    # row 0 the first centre; 300 rows within 1 of it (all of its NEAR_CENTRE rows); one
+    # row r at (5, 0), within every later centre's reach, so never a centre; the other
+    # centres spread over a far square (they keep every k-centre radius above 5)
+    angle, radius = rng.uniform(0, 2 * np.pi, 300), np.sqrt(rng.uniform(0, 1, 300))
+    disc = np.c_[radius * np.cos(angle), radius * np.sin(angle)]
+    far = rng.uniform(1000, 2000, size=(400, 2))
+    bank = torch.from_numpy(np.r_[[[0.0, 0.0]], disc, [[5.0, 0.0]], far]).float()
+    index = BankIndex(bank)
+    assert not (index.centres == bank[301]).all(1).any()
+    # TOP decoys 0.5 from r (routed to row 0, whose rows are ≥ 3.5 away) and the holder,
+    # 2 below the disc, its bound exact
+    decoys = np.c_[np.full(TOP, 4.5), np.linspace(-0.1, 0.1, TOP)]
+    x = torch.from_numpy(np.r_[decoys, [[0.0, -3.0]]][None]).float()
+    up, exact = index.upper(x[0]), torch.cdist(x[0].double(), bank.double()).min(1).values
+    assert (up[:TOP] > up[TOP]).all() and (exact[:TOP] < exact[TOP]).all()
+    assert largest_nearest(x, index).item() == pytest.approx(exact.max().item(), rel=1e-12)
