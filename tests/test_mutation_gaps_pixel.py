@@ -206,3 +206,14 @@ def test_a_score_held_outside_the_images_top_upper_bounds_is_still_found():
     up, exact = index.upper(x[0]), torch.cdist(x[0].double(), bank.double()).min(1).values
     assert (up[:TOP] > up[TOP]).all() and (exact[:TOP] < exact[TOP]).all()
     assert largest_nearest(x, index).item() == pytest.approx(exact.max().item(), rel=1e-12)
+
+
+def test_distinct_matches_repeats_of_a_row_once_when_its_key_is_its_own():
+    # a row and a permutation of it (a red patch and a green one) must not share a key:
+    # the repeats of the second would each stand alone and be matched again
+    flat = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0],
+                         [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat)
+    assert len(rows) == 3 and len(set(inv[[0, 1, 3]].tolist())) == 3
+    assert inv[1] == inv[2] == inv[5] and inv[3] == inv[4]
