@@ -1,7 +1,8 @@
 """Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
 the descriptors are read at, distinct rows of no images, the coreset's subsample and its
 greedy k-centre against a reference run here, the bank index's routing rows, a batch
-added to the bank, and an image's score held outside its largest routed upper bounds.
+added to the bank, an image's score held outside its largest routed upper bounds, and
+two descriptors that float32 orders the other way round.
 
 No actor is built.
 """
@@ -217,3 +218,26 @@ def test_distinct_matches_repeats_of_a_row_once_when_its_key_is_its_own():
     assert torch.equal(rows[inv], flat)
     assert len(rows) == 3 and len(set(inv[[0, 1, 3]].tolist())) == 3
     assert inv[1] == inv[2] == inv[5] and inv[3] == inv[4]
+
+
+def test_the_score_is_exact_where_float32_orders_two_descriptors_the_other_way():
+    """Two descriptors of one image whose float32 distances to the bank (one row, at 0)
+    are one float32 step apart in the order opposite to their exact distances: both
+    stay candidates (each within its float32 bound of the largest), and the exact
+    largest is the score."""
+    from heads.pixel_novelty import largest_nearest
+
+    a, b = [71.14817810058594, 69.97972869873047], [71.14818572998047, 69.97972106933594]
+    x = torch.tensor([[a, b]], dtype=torch.float32)
+    f32 = (x[0] * x[0]).sum(1)                          # what the float32 products give
+    exact = (x[0].double() ** 2).sum(1)
+    assert f32[0] > f32[1] and exact[0] < exact[1]
+    index = BankIndex(torch.zeros(1, 2))
+    assert largest_nearest(x, index).item() == float(exact[1].sqrt())
+
+
+def test_a_descriptor_equal_to_a_bank_row_of_zeros_scores_zero():
+    # no float32 slack at all (every norm 0): the nearest row is still read
+    from heads.pixel_novelty import largest_nearest
+
+    assert largest_nearest(torch.zeros(1, 2, 3), BankIndex(torch.zeros(1, 3))).tolist() == [0.0]
