@@ -1,5 +1,7 @@
 """Tests for mutants of heads/novelty.py that the module's own tests did not see: what a
-recalibrated copy keeps, the clean reference drift reads, and a twice-extended reference.
+recalibrated copy keeps, the clean reference drift reads, a twice-extended reference, saving
+and loading (a new folder, an unsorted calibration, default prefixes, a stale clean sample),
+and the message refusing an image part fitted with other descriptors.
 
 No actor is built; expectations are conformal p-values counted by hand.
 """
@@ -159,3 +161,128 @@ def test_an_extended_reference_flags_strictly_below_alpha():
     assert all(r.novel for r in ext.read({"h_pre": q}, alpha=0.2001))
     assert not ext.novel(q, alpha=0.2).any()                   # `novel` likewise: p = α
     assert ext.novel(q, alpha=0.2001).all()
+
+
+def test_a_detector_saves_into_a_folder_not_made_yet_and_loads_under_its_prefix(tmp_path):
+    from heads.novelty import load_detector
+
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1))
+    folder = tmp_path / "a" / "b"                  # neither exists: save makes both
+    nov.save(folder, "det")
+    assert sorted(p.name for p in folder.iterdir()) == ["det.json", "det.safetensors"]
+    back = load_detector(folder, "det")             # a plain detector, by its prefix
+    q = _x(3, 2)
+    assert isinstance(back, Novelty) and np.array_equal(back.p_value(q), nov.p_value(q))
+
+
+def test_load_sorts_a_calibration_saved_out_of_order(tmp_path):
+    nov = Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(6, 1))
+    cal = nov.t["calibration"].numpy().copy()
+    nov.t["calibration"] = torch.from_numpy(cal[::-1].copy())     # as an older file may hold
+    nov.save(tmp_path)
+    back = Novelty.load(tmp_path)
+    assert set(back.t) == set(nov.t)
+    assert back.t["calibration"].tolist() == sorted(cal.tolist())
+    q = _x(5, 2)
+    s = back.score(q)
+    by_hand = np.array([(1 + (cal >= v).sum()) / (len(cal) + 1) for v in s])
+    assert np.array_equal(back.p_value(q), by_hand)
+    # a detector saved before calibration loads without one
+    Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).save(tmp_path, "bare")
+    assert "calibration" not in Novelty.load(tmp_path, "bare").t
+
+
+def test_a_composite_flags_a_combined_p_value_strictly_below_alpha():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({
+        "q": Novelty("knn", "h_pre", k=1).fit(_x(15, 0)).calibrate(_x(4, 1)),
+        "m": Novelty("knn", "img_mean", k=1).fit(_x(15, 2)).calibrate(_x(4, 3))})
+    feats = {"h_pre": _x(2, 4) + 50, "img_mean": _x(2, 5) + 50}   # beyond every reference
+    p = det.p_values(feats)
+    assert p.tolist() == [0.4, 0.4]                        # min(1, 2 · 1/5), exactly
+    assert not any(r.novel for r in det.read(feats, alpha=0.4))    # p = α: not below it
+    assert all(r.novel for r in det.read(feats, alpha=0.4001))
+
+
+def test_a_stale_clean_sample_is_dropped_with_a_warning_that_says_what_to_do(tmp_path):
+    import re
+
+    from heads.novelty import CompositeNovelty, load_detector
+
+    def det(seed: int) -> CompositeNovelty:
+        return CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(
+            _x(4, seed))})
+
+    det(1).keep_clean_sample({"h_pre": _x(4, 1)}).save(tmp_path)
+    det(2).parts["q"].save(tmp_path, "novelty.q")   # the part recalibrated since
+    want = ("novelty.safetensors: the clean sample of the combined novelty score was read "
+            "against other parts; ignored (drift has no reference for it until `dualread "
+            "fit-detectors`)")
+    with pytest.warns(UserWarning, match=f"^{re.escape(want)}$"):
+        back = load_detector(tmp_path)
+    assert back.clean_scores() is None
+
+
+def test_save_clean_sample_writes_under_the_detector_prefix_by_default(tmp_path):
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(
+        _x(4, 1))}, clean=np.array([0.2, 0.5]))
+    det.save_clean_sample(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["novelty.safetensors"]
+
+
+def _layout_part(**kw):
+    from heads.layout_novelty import LayoutNovelty
+
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.random((12, LayoutNovelty.DIM)))
+    return LayoutNovelty(**kw).fit(x[:8]).calibrate(x[8:])
+
+
+def test_an_image_part_recalibrated_keeps_its_feature_k_and_bank_cap():
+    part = _layout_part(feature="layout_b", k=3, max_bank=9)
+    copy = part.recalibrated(torch.from_numpy(np.random.default_rng(1).random((3, part.DIM))))
+    assert (copy.kind, copy.feature, copy.k, copy.max_bank) == ("layout_knn", "layout_b", 3, 9)
+    assert {k: v for k, v in copy.to_dict().items() if k != "n_calibration"} == \
+        {k: v for k, v in part.to_dict().items() if k != "n_calibration"}
+    copy.extend_bank(torch.from_numpy(np.random.default_rng(2).random((5, part.DIM))))
+    assert len(copy.t["bank"]) == 9                            # 8 + 5 rows, capped at 9
+
+
+def test_an_image_part_loads_from_the_default_prefix(tmp_path):
+    from heads.layout_novelty import LayoutNovelty
+
+    part = _layout_part()
+    part.save(tmp_path)
+    back = LayoutNovelty.load(tmp_path)
+    assert np.array_equal(back.t["bank"].numpy(), part.t["bank"].numpy())
+
+
+def test_an_image_part_with_other_descriptors_is_refused_naming_each_mismatch(tmp_path):
+    from heads.layout_novelty import DESCRIBED, SIDE, LayoutNovelty
+    from tests.helpers import edit_card
+
+    _layout_part().save(tmp_path, "p")
+    edit_card(tmp_path / "p.json", "side", 128)
+    edit_card(tmp_path / "p.json", "descriptor", None)          # deleted
+    with pytest.raises(ValueError) as e:
+        LayoutNovelty.load(tmp_path, "p")
+    assert str(e.value) == (
+        f"layout novelty part p in {tmp_path} was fitted with other descriptors; refit it "
+        f"(`dualread fit-detectors`). side: the part records 128, this code computes "
+        f"{SIDE!r}; descriptor: the part records 'nothing', this code computes "
+        f"{DESCRIBED['descriptor']!r}")
+
+
+def test_an_image_part_bank_of_other_width_is_refused_naming_both_widths(tmp_path):
+    from heads.layout_novelty import LayoutNovelty
+
+    part = _layout_part()
+    part.t["bank"] = part.t["bank"][:, :-2].contiguous()
+    part.save(tmp_path, "p")
+    with pytest.raises(ValueError) as e:
+        LayoutNovelty.load(tmp_path, "p")
+    assert str(e.value).endswith(f"(`dualread fit-detectors`). bank: rows of "
+                                 f"[{part.DIM - 2}] values, this code describes by {part.DIM}")

@@ -1,7 +1,8 @@
 """Tests for mutants of heads/pixel_novelty.py that its own tests did not see: the side
 the descriptors are read at, distinct rows of no images, the coreset's subsample and its
-greedy k-centre against a reference run here, the bank index's routing rows, and a
-batch added to the bank.
+greedy k-centre against a reference run here, the bank index's routing rows, a batch
+added to the bank, an image's score held outside its largest routed upper bounds, and
+two descriptors that float32 orders the other way round.
 
 No actor is built.
 """
@@ -182,3 +183,61 @@ def test_the_score_is_the_brute_force_largest_nearest_distance():
     by_hand = [float(torch.cdist(img.double(), part.t["bank"]).min(1).values.max())
                for img in x]
     assert part.score(x) == pytest.approx(by_hand, rel=1e-9, abs=1e-9)
+
+
+def test_a_score_held_outside_the_images_top_upper_bounds_is_still_found():
+    """An image whose largest nearest distance is held by a descriptor that is not among
+    its TOP largest routed upper bounds: the second read must match it."""
+    from heads.pixel_novelty import TOP, largest_nearest
+
+    rng = np.random.default_rng(0)
+    # row 0 the first centre; 300 rows within 1 of it (all of its NEAR_CENTRE rows); one
+    # row r at (5, 0), within every later centre's reach, so never a centre; the other
+    # centres spread over a far square (they keep every k-centre radius above 5)
+    angle, radius = rng.uniform(0, 2 * np.pi, 300), np.sqrt(rng.uniform(0, 1, 300))
+    disc = np.c_[radius * np.cos(angle), radius * np.sin(angle)]
+    far = rng.uniform(1000, 2000, size=(400, 2))
+    bank = torch.from_numpy(np.r_[[[0.0, 0.0]], disc, [[5.0, 0.0]], far]).float()
+    index = BankIndex(bank)
+    assert not (index.centres == bank[301]).all(1).any()
+    # TOP decoys 0.5 from r (routed to row 0, whose rows are ≥ 3.5 away) and the holder,
+    # 2 below the disc, its bound exact
+    decoys = np.c_[np.full(TOP, 4.5), np.linspace(-0.1, 0.1, TOP)]
+    x = torch.from_numpy(np.r_[decoys, [[0.0, -3.0]]][None]).float()
+    up, exact = index.upper(x[0]), torch.cdist(x[0].double(), bank.double()).min(1).values
+    assert (up[:TOP] > up[TOP]).all() and (exact[:TOP] < exact[TOP]).all()
+    assert largest_nearest(x, index).item() == pytest.approx(exact.max().item(), rel=1e-12)
+
+
+def test_distinct_matches_repeats_of_a_row_once_when_its_key_is_its_own():
+    # a row and a permutation of it (a red patch and a green one) must not share a key:
+    # the repeats of the second would each stand alone and be matched again
+    flat = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0],
+                         [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    rows, inv = distinct(flat)
+    assert torch.equal(rows[inv], flat)
+    assert len(rows) == 3 and len(set(inv[[0, 1, 3]].tolist())) == 3
+    assert inv[1] == inv[2] == inv[5] and inv[3] == inv[4]
+
+
+def test_the_score_is_exact_where_float32_orders_two_descriptors_the_other_way():
+    """Two descriptors of one image whose float32 distances to the bank (one row, at 0)
+    are one float32 step apart in the order opposite to their exact distances: both
+    stay candidates (each within its float32 bound of the largest), and the exact
+    largest is the score."""
+    from heads.pixel_novelty import largest_nearest
+
+    a, b = [71.14817810058594, 69.97972869873047], [71.14818572998047, 69.97972106933594]
+    x = torch.tensor([[a, b]], dtype=torch.float32)
+    f32 = (x[0] * x[0]).sum(1)                          # what the float32 products give
+    exact = (x[0].double() ** 2).sum(1)
+    assert f32[0] > f32[1] and exact[0] < exact[1]
+    index = BankIndex(torch.zeros(1, 2))
+    assert largest_nearest(x, index).item() == float(exact[1].sqrt())
+
+
+def test_a_descriptor_equal_to_a_bank_row_of_zeros_scores_zero():
+    # no float32 slack at all (every norm 0): the nearest row is still read
+    from heads.pixel_novelty import largest_nearest
+
+    assert largest_nearest(torch.zeros(1, 2, 3), BankIndex(torch.zeros(1, 3))).tolist() == [0.0]
