@@ -547,6 +547,9 @@ def test_each_request_state_starts_fresh_and_the_log_reads_the_routes_batch_size
     # found there is not this request's
     r = _call(_mw(app=app), state={"batch_size": 5, "shared": "kept"})
     assert r["status"] == 204
+    assert len(seen) == 1
+    arrived = seen[0].pop("arrived")             # the request's clock start (timings' `read`)
+    assert isinstance(arrived, float)
     assert seen == [{"batch_size": None, "shared": "kept", "late": False,
                      "request_id": r["headers"]["x-request-id"]}]
     assert json.loads(caplog.records[-1].getMessage())["batch_size"] == 8
