@@ -269,9 +269,12 @@ class Serving:
         # waiting for a slot counts against the request's deadline like queueing does
         waiting = time.monotonic()
         try:
+            left = self._deadline() - time.monotonic()
+            if left <= 0:
+                # past its deadline (a slow upload): no decode, free slot or not
+                raise TimeoutError
             if self.decode_slots.locked():
-                await asyncio.wait_for(self.decode_slots.acquire(),
-                                       max(0.0, self._deadline() - time.monotonic()))
+                await asyncio.wait_for(self.decode_slots.acquire(), left)
             else:
                 # a free slot is taken at once (wait_for's task would cost ~0.1 ms)
                 await self.decode_slots.acquire()

@@ -397,6 +397,26 @@ def test_waiting_for_a_decode_slot_counts_against_the_deadline(monkeypatch):
     assert srv.decode_slots._value == 1                    # the slot came back
 
 
+def test_a_request_past_its_deadline_is_not_decoded_even_with_a_free_slot(monkeypatch):
+    """A slow upload can use up the deadline before the image is reached: then no decode
+    starts (it can take seconds for a large PNG), whether or not a slot is free."""
+    import app.serving as serving_module
+    from app.serving import Serving
+
+    decoded = []
+    monkeypatch.setattr(serving_module, "open_image",
+                        lambda raw, px: decoded.append(raw) or Image.new("RGB", (4, 4)))
+    srv = Serving(Settings(max_decodes=2, request_timeout_s=0.05))
+
+    async def late():
+        serving_module._REQUEST.set((time.monotonic() - 0.01, None))   # deadline passed
+        return await srv.image(b"x")
+
+    with pytest.raises(DeadlineExceeded, match="waiting to be decoded"):
+        asyncio.run(late())
+    assert decoded == [] and srv.decode_slots._value == 2
+
+
 class _Request:
     """What `Serving.admit` reads of a request."""
 
