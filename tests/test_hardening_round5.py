@@ -623,13 +623,14 @@ def test_the_timings_cover_reading_the_request_and_decoding_its_image(service, m
             timings = r.json()["timings_ms"]
             assert list(timings) == ["read", "decode_wait", "decode", "queue", "generate",
                                      "readout", "heads"]
-            assert 600 <= timings["decode"] < 600 + 300, timings
+            assert timings["decode"] >= 600, timings
             assert timings["decode_wait"] < 100, timings
             assert sum(timings.values()) <= took, (timings, took)
-            # all but writing the response and the test client's own work
-            assert sum(timings.values()) >= 0.9 * took - 50, (timings, took)
+            # all but writing the response and the test client's own work: without the
+            # read and decode stages the sum would miss the slowed 0.6 s (0.9 s for JSON)
+            assert sum(timings.values()) >= took - 300, (timings, took)
         parsed = c.post("/answer", json={"image": IMG, "question": Q}).json()["timings_ms"]
-    assert 300 <= parsed["read"] < 300 + 300, parsed     # the JSON body's slowed parsing
+    assert parsed["read"] >= 300, parsed                   # the JSON body's slowed parsing
     assert timings["read"] < 300, timings                  # multipart: not parsed by it
     chat = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMG}},
