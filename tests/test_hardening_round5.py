@@ -262,6 +262,20 @@ def test_a_score_batch_names_the_trajectory_s_response_by_its_path(api, trajecto
     assert assert_error(lone, 422)["detail"].startswith("response: contains a control")
 
 
+@pytest.mark.parametrize("text, finished, answer", [
+    ("a <c", True, "a <c"),          # a finished answer's "<c" is its text
+    ("3 <", True, "3 <"),
+    ("x<a", True, "x<a"),
+    ("a <c", False, "a"),            # cut off by the token limit: a piece of a tag goes
+    ("<think>a</think>red <ans", False, "red"),
+])
+def test_a_trailing_piece_of_a_tag_is_dropped_only_when_the_response_was_cut_off(
+        text, finished, answer):
+    from models.parse import parse_response
+
+    assert parse_response(text, finished).answer == answer
+
+
 # ------------------------------------------------------------------ 6. a tag made by removing one
 @pytest.mark.parametrize("text, answer", [
     ("<think>a</think>red <ans</answer>wer>", "red"),                       # no answer tag
