@@ -173,8 +173,8 @@ def response_problems(actor, responses: list[str] | None, max_new_tokens: int
     out: list[str | None] = []
     for text in responses:
         ids = actor.tokenizer.encode(text, add_special_tokens=False)
-        out.append(response_problem(parse_response(text), ids, len(ids) < max_new_tokens,
-                                    needs_tag))
+        finished = len(ids) < max_new_tokens
+        out.append(response_problem(parse_response(text, finished), ids, finished, needs_tag))
     return out
 
 

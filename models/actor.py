@@ -351,7 +351,7 @@ class Actor:
         body = ids[:-1] if finished else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
-        parsed = parse_response(text)
+        parsed = parse_response(text, finished)
         resp = Response(text=text, parsed=parsed, canonical=canon(parsed.answer),
                         token_ids=list(ids), finished=finished, readout=None)
         if last is None:

@@ -189,20 +189,27 @@ def _damaged_png(why: str) -> ImageInvalid:
 def check_png(data: bytes) -> None:
     """Refuse a PNG of more than MAX_PNG_CHUNKS chunks before PIL reads them (an encoder
     writes tens, or a few thousand image-data chunks for a large picture), and one whose
-    chunk fails its CRC: PIL checks the chunks before the image data only, and calls such
-    a file "not a PNG" (the image data's own it does not check: altered pixels decode)."""
-    i, n, chunks = 8, len(data), 0
+    critical chunk (IHDR, PLTE, IDAT, IEND: an uppercase first letter) fails its CRC: PIL
+    checks the chunks before the image data only, and calls such a file "not a PNG" (the
+    image data's own it does not check: altered pixels decode). An ancillary chunk (a
+    lowercase first letter) with a bad CRC is libpng's to warn about and drop, not to
+    refuse: after the image data PIL reads it unchecked and the image is served; before
+    it PIL refuses the file, which is called damaged here, with the chunk."""
+    i, n, chunks, pixels = 8, len(data), 0, False
     view = memoryview(data)
     while i + 8 <= n:
         chunks += 1
         if chunks > MAX_PNG_CHUNKS:
             raise ImageInvalid(f"PNG with over {MAX_PNG_CHUNKS} chunks; re-encode it")
         end = i + 12 + int.from_bytes(data[i:i + 4], "big")
+        kind = data[i + 4:i + 8]
+        pixels = pixels or kind == b"IDAT"
+        critical = not kind[0] & 0x20
         # a chunk cut short is PIL's to report ("truncated")
-        if end <= n and zlib.crc32(view[i + 4:end - 4]) != int.from_bytes(data[end - 4:end],
-                                                                            "big"):
+        if (critical or not pixels) and end <= n and \
+                zlib.crc32(view[i + 4:end - 4]) != int.from_bytes(data[end - 4:end], "big"):
             raise _damaged_png(f"chunk {chunks}, at byte {i}, fails its CRC checksum")
-        if data[i + 4:i + 8] == b"IEND":
+        if kind == b"IEND":
             return
         i = end
 

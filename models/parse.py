@@ -25,12 +25,14 @@ def _untagged(text: str, blocks: bool) -> str:
         text = out
 
 
-def clean_answer(text: str, tagged: bool) -> str:
+def clean_answer(text: str, tagged: bool, finished: bool = True) -> str:
     """Answer text without the format's markup, stripped: what `answer` holds whether or
     not the response parses, so it never carries a tag. `tagged`: the content of an
     `<answer>` tag (a closed reasoning block in it goes, a stray tag is dropped); else a
     whole response without one, whose answer is what follows its reasoning (none when the
-    reasoning was never closed), with a piece of a tag where it was cut off dropped."""
+    reasoning was never closed). `finished`: the response ended on its own; one cut off
+    by the token limit loses a trailing piece of a tag (`<ans`), which a finished one
+    keeps, as its text (`a <c`)."""
     if tagged:
         return _untagged(text, blocks=True).strip()
     if "</think>" in text:
@@ -38,7 +40,7 @@ def clean_answer(text: str, tagged: bool) -> str:
     if "<think>" in text:
         text = text[:text.index("<think>")]        # reasoning never closed: no answer
     text = _untagged(text, blocks=False)
-    cut = _CUT_TAG.search(text)
+    cut = None if finished else _CUT_TAG.search(text)
     if cut and any(name.startswith(cut.group(1)) for name in TAGS):
         text = text[:cut.start()]
     return text.strip()
@@ -49,7 +51,9 @@ class Parsed:
     answer: str                      # "" when empty, duplicated or unclosed; never a tag
     think: str | None
     confidence: int | None           # 0..10, None when absent or invalid
-    answer_span: tuple[int, int]     # characters of the answer content in the response
+    # characters of the answer content in the response; untagged, the raw body's span,
+    # which `answer` (the cleaned text) need not match: the heads read the span's tokens
+    answer_span: tuple[int, int]
     close_span: tuple[int, int]      # characters of the token(s) that close the answer
     tagged: bool                     # the response uses the answer tag
     well_formed: bool                # think, answer and confidence all parse
@@ -60,7 +64,8 @@ class Parsed:
         return 0.5 if self.confidence is None else self.confidence / 10
 
 
-def parse_response(text: str) -> Parsed:
+def parse_response(text: str, finished: bool = True) -> Parsed:
+    """`text` parsed; `finished`: it ended on its own, not cut off by the token limit."""
     conf_m = _CONF.search(text)
     conf = int(conf_m.group(1)) if conf_m and int(conf_m.group(1)) <= 10 else None
     think_m = _THINK.search(text)
@@ -71,8 +76,8 @@ def parse_response(text: str) -> Parsed:
         start = len(body) - len(body.lstrip())
         end = len(body.rstrip())
         # no answer tag: the text is the answer (a plain-format actor), less any markup
-        return Parsed(clean_answer(body, False), think, conf, (start, end), (start, end), False,
-                      False)
+        return Parsed(clean_answer(body, False, finished), think, conf, (start, end),
+                      (start, end), False, False)
     s = text.index("<answer>") + len("<answer>")
     close = text.find("</answer>", s)
     e = close if close >= 0 else len(text.split("<confidence>")[0])

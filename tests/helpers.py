@@ -21,6 +21,8 @@ from clients.bench import ServeProcess
 from heads.defer import choose_threshold
 from heads.dualread import Heads
 from models.actor import Answers, StageTimings
+from models.canon import canon
+from models.parse import parse_response
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -89,6 +91,8 @@ def stub_answers(monkeypatch, service, texts: list[str] | str, finished: bool = 
         rs = service.actor.score(list(images), list(questions), out, cue=False)
         for r in rs:
             r.finished = finished
+            r.parsed = parse_response(r.text, finished)
+            r.canonical = canon(r.parsed.answer)
         return Answers(rs, StageTimings(0.0, 0.0))
 
     monkeypatch.setattr(service.actor, "answer", answer)
@@ -218,7 +222,6 @@ def edit_card(path: Path, field: str, value: object) -> None:
 def seeded_response(img, question: str, text: str, dim: int, shift=None):
     """A stand-in actor's response: the readout is random but a function of (image,
     question, text), plus `shift` on every state (a label the states can carry)."""
-    from models.parse import parse_response
     from models.readout import Readout, Response
 
     parsed = parse_response(text)

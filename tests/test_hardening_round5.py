@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.conftest import random_image
@@ -260,6 +261,20 @@ def test_a_score_batch_names_the_trajectory_s_response_by_its_path(api, trajecto
     assert_error(r, 422, where)
     lone = api.post("/probe/score", json={"image": IMG, "question": Q, "response": "a\u0000b"})
     assert assert_error(lone, 422)["detail"].startswith("response: contains a control")
+
+
+@pytest.mark.parametrize("text, finished, answer", [
+    ("a <c", True, "a <c"),          # a finished answer's "<c" is its text
+    ("3 <", True, "3 <"),
+    ("x<a", True, "x<a"),
+    ("a <c", False, "a"),            # cut off by the token limit: a piece of a tag goes
+    ("<think>a</think>red <ans", False, "red"),
+])
+def test_a_trailing_piece_of_a_tag_is_dropped_only_when_the_response_was_cut_off(
+        text, finished, answer):
+    from models.parse import parse_response
+
+    assert parse_response(text, finished).answer == answer
 
 
 # ------------------------------------------------------------------ 6. a tag made by removing one
@@ -567,19 +582,60 @@ def _png_chunks(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 2])      # IHDR, IDAT, IEND
-def test_a_png_with_one_bad_crc_is_called_damaged_not_another_format(api, chunk):
-    """One flipped bit in a chunk's CRC: PIL refused the header's as "not a PNG, JPEG or
-    DICOM file" and took the image data's unchecked (altered pixels decode as pixels)."""
-    at, n = _png_chunks(PNG)[chunk]
-    bad = bytearray(PNG)
+def _with_chunk(data: bytes, before: int, kind: bytes, payload: bytes) -> bytes:
+    """`data` with a chunk inserted before its chunk number `before`, its CRC one bit off."""
+    import struct
+    import zlib
+
+    at = _png_chunks(data)[before][0]
+    crc = zlib.crc32(kind + payload) ^ 1
+    return data[:at] + struct.pack(">I", len(payload)) + kind + payload + \
+        struct.pack(">I", crc) + data[at:]
+
+
+def _bad_crc(data: bytes, chunk: int) -> tuple[bytes, int]:
+    at, n = _png_chunks(data)[chunk]
+    bad = bytearray(data)
     bad[at + 8 + n] ^= 1
-    for r in (api.post("/answer", json={"image": b64(bytes(bad)), "question": Q}),
-              api.post("/answer", files={"image": ("x.png", bytes(bad))},
+    return bytes(bad), at
+
+
+PALETTE = png_bytes(random_image(0).convert("P"))        # IHDR, PLTE, IDAT, IEND
+
+
+@pytest.mark.parametrize("data, chunk", [(PNG, 0), (PNG, 1), (PNG, 2),   # IHDR, IDAT, IEND
+                                         (PALETTE, 1)])                  # PLTE
+def test_a_png_with_one_bad_crc_is_called_damaged_not_another_format(api, data, chunk):
+    """One flipped bit in a critical chunk's CRC: PIL refused the header's as "not a PNG,
+    JPEG or DICOM file" and took the image data's unchecked (altered pixels decode as
+    pixels)."""
+    bad, at = _bad_crc(data, chunk)
+    for r in (api.post("/answer", json={"image": b64(bad), "question": Q}),
+              api.post("/answer", files={"image": ("x.png", bad)},
                        data={"question": Q})):
         body = assert_error(r, 422, "image: cannot decode image: damaged PNG file (chunk "
                                     f"{chunk + 1}, at byte {at}, fails its CRC checksum)")
         assert "not a PNG" not in body["detail"]
+
+
+def test_an_ancillary_chunk_with_a_bad_crc_after_the_image_data_is_served(api):
+    """libpng warns about and drops an ancillary chunk (lowercase first letter) whose CRC
+    fails; PIL reads one after the image data unchecked: the image decodes, unchanged."""
+    from models.images import open_image
+
+    bad = _with_chunk(PNG, 2, b"tEXt", b"Comment\x00hello")       # before IEND
+    assert (np.asarray(open_image(bad)) == np.asarray(open_image(PNG))).all()
+    r = api.post("/answer", json={"image": b64(bad), "question": Q})
+    assert r.status_code == 200, r.text
+
+
+def test_an_ancillary_chunk_with_a_bad_crc_before_the_image_data_is_called_damaged(api):
+    """PIL checks every chunk before the image data and refuses the file: still damaged."""
+    bad = _with_chunk(PNG, 1, b"tEXt", b"Comment\x00hello")       # before IDAT
+    at = _png_chunks(PNG)[1][0]
+    r = api.post("/answer", json={"image": b64(bad), "question": Q})
+    assert_error(r, 422, "image: cannot decode image: damaged PNG file (chunk 2, at byte "
+                         f"{at}, fails its CRC checksum)")
 
 
 def test_a_png_cut_inside_its_header_is_called_damaged(api):
