@@ -409,3 +409,28 @@ def test_nothing_to_score_gives_nan_without_numpy_warnings():
         s = tgs_probe.summarise([empty], CFG)
     assert all(math.isnan(s[k]["pair"]) for k in IFACES)
     assert all(math.isnan(s["verbalized"][f"p_jsd11_le_0.1_{a}"]) for a in AXES)
+
+
+def test_thresholds_with_no_wrong_answer_give_nan_without_numpy_warnings():
+    """Every answer right: the wrong answers' released share has nothing to average and is
+    NaN by the guard, not by numpy's mean of an empty array (which warns)."""
+    import warnings
+
+    right = {"image_id": "a", "z": True, "interfaces": list(IFACES), "masked_tokens": 0,
+             "scores": {}, "variants": {}, "hesitations": 0, "tau": TAU,
+             "real_c": {k: 0.9 for k in IFACES}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = tgs_probe._deferral([right])
+    assert d["own_wrong"]["n"] == 0 and math.isnan(d["own_wrong"]["ge_tau"])
+    assert d["own_right"] == {"n": 1, "ge_tau": 1.0, "mean": 0.9}
+
+
+def test_digit_jsd_skips_an_item_without_its_own_digit_distribution():
+    """Alternatives without the good trajectory's distribution: nothing to compare them
+    with, so the item adds no pair (and does not fail)."""
+    alt = np.full(11, 1 / 11).tolist()
+    only_alts = {"digits": {"alt:answer:0": alt, "alt:answer:1": alt}}
+    both = {"digits": {"good": alt, "alt:answer:0": alt}}
+    assert tgs_probe._digit_jsd([only_alts], "answer") == []
+    assert tgs_probe._digit_jsd([only_alts, both], "answer") == [0.0]
