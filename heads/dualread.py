@@ -460,7 +460,8 @@ class Heads:
         heads.kappa = card.get("kappa", KAPPA)
         # older artefacts have no detector: novelty stays None, the rule is τ alone
         if card.get("novelty"):
-            heads.novelty = load_detector(folder)
+            # its scoring caches now, not on the first request (`Novelty.prepare`)
+            heads.novelty = load_detector(folder).prepare()
             heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card

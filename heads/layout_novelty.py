@@ -333,6 +333,12 @@ class LayoutNovelty(ImagePart):
         """Add in-distribution layout vectors to the bank; the conformal reference stays."""
         x = torch.as_tensor(x).double().reshape(-1, self.t["bank"].shape[1])
         self.t["bank"] = self._capped(torch.cat([self.t["bank"], x]))
+        return self.prepare()
+
+    def prepare(self) -> LayoutNovelty:
+        """The float32 bank its score reads, built now (`Novelty.prepare`)."""
+        if "bank" in self.t:
+            self._bank32()
         return self
 
     def score(self, x: torch.Tensor) -> np.ndarray:
@@ -363,6 +369,13 @@ class OutlineLayoutNovelty(LayoutNovelty):
         for s in range(0, len(a), 1024):
             out.append(torch.cdist(a[s: s + 1024], bank).min(1).values.double())
         return np.maximum(d, f * torch.cat(out).numpy())
+
+    def prepare(self) -> OutlineLayoutNovelty:
+        """The float32 bank and its outline rows, built now (`Novelty.prepare`)."""
+        super().prepare()
+        if "bank" in self.t and self.OUTLINE.shape_factor:
+            self._outline_bank()
+        return self
 
     def _outline_bank(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The outline columns and the bank's outline rows in float32, kept until the bank

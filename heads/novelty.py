@@ -160,6 +160,17 @@ class Novelty:
         flat = x.reshape(-1, x.shape[-1])
         flat = flat[~flat.isnan().any(-1)]
         self.t["bank"] = self._capped(torch.cat([self.t["bank"], self._std(flat)]))
+        return self.prepare()
+
+    def prepare(self) -> Novelty:
+        """Build now what scoring reads from the bank (kept until the bank changes), so
+        that the first score costs what later ones do: `Heads.load` calls it, and
+        `extend_bank` after replacing the bank."""
+        if "bank" in self.t:
+            if self.kind == "knn":
+                self._bank_norms()
+            elif self.kind == "token_knn":
+                self._bank32()
         return self
 
     def calibrate(self, x_cal: torch.Tensor) -> Novelty:
@@ -383,6 +394,12 @@ class CompositeNovelty:
         (larger = more unusual)."""
         p = self.p_values(feats)
         return [NoveltyReading(float(-np.log10(v)), float(v), bool(v < alpha)) for v in p]
+
+    def prepare(self) -> CompositeNovelty:
+        """Build each part's scoring caches now (`Novelty.prepare`)."""
+        for part in self.parts.values():
+            part.prepare()
+        return self
 
     def extend_bank(self, feats: dict[str, torch.Tensor],
                     parts: tuple[str, ...] | None = None) -> CompositeNovelty:

@@ -371,6 +371,13 @@ class PixelNovelty(ImagePart):
         x = torch.as_tensor(x).double()
         x = x if x.dim() == 3 else x[None]
         self.t["bank"] = self._capped(torch.cat([self.t["bank"], distinct_rows(x)]))
+        return self.prepare()
+
+    def prepare(self) -> PixelNovelty:
+        """The bank's index built now (tens of ms: a first score would pay it;
+        `Novelty.prepare`)."""
+        if "bank" in self.t:
+            self.index()
         return self
 
     def score(self, x: torch.Tensor) -> np.ndarray:
@@ -383,7 +390,8 @@ class PixelNovelty(ImagePart):
         return largest_nearest(x.float(), self.index()).numpy()
 
     def index(self) -> BankIndex:
-        """The bank ready for scoring, built once per bank (`extend_bank` replaces it)."""
+        """The bank ready for scoring, built once per bank (`prepare`; a bank replaced by
+        `extend_bank` gets a new one)."""
         bank = self.t["bank"]
         cached = getattr(self, "_index", None)
         if cached is None or cached[0] is not bank:

@@ -2,9 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
 
+import heads.pixel_novelty as pn
 from heads.dualread import EMBEDDED_HEADS, Heads
+from heads.features import extract_many
+from heads.novelty import features, load_detector
 from models.canon import is_correct
 from models.data import load, sample
 from models.loading import EMBEDDED_ACTOR, load_actor
@@ -45,3 +49,34 @@ def test_actor_card_fields():
     for key in ("data", "splits", "recipe", "command", "git_commit", "metrics"):
         assert key in card
     assert card["metrics"]["real"]["n"] == 9673
+
+
+def test_loaded_heads_build_their_scoring_caches_before_any_score(monkeypatch):
+    # the first request would otherwise pay them (the pixel part's index: tens of ms)
+    heads = Heads.load(None)
+    parts = heads.novelty.parts
+    caches = {"image": ["_b32"], "question": ["_b2"], "pixels": ["_index"],
+              "layout": ["_b32", "_outlines"]}
+    assert set(caches) == set(parts)
+    for name, attrs in caches.items():
+        for attr in attrs:
+            assert getattr(parts[name], attr)[0] is parts[name].t["bank"], (name, attr)
+    index = parts["pixels"].index()
+    monkeypatch.setattr(pn, "BankIndex", None)    # a score now builds nothing
+    it = load("easyvqa:test")[0]
+    parts["pixels"].score(pn.pixel_descriptors([it.image()]))
+    assert parts["pixels"].index() is index
+
+
+def test_prepared_heads_score_as_lazily_built_ones_bit_for_bit(embedded):
+    heads = Heads.load(None, embedded.fingerprint)
+    lazy = load_detector(EMBEDDED_HEADS)          # its caches built by its first score
+    items = sample(load("easyvqa:test"), 4, seed=3)
+    ims = [it.image() for it in items]
+    ros = [r.readout for r in embedded.answer(ims, [it.question for it in items])]
+    feats = heads.with_images(extract_many(ros, heads.kappa), ims)
+    for name, part in heads.novelty.parts.items():
+        x = features(part.feature, feats)
+        assert np.array_equal(part.score(x), lazy.parts[name].score(x)), name
+    got = [a.novelty for a in heads.assess(ros, ims)]
+    assert got == lazy.read(feats, heads.novelty_alpha)

@@ -262,6 +262,26 @@ def test_the_outline_score_is_the_distances_written_out_bit_for_bit():
     assert (part.score(x)[:2] < 1e-3).all()
 
 
+def test_prepare_builds_the_banks_the_score_reads_and_an_extension_rebuilds_them():
+    part = load_part(SHIPPED, "novelty.layout")
+    assert not hasattr(part, "_b32") and not hasattr(part, "_outlines")
+    assert part.prepare() is part
+    assert part._b32[0] is part.t["bank"] and part._outlines[0] is part.t["bank"]
+    x = layout_descriptors([it.image() for it in load("render:plain:6")],
+                           outline=ln.NEAR_OUTLINE).double()
+    part.extend_bank(x[:2])
+    assert part._b32[0] is part.t["bank"] and part._outlines[0] is part.t["bank"]
+    fresh = type(part)()
+    fresh.t = dict(part.t)
+    assert np.array_equal(part.score(x), fresh.score(x))
+    # without an outline score no outline rows; without a bank nothing
+    for cls in (ln.LayoutNovelty, outline_part(Outline(), "layout_knn_no_shape_score")):
+        plain = cls().fit(x[:, :ln.DIM]).prepare()
+        assert plain._b32[0] is plain.t["bank"] and not hasattr(plain, "_outlines")
+    for empty in (ln.LayoutNovelty(), ln.NearLayoutNovelty()):
+        assert empty.prepare() is empty and not hasattr(empty, "_b32")
+
+
 def test_outline_score_of_no_rows_and_of_more_rows_than_a_block():
     part = outline_part(Outline(shape_factor=2.0), "layout_knn_test")().fit(
         torch.zeros(3, ln.DIM, dtype=torch.float64))

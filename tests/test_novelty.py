@@ -135,6 +135,27 @@ def test_nearest_is_the_float32_expression_written_out_bit_for_bit(k):
     assert torch.equal(nov._nearest(z, k), _nearest_as_written(nov.t["bank"], z, k))
 
 
+@pytest.mark.parametrize("kind,cache", [("knn", "_b2"), ("token_knn", "_b32")])
+def test_prepare_builds_the_scoring_cache_and_an_extension_rebuilds_it(kind, cache):
+    x = gaussian(120, 6, 8)
+    nov = Novelty(kind, "h_pre").fit(x if kind == "knn" else x.reshape(30, 4, 6))
+    assert not hasattr(nov, cache)                  # lazy until asked
+    assert nov.prepare() is nov and getattr(nov, cache)[0] is nov.t["bank"]
+    q = gaussian(10, 6, 9) if kind == "knn" else gaussian(10, 6, 9).reshape(5, 2, 6)
+    nov.extend_bank(q)
+    assert getattr(nov, cache)[0] is nov.t["bank"]  # for the new bank, before any score
+    fresh = Novelty(kind, "h_pre")
+    fresh.t = dict(nov.t)
+    assert np.array_equal(nov.score(q), fresh.score(q))
+
+
+def test_prepare_without_a_bank_builds_nothing():
+    for nov in (Novelty("knn", "h_pre"), Novelty("token_knn", "h_pre"),
+                Novelty("mahalanobis", "h_pre").fit(gaussian(40, 3, 1))):
+        assert nov.prepare() is nov
+        assert not hasattr(nov, "_b2") and not hasattr(nov, "_b32")
+
+
 def test_token_knn_is_the_worst_token():
     bank = torch.zeros(50, 4, 2, dtype=torch.float64)
     bank[:, :, 0] = torch.linspace(-1, 1, 200).reshape(50, 4)
