@@ -213,20 +213,25 @@ _PLAIN = {
 }
 
 
-def _is_tag(node: dict, x: str, rest: list, missing: bool) -> bool:
-    """Whether `x`, a key of `node`, is rather the tag pydantic names a discriminated
-    union's choice by (the value of the object's discriminator: `{"type": "text", "text":
-    ...}` is at `...text.text`): then the next name is a field of the same object."""
-    return bool(rest) and x in {v for v in node.values() if isinstance(v, str)} and \
-        (rest[0] in node or (len(rest) == 1 and missing))
+def _is_tag(node: object, x: str, unions: dict[str, frozenset[str]]) -> bool:
+    """Whether `x`, in an error's location at `node`, is the tag pydantic names a
+    discriminated union's choice by: the value of the object's discriminator (`{"type":
+    "text", "text": ...}` is at `...text.text`), read off the model's unions (`_unions`),
+    never guessed from the body's other values. Exact while a union's choices are used in
+    it alone (as in every request model): an object elsewhere with the discriminator and
+    a field named as its value would have that field read as a tag."""
+    return isinstance(node, dict) and any(
+        node.get(field) == x for field, tags in unions.items() if x in tags)
 
 
-def _path(err: dict, body: object) -> tuple[list[str], int | None]:
+def _path(err: dict, body: object, unions: dict[str, frozenset[str]]
+          ) -> tuple[list[str], int | None]:
     """The error's location as the client's field names and list indexes, and where in it
     a union's choice was (None: no union): pydantic's location also names the union's
     choices (`mask.target.literal['think',...]`, `content.str`), which are no field of the
-    request. With the body, a key is a field when the object there has it; without, a
-    name that is not a plain lower-case identifier is a choice."""
+    request. With the body, a key is a field when the object there has it and it is not
+    the object's tag (`unions`: the request model's discriminators and their tags);
+    without, a name that is not a plain lower-case identifier is a choice."""
     loc = list(err.get("loc", ()))
     if loc[:1] == ["body"]:
         loc = loc[1:]                     # FastAPI's prefix for the request body
@@ -246,7 +251,7 @@ def _path(err: dict, body: object) -> tuple[list[str], int | None]:
             # one tag per object: after it, a name is the object's field, even when the
             # field is named as a tag is (`image_url` of an image_url part)
             if isinstance(node, dict) and x in node and (
-                    node is tagged or not _is_tag(node, x, rest, missing)):
+                    node is tagged or not _is_tag(node, x, unions)):
                 out.append(str(x))
                 node = node[x]
                 continue
@@ -305,16 +310,38 @@ def _kind(err: dict) -> str | None:
     return _KINDS.get(err.get("type", ""))
 
 
-def explain(errors: list[dict], body: object = _NO_BODY) -> str:
+Where = tuple[str, ...]      # a field's path in the request: names and list indexes
+
+
+def explain(errors: list[dict], body: object = _NO_BODY,
+            model: type[BaseModel] | None = None) -> str:
     """Validation errors as one line: where (the request's own field names) and what, in
     plain words, never the offending value. `body`: the parsed request, when there is one,
-    to tell its fields from pydantic's names for a union's choices.
+    to tell its fields from pydantic's names for a union's choices; `model`: what it was
+    validated as, whose discriminated unions' tags pydantic's location holds too.
 
     A union's choices each report an error; only those of a choice the value's type fits
     are kept (`[0, 1.5]` as a span: its second item, not "should be 'think'"), and when
     none fits, one line says what it must be."""
+    return joined(explained(errors, body, model))
+
+
+def _line(where: Where, what: str) -> str:
+    return f"{'.'.join(where) or 'body'}: {what}"
+
+
+def joined(parts: list[tuple[Where, str]]) -> str:
+    """`explained`'s parts as `explain`'s one line."""
+    return "; ".join(_line(where, what) for where, what in parts) or "invalid request"
+
+
+def explained(errors: list[dict], body: object = _NO_BODY,
+              model: type[BaseModel] | None = None) -> list[tuple[Where, str]]:
+    """`explain`'s parts, each (where, what), in order and once each: a route that names
+    the field apart (OpenAI's `param`) takes the first's path."""
     # (path, union site or None, message, what a wrong type must be)
     read: list[tuple[list[str], tuple[str, ...] | None, str, str | None]] = []
+    unions = {} if model is None else _unions(model)
     for err in errors[:10]:
         if err.get("type") == "json_invalid":
             read.append(([], None, "not valid JSON", None))     # loc holds a byte offset
@@ -322,7 +349,8 @@ def explain(errors: list[dict], body: object = _NO_BODY) -> str:
         if err.get("type") == "extra_forbidden":
             # The unknown key itself is client text (it could carry an identifier); the
             # path is read without it, as the object's
-            path, union = _path({**err, "loc": tuple(err.get("loc", ()))[:-1]}, body)
+            path, union = _path({**err, "loc": tuple(err.get("loc", ()))[:-1]}, body,
+                                unions)
             site = None if union is None else tuple(path[:union])
             read.append((path, site, "unexpected field", None))
         else:
@@ -331,10 +359,10 @@ def explain(errors: list[dict], body: object = _NO_BODY) -> str:
                 name = str((err.get("ctx") or {}).get("discriminator", "")).strip("'")
                 if _IDENT.match(name):
                     err = {**err, "loc": (*err.get("loc", ()), name)}
-            path, union = _path(err, body)
+            path, union = _path(err, body, unions)
             site = None if union is None else tuple(path[:union])
             read.append((path, site, _message(err), _kind(err)))
-    parts: list[str] = []
+    parts: list[tuple[Where, str]] = []
     for site in dict.fromkeys(r[1] for r in read):
         here = [r for r in read if r[1] == site]
         if site is not None:
@@ -347,32 +375,49 @@ def explain(errors: list[dict], body: object = _NO_BODY) -> str:
                 # "'blank' or a base64 string", "'think', 'answer' or 'response', or an array"
                 said = (", or " if any(" or " in k for k in kinds[:-1]) else " or ").join(
                     [", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
-                parts.append(f"{'.'.join(site) or 'body'}: must be {said}")
+                parts.append((site, f"must be {said}"))
                 continue
             here = fits
-        parts += [f"{'.'.join(path) or 'body'}: {msg}" for path, _, msg, _ in here]
-    return "; ".join(dict.fromkeys(parts)) or "invalid request"
+        parts += [(tuple(path), msg) for path, _, msg, _ in here]
+    once: dict[str, tuple[Where, str]] = {}
+    for part in parts:
+        once.setdefault(_line(*part), part)
+    return list(once.values())
 
 
 @functools.cache
-def _tags(model: type[BaseModel]) -> frozenset[str]:
-    """The tags of `model`'s discriminated unions: pydantic names a choice by its tag in an
-    error's location, where it reads as a field name (`content.1.text.text`)."""
-    found: set[str] = set()
+def _unions(model: type[BaseModel]) -> dict[str, frozenset[str]]:
+    """The discriminated unions of `model`, as each discriminator field and its tags:
+    pydantic names a choice by its tag in an error's location, where it reads as a field
+    name (`content.1.text.text`)."""
+    found: dict[str, set[str]] = {}
     todo: list[object] = [model.__pydantic_core_schema__]
     while todo:
         x = todo.pop()
         if isinstance(x, dict):
-            if x.get("type") == "tagged-union":
-                found.update(k for k in x.get("choices", {}) if isinstance(k, str))
+            field = x.get("discriminator")
+            if x.get("type") == "tagged-union" and isinstance(field, str):
+                found.setdefault(field, set()).update(
+                    k for k in x.get("choices", {}) if isinstance(k, str))
             todo.extend(x.values())
         elif isinstance(x, list | tuple):
             todo.extend(x)
-    return frozenset(found)
+    return {field: frozenset(tags) for field, tags in found.items()}
+
+
+def _tags(model: type[BaseModel]) -> frozenset[str]:
+    """Every tag of `model`'s discriminated unions."""
+    return frozenset().union(*_unions(model).values())
 
 
 def explain_json(errors: list[dict], raw: bytes, model: type[BaseModel]) -> str:
-    """`explain` for a body pydantic read from JSON itself (as `model`): the body is parsed
+    """`explain` for a body pydantic read from JSON itself (as `model`)."""
+    return joined(explained_json(errors, raw, model))
+
+
+def explained_json(errors: list[dict], raw: bytes, model: type[BaseModel]
+                   ) -> list[tuple[Where, str]]:
+    """`explained` for a body pydantic read from JSON itself (as `model`): the body is parsed
     again for its field names only when an error's location holds a tag of one of the
     model's discriminated unions, the one name that the location alone cannot tell from a
     field. Parsing holds the GIL, off the event loop or not: a refused 30 MB body read
@@ -380,12 +425,19 @@ def explain_json(errors: list[dict], raw: bytes, model: type[BaseModel]) -> str:
     tags = _tags(model)
     if not any(isinstance(x, str) and x in tags for err in errors[:10]
                for x in err.get("loc", ())):
-        return explain(errors)
+        return explained(errors)
     try:
         body = from_json(raw)            # pydantic's own parser: as fast as the first read
     except ValueError:
         body = _NO_BODY
-    return explain(errors, body)
+    return explained(errors, body, model)
+
+
+def _body_model(request: Request) -> type[BaseModel] | None:
+    """The model the matched route validates its body as (None: no such route or model)."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def install(app: FastAPI) -> None:
@@ -400,7 +452,7 @@ def install(app: FastAPI) -> None:
                               dict(exc.headers or {}))
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, explain(list(exc.errors()), exc.body),
+        return error_response(422, explain(list(exc.errors()), exc.body, _body_model(request)),
                               request_id_of(request))
 
     for kind in (ServiceError, *FOREIGN):

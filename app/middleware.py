@@ -45,6 +45,13 @@ CLIENT_CLOSED = 499   # nginx's code for a client that went away before the repl
 SMALL_BODY_BYTES = 16384
 SMALL_BODY_PATHS = frozenset({"/feedback", "/calibration/pin", "/calibration/unpin",
                               "/calibration/rollback"})
+# Digits in all the body's numbers of more than 19 (an int64's most), together: no request
+# field takes one, and each costs a conversion that grows with the square of its length
+# and holds the GIL, in a worker thread too (4,096 numbers of 4,300 digits, 17.5 MB within
+# the bounds above, stalled the event loop ~0.4 s on a route and ~0.75 s on /probe/*).
+SHORT_NUMBER_DIGITS = 19
+MAX_LONG_DIGITS = 16384
+_DIGIT_BYTES = b"0123456789"
 # every byte a digit or not: a run of digits is then one `bytes.find` (linear; a regex
 # `[0-9]{4301}` rescans a shorter run from each of its digits)
 _DIGITS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
@@ -69,6 +76,17 @@ def long_number(gap: bytes) -> bool:
         if gap[max(0, i - limit):i + WINDOW].translate(_DIGITS).find(run) >= 0:
             return True
     return False
+
+
+def long_digits(gap: bytes) -> int:
+    """The digits in text between JSON tokens when there are more than
+    `SHORT_NUMBER_DIGITS` of them (a long number's), else 0; counted a window at a time,
+    as `long_number` scans."""
+    if len(gap) <= SHORT_NUMBER_DIGITS:
+        return 0
+    n = sum(len(w) - len(w.translate(None, _DIGIT_BYTES))
+            for w in (gap[i:i + WINDOW] for i in range(0, len(gap), WINDOW)))
+    return n if n > SHORT_NUMBER_DIGITS else 0
 
 
 # One JSON token: a whole string (escapes included) or a structural character. Numbers,
@@ -147,9 +165,11 @@ def json_problem(body: bytes) -> str | None:
     last = (0, 0)              # the latest string token (a key when ':' follows it)
     end = 0                    # where the previous token ended
     prev = 0                   # the previous token's byte (0: none yet)
+    digits = 0                 # in long numbers so far (`MAX_LONG_DIGITS`)
     for start, stop in _tokens(body):
-        if long_number(body[end:start]):
-            return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
+        digits, problem = _numbers(body[end:start], digits)
+        if problem:
+            return problem
         end = stop
         c = body[start]
         if c == _QUOTE or c in _OPEN:
@@ -187,9 +207,19 @@ def json_problem(body: bytes) -> str | None:
             values += 1
             if values > MAX_JSON_NODES:
                 return f"body: more than {MAX_JSON_NODES} values"
-    if long_number(body[end:]):
-        return f"body: a number has more than {sys.get_int_max_str_digits()} digits"
-    return None
+    return _numbers(body[end:], digits)[1]
+
+
+def _numbers(gap: bytes, digits: int) -> tuple[int, str | None]:
+    """The long numbers' digits counted with those of `gap` (text between tokens), and why
+    the body is refused for its numbers, or None."""
+    if long_number(gap):
+        return digits, f"body: a number has more than {sys.get_int_max_str_digits()} digits"
+    digits += long_digits(gap)
+    if digits > MAX_LONG_DIGITS:
+        return digits, (f"body: its numbers of more than {SHORT_NUMBER_DIGITS} digits have "
+                        f"more than {MAX_LONG_DIGITS} digits together")
+    return digits, None
 
 
 def _utf8(body: bytes) -> bool:

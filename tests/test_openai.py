@@ -99,6 +99,10 @@ def test_question_as_a_string_part_list_is_joined(client, url):
         answer(url, 4, "what color\nis the shape?")["response"]
 
 
+# `param` of the image's url: `user` puts the image part first
+IMAGE = "messages[0].content[0].image_url.url"
+
+
 def refusal(exc: pytest.ExceptionInfo, status: int, param: str | None) -> str:
     e = exc.value
     assert e.status_code == status
@@ -120,7 +124,7 @@ def test_remote_url_is_refused_not_fetched(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(
             model="dualread", messages=user(Q, "http://127.0.0.1:9/secret.png"))
-    msg = refusal(exc, 422, "messages[0].content.image_url.url")
+    msg = refusal(exc, 422, IMAGE)
     assert "data URI" in msg and exc.value.type == "invalid_request_error"
 
 
@@ -131,7 +135,7 @@ def test_a_data_uri_names_a_documented_media_type(client, head):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(
             model="dualread", messages=user(Q, f"{head}," + b64(png_bytes(random_image(0)))))
-    assert "data URI" in refusal(exc, 422, "messages[0].content.image_url.url")
+    assert "data URI" in refusal(exc, 422, IMAGE)
 
 
 @pytest.mark.parametrize("media_type, fmt", [("image/jpeg", "JPEG"), ("image/png", "PNG")])
@@ -145,21 +149,21 @@ def test_base64_that_does_not_decode(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(
             model="dualread", messages=user(Q, "data:image/png;base64,iVBORw0KGgo..."))
-    assert "base64" in refusal(exc, 422, "messages[0].content.image_url.url")
+    assert "base64" in refusal(exc, 422, IMAGE)
 
 
 def test_bytes_that_are_not_an_image(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(
             model="dualread", messages=user(Q, "data:image/png;base64," + b64(b"nope")))
-    refusal(exc, 422, "messages[0].content.image_url.url")
+    refusal(exc, 422, IMAGE)
 
 
 def test_an_image_over_the_limit_is_413(client):
     big = "data:image/png;base64," + b64(b"\0" * (10 * 1024 * 1024 + 10))
     with pytest.raises(openai.APIStatusError) as exc:
         client.chat.completions.create(model="dualread", messages=user(Q, big))
-    refusal(exc, 413, "messages[0].content.image_url.url")
+    refusal(exc, 413, IMAGE)
 
 
 @pytest.mark.parametrize("messages, param", [
@@ -168,7 +172,7 @@ def test_an_image_over_the_limit_is_413(client):
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}] * 2
        + [{"type": "text", "text": Q}]}], "messages[0].content"),     # two images
     ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}],
-     "messages[0].content"),
+     "messages[0].content[0].type"),
     ([{"role": "user", "content": [{"type": "text", "text": Q}] * 9}],
      "messages[0].content"),                                          # over MAX_PARTS
     (user(Q, data_uri(0)) * 2, "messages"),                           # two user messages
@@ -193,7 +197,8 @@ def test_the_length_limit_holds_per_text_part(client):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(model="dualread",
                                        messages=user(long[0] + "\u200b", data_uri(0)))
-    assert f"longer than {limit} characters" in refusal(exc, 422, "messages[0].content")
+    # the part is named by its index; the joined question's checks name the content
+    assert f"longer than {limit} characters" in refusal(exc, 422, "messages[0].content[1].text")
 
 
 def test_question_checks_are_the_answer_routes(client):

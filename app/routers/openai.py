@@ -26,7 +26,14 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.deps import get_serving, request_id, require_json, require_key
-from app.errors import REQUEST_ID, InvalidInput, detail_of, explain_json, status_of
+from app.errors import (
+    REQUEST_ID,
+    InvalidInput,
+    detail_of,
+    explained_json,
+    joined,
+    status_of,
+)
 from app.routers.answer import response
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, error_responses
 from app.schemas import MAX_NEW_TOKENS, AnswerResponse
@@ -61,10 +68,8 @@ DATA_URI_PATTERN = ("^" + _HEAD + ",(?:[A-Za-z0-9+/]{4})*"
 # The longest head with its comma: a URI is that and the image's base64 at most (the
 # `x-limit` "data_uri" of `app.openapi`).
 DATA_URI_HEAD_CHARS = len("data:;base64,") + max(len(t) for t in MEDIA_TYPES)
-# The served message's content, as a 422's detail names a field (one user message), and
-# the image's url as OpenAI's `param` names it
+# The served message's content, as a 422's detail names a field (one user message)
 CONTENT = "messages.0.content"
-IMAGE_PARAM = "messages[0].content.image_url.url"
 
 
 # ---------------------------------------------------------------------------- request
@@ -253,14 +258,15 @@ class _Refused(Exception):
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
 
-def _param(loc: tuple) -> str | None:
-    """A validation error's location as OpenAI writes `param` (`messages[0].content`); keys
-    that are not plain identifiers are client text and are left out."""
+def _param(where: str) -> str | None:
+    """A field's path as a 422's detail names it (`messages.0.content.1.text`) as OpenAI
+    writes `param` (`messages[0].content[1].text`), up to a name that is not a plain
+    identifier (none is: the path holds the request's own field names)."""
     out = ""
-    for x in loc:
-        if isinstance(x, int):
+    for x in where.split(".") if where else ():
+        if x.isascii() and x.isdecimal():
             out += f"[{x}]"
-        elif isinstance(x, str) and _IDENT.match(x) and x not in ("str", "list"):
+        elif _IDENT.match(x):
             out += f".{x}" if out else x
         else:
             break
@@ -272,11 +278,10 @@ def _parse(raw: bytes) -> ChatRequest:
     try:
         return ChatRequest.model_validate_json(raw)
     except ValidationError as e:
-        errs = e.errors()
-        loc = tuple(errs[0].get("loc", ())) if errs else ()
-        if errs and errs[0].get("type") == "extra_forbidden":
-            loc = loc[:-1]           # the unknown key itself is client text
-        raise _Refused(422, explain_json(errs, raw, ChatRequest), _param(loc)) from None
+        # `param`: the first field the detail names, content parts by their index
+        parts = explained_json(e.errors(), raw, ChatRequest)
+        param = _param(".".join(parts[0][0])) if parts else None
+        raise _Refused(422, joined(parts), param) from None
 
 
 def _question_and_image(body: ChatRequest) -> tuple[list[tuple[str, str]], str, str]:
@@ -310,7 +315,7 @@ def _data_uri(url: str, where: str) -> str:
     if not comma or not DATA_URI_HEAD.fullmatch(head):
         raise _Refused(422, f"{where}: must be a base64 data URI of a PNG, JPEG or DICOM "
                             "file (data:image/png;base64,...; image/jpeg, "
-                            "application/dicom): the server fetches no URL", IMAGE_PARAM)
+                            "application/dicom): the server fetches no URL", _param(where))
     return url[len(head) + 1:]
 
 
@@ -338,12 +343,14 @@ async def _item(request: Request, serving: Serving) -> AnswerItem:
     try:
         question = serving.chat_question(texts)
     except InvalidInput as e:
-        raise _Refused(e.status, _content_question(e.detail), "messages[0].content") from None
+        # one text part's refusal names it (its length), the joined question's the content
+        part = next((w for w, _ in texts if e.detail.startswith(f"{w}: ")), CONTENT)
+        raise _Refused(e.status, _content_question(e.detail), _param(part)) from None
     limit = serving.max_new_tokens(asked)
     try:
         image = await serving.image_b64(b64, where)
     except (InvalidInput, ImageInvalid, ImageTooLarge) as e:
-        raise _Refused(status_of(e), detail_of(e), IMAGE_PARAM) from None
+        raise _Refused(status_of(e), detail_of(e), _param(where)) from None
     return AnswerItem(image, question, limit)
 
 
