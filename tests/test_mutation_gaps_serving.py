@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -175,6 +176,11 @@ def test_not_ready_until_attached_then_the_load_error_or_loading():
     assert not srv.ready
     with pytest.raises(NotReady):
         srv.require_backend()
+    fresh = Serving(Settings())
+    fresh.batcher = object()                      # a batcher before any backend: not ready
+    assert not fresh.ready and fresh.draining is False
+    with pytest.raises(NotReady):
+        fresh.require_backend()
 
 
 def test_attach_builds_the_batcher_from_the_settings_and_drain_unreadies():
@@ -243,6 +249,19 @@ def test_admit_sets_the_deadline_the_gone_check_and_the_clock():
 
     run(main())
     assert serving_module._REQUEST.get() == (None, None)
+
+
+def test_admit_takes_a_request_that_cannot_tell_it_has_gone():
+    """A request object without `is_disconnected` (a plain ASGI scope) is admitted with no
+    gone check."""
+    srv = Serving(Settings())
+    srv.backend, srv.batcher = Recording(), object()
+
+    async def main():
+        srv.admit(SimpleNamespace(scope={"state": {}}))
+        return serving_module._REQUEST.get()[1]
+
+    assert run(main()) is None
 
 
 def test_outside_a_request_the_deadline_is_one_timeout_from_now():
@@ -373,7 +392,8 @@ def test_b64_that_is_not_strict_base64_is_refused(text):
     srv = Serving(Settings())
     with pytest.raises(InvalidInput) as e:
         run(srv.image_b64(text, "logo"))
-    assert e.value.detail.startswith("logo: not valid base64 (one line, no wrapping; ")
+    assert e.value.detail == \
+        "logo: not valid base64 (one line, no wrapping; use `base64 < file | tr -d '\\n'`)"
     assert e.value.status == 422
 
 
@@ -484,6 +504,21 @@ def test_a_request_past_its_deadline_is_not_decoded(monkeypatch):
 
     with pytest.raises(DeadlineExceeded, match="^image: deadline passed"):
         run(late())
+    assert opened == [] and srv.decode_slots._value == 2
+
+
+def test_a_request_at_exactly_its_deadline_is_not_decoded(monkeypatch):
+    """No time left is no time: the module's clock is frozen so that the time left is 0."""
+    opened = _slow_open(monkeypatch, 0.0)
+    monkeypatch.setattr(serving_module, "time", SimpleNamespace(monotonic=lambda: 100.0))
+    srv = Serving(Settings(max_decodes=2))
+
+    async def due():
+        serving_module._REQUEST.set((100.0, None))
+        return await srv.image(b"x")
+
+    with pytest.raises(DeadlineExceeded):
+        run(due())
     assert opened == [] and srv.decode_slots._value == 2
 
 
@@ -645,6 +680,32 @@ def test_a_client_gone_while_waiting_is_499_and_its_jobs_cancelled():
     assert polls == [1] and elapsed < 1.0
 
 
+def test_answer_passes_the_gone_check_on():
+    hold = threading.Event()
+    polls = []
+
+    async def gone() -> bool:
+        polls.append(1)
+        return True
+
+    async def main():
+        srv = await attached(Settings(batch_wait_ms=0.0), Recording(hold))
+        busy = asyncio.create_task(srv.answer([item()]))
+        while srv.batcher.inflight == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(ClientGone):
+            await srv.answer([item()], "req", gone)
+        hold.set()
+        await busy
+        await srv.stop()
+
+    try:
+        run(main())
+    finally:
+        hold.set()
+    assert polls == [1]
+
+
 def test_answer_and_score_need_the_model():
     srv = Serving(Settings())
     with pytest.raises(NotReady):
@@ -675,7 +736,9 @@ def test_settled_returns_on_the_first_failure_and_polls_only_with_a_gone_check()
 
         slow = loop.create_future()
         loop.call_later(0.25, slow.set_result, 3)
-        await serving_module._settled([slow], stays)
+        # a poll finds one done and one pending: a success alone ends nothing
+        await serving_module._settled([ok, slow], stays)
+        assert slow.done()
         bad.exception()
         never.cancel()
         return polls
