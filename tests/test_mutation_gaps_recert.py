@@ -1,6 +1,7 @@
 """Fast tests of heads/recert.py and of heads/detectors.py's refit-free paths (mutation gaps:
 before these, no selected test read the stored records' optional fields, the input key,
-`/calibration`'s view, the base detector's flags from served p-values, or what
+`/calibration`'s view, the base detector's flags from served p-values, a closed window's
+α-spending and audit record, the rollback/pin/unpin records, or what
 `add_clean_sample` and `refit_detectors` hand the collector and the detector stage). Every
 expectation is computed by hand; no actor is built (a stand-in collector returns fixed
 feature rows).
