@@ -1,6 +1,7 @@
 """Fast tests of heads/recert.py and of heads/detectors.py's refit-free paths (mutation gaps:
 before these, no selected test read the stored records' optional fields, the input key,
-`/calibration`'s view, the base detector's flags from served p-values, or what
+`/calibration`'s view, the base detector's flags from served p-values, a closed window's
+α-spending and audit record, the rollback/pin/unpin records, or what
 `add_clean_sample` and `refit_detectors` hand the collector and the detector stage). Every
 expectation is computed by hand; no actor is built (a stand-in collector returns fixed
 feature rows).
@@ -11,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch
 from PIL import Image
 
 import heads.detectors as detectors
+import heads.recert as recert
 from heads.defer import DeferPolicy
 from heads.detectors import (
     AUGMENT_PER_FAMILY,
@@ -35,6 +39,7 @@ from heads.novelty import Novelty
 from heads.recert import (
     SHIPPED,
     DeferRule,
+    RecertError,
     RuleStore,
     Served,
     Settings,
@@ -218,6 +223,222 @@ def test_levels_are_the_settings_else_the_shipped_policy_else_the_defaults(tmp_p
     store.rules[SHIPPED].policy = None               # defer everything: no r or δ of its own
     assert store.levels() == (0.05, 0.1)
     assert all(type(x) is float for x in store.levels())
+
+
+# ------------------------------------------------------------------ closing a window
+NO_TEST = "no test ran (label balance); its share is spent all the same"
+VERSION = re.compile(r"r(\d+)-[0-9a-f]{6}")
+
+
+def _add(store: RuleStore, tag: str, labels: list[bool], logits=None, who: str = "op:a"):
+    out = None
+    for i, z in enumerate(labels):
+        lg = (0.0, 0.0, 0.0) if logits is None else logits[i]
+        out = store.add(f"{tag}-{i}", Served(SHIPPED, lg), z, who)
+    return out
+
+
+def _without_at(event: dict) -> dict:
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", event["at"])
+    return {k: v for k, v in event.items() if k != "at"}
+
+
+def _saved(tmp_path) -> dict:
+    return json.loads((tmp_path / "state.json").read_text())
+
+
+def test_each_closed_window_counts_an_attempt_and_spends_its_delta(tmp_path):
+    """Two windows refused for label balance (each spends its δ_t all the same): the
+    attempt count names the candidate, the t-th test is at δ / (t (t + 1)), and the
+    spending and the settings' split reach the certificate, the audit and the file."""
+    base = Heads(dim=2, policy=DeferPolicy(0.8, 0.1, 0.1, 0.7, 0.05, 0.08, 500, True))
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    store = RuleStore(tmp_path / "state.json", base, "heads-1",
+                      Settings(window=2, min_per_class=10, temperature_share=0.5))
+    attempts = []
+    for k in (1, 2):
+        out = _add(store, f"w{k}", [True, False], who=f"op:{k}")
+        attempts.append(out)
+        d_k = 0.1 / (k * (k + 1))
+        assert out["attempt"] == "refused" and out["counted"] is True
+        assert VERSION.fullmatch(out["version"])[1] == str(k)
+        assert out["certificate"] == {
+            "n": 2, "n_correct": 1, "n_wrong": 1, "target_risk": 0.1, "delta": d_k,
+            "min_per_class": 10, "temperature_share": 0.5, "duplicates_dropped": 0,
+            "bound": "one-sided Clopper-Pearson upper bound of the risk among released",
+            "holds": False,
+            "reason": "label balance: 1 correct and 1 wrong verdicts; each needs at least 10",
+            "alpha_spending": {"test": k, "delta_total": 0.1, "delta_this_test": d_k,
+                               "delta_spent": round(0.1 * k / (k + 1), 8),
+                               "note": NO_TEST}}
+        assert store.window == [] and store.active.version == SHIPPED
+        event = _without_at(store.events[-1])
+        assert event == {"event": "refused", "who": f"op:{k}",
+                         "old": {"version": SHIPPED, "tau": 0.8}, "new": None,
+                         "window": event["window"], "certificate": out["certificate"],
+                         "candidate": out["version"]}
+        assert event["window"] | {"first_at": "", "last_at": ""} == {
+            "n": 2, "first_at": "", "last_at": "", "correct": 1, "wrong": 1,
+            "decided_by": [SHIPPED]}
+    # the second test at 0.1 / 6, 0.1 (1 - 1/3) spent in all (to 8 places)
+    assert attempts[1]["certificate"]["alpha_spending"]["delta_spent"] == 0.06666667
+    assert (store.attempts, store.tests) == (2, 2)
+    assert store.spending()["delta_spent"] == 0.06666667
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert (state["attempts"], state["tests"]) == (2, 2)
+    assert state["last_attempt"]["version"] == attempts[1]["version"]
+    assert state["last_attempt"]["certificate"] == attempts[1]["certificate"]
+    again = RuleStore(tmp_path / "state.json", base, "heads-1", store.settings)
+    assert (again.attempts, again.tests) == (2, 2)
+
+
+def test_separate_histories_name_their_first_candidates_apart(tmp_path):
+    """A candidate's version carries a digest of when it was made: the first window of a
+    history started afresh (its state set aside) is not named as the old one's was."""
+    base = Heads(dim=2, policy=DeferPolicy(0.8, 0.1, 0.1, 0.7, 0.05, 0.08, 500, True))
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    versions = []
+    for name in ("a.json", "b.json"):
+        store = RuleStore(tmp_path / name, base, "heads-1", Settings(window=2))
+        versions.append(_add(store, "w", [True, True])["version"])
+    assert all(VERSION.fullmatch(v)[1] == "1" for v in versions)
+    assert versions[0] != versions[1]
+
+
+T0 = 1_700_000_000.0                         # 2023-11-14T22:13:20Z
+
+
+def _certifying(tmp_path, monkeypatch, pinned: bool = False):
+    """A store one verdict short of a window that certifies (100 right answers with high
+    log-odds, 20 wrong with low; too few in the temperature part to refit, so no fit
+    runs), its verdicts a minute apart and decided by two rules; then the last verdict."""
+    base = Heads(dim=2, policy=DeferPolicy(0.8, 0.1, 0.1, 0.7, 0.05, 0.08, 500, True))
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    switched: list = []
+    store = RuleStore(tmp_path / "state.json", base, "heads-1",
+                      Settings(window=120, min_per_class=10, temperature_share=0.1),
+                      on_switch=switched.append)
+    if pinned:
+        store.pin(None, "operator:p")
+    rng = np.random.default_rng(0)
+    labels = [i % 6 != 0 for i in range(120)]                   # 100 right, 20 wrong
+    logits = [(float(x), float(x), 0.0) for x in
+              rng.normal(3.0, 1.0, 120) * np.where(labels, 1, -1)]
+    # filled by hand but for its last verdict (a save per verdict is slow)
+    store.window = [Verdict(f"w-{i}", Served("r0-old" if i % 2 else SHIPPED, logits[i]),
+                            labels[i], T0 + 60 * i, "op") for i in range(119)]
+    # the last verdict is counted at T0 + 119 minutes
+    monkeypatch.setattr(recert, "time", SimpleNamespace(
+        time=lambda: T0 + 60 * 119, strftime=time.strftime, gmtime=time.gmtime))
+    out = store.add("w-119", Served(SHIPPED, logits[119]), labels[119], "operator:z")
+    monkeypatch.undo()
+    return store, switched, out
+
+
+WINDOW = {"n": 120, "first_at": "2023-11-14T22:13:20Z", "last_at": "2023-11-15T00:12:20Z",
+          "correct": 100, "wrong": 20, "decided_by": ["r0-old", SHIPPED]}
+
+
+def test_a_switched_rule_is_audited_whole_and_created_by_who_closed_the_window(
+        tmp_path, monkeypatch):
+    """A window that certifies: the new rule names who closed it (in `/calibration`'s
+    rules) and carries the first test's spending, without the no-test note; the audit
+    record and the last attempt name the window by its first and last verdicts."""
+    store, switched, out = _certifying(tmp_path, monkeypatch)
+    assert out["attempt"] == "switch", out
+    rule, cert = store.active, out["certificate"]
+    assert out == {"counted": True, "window": 120, "attempt": "switch",
+                   "version": rule.version, "certificate": cert}
+    assert switched == [rule] and store.chain == [SHIPPED, rule.version]
+    assert VERSION.fullmatch(rule.version)[1] == "1"
+    assert rule.created_by == "operator:z"
+    assert store.view()["active"]["created_by"] == "operator:z"
+    assert rule.certificate == cert and cert["holds"] is True
+    assert cert["alpha_spending"] == {
+        "test": 1, "delta_total": 0.1, "delta_this_test": 0.05, "delta_spent": 0.05}
+    assert cert["temperature_share"] == 0.1 and cert["temperatures_kept"]
+    assert _without_at(store.events[-1]) == {
+        "event": "switch", "who": "operator:z", "old": {"version": SHIPPED, "tau": 0.8},
+        "new": {"version": rule.version, "tau": rule.tau}, "window": WINDOW,
+        "certificate": cert, "candidate": rule.version}
+    assert _without_at(store.last_attempt) == {"event": "switch", "version": rule.version,
+                                               "window": WINDOW, "certificate": cert}
+    saved = _saved(tmp_path)
+    assert saved["chain"] == [SHIPPED, rule.version] and saved["pinned"] is False
+    assert saved["rules"][rule.version] == json.loads(json.dumps(rule.to_dict()))
+    assert store.window == [] and store.counted == set() and store.keys == set()
+
+
+def test_a_certified_window_of_a_pinned_store_is_held_not_switched(tmp_path, monkeypatch):
+    store, switched, out = _certifying(tmp_path, monkeypatch, pinned=True)
+    assert out["attempt"] == "held_pinned", out
+    cert = out["certificate"]
+    assert cert["holds"] is True and cert["note"] == "a rule is pinned: not switched"
+    assert switched == [] and store.chain == [SHIPPED] and store.pinned
+    assert set(store.rules) == {SHIPPED}                   # the candidate is not kept
+    assert _without_at(store.events[-1]) == {
+        "event": "held_pinned", "who": "operator:z", "old": {"version": SHIPPED, "tau": 0.8},
+        "new": None, "window": WINDOW, "certificate": cert, "candidate": out["version"]}
+    assert _without_at(store.last_attempt) == {"event": "held_pinned",
+                                               "version": out["version"],
+                                               "window": WINDOW, "certificate": cert}
+    assert _saved(tmp_path)["last_attempt"] == store.last_attempt
+
+
+# ------------------------------------------------------------------ operator requests
+def _kept(tmp_path, switched: list) -> tuple[RuleStore, DeferRule, DeferRule]:
+    """A store whose chain is shipped (τ 0.8) then r1-abc (τ 0.6), r1-abc active."""
+    base = Heads(dim=2, policy=DeferPolicy(0.8, 0.1, 0.1, 0.7, 0.05, 0.08, 500, True))
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    store = RuleStore(tmp_path / "state.json", base, "heads-1", Settings(window=300),
+                      on_switch=switched.append)
+    rule = DeferRule("r1-abc", {"psr": 2.0, "per": 1.0}, _policy(0.6), created_by="op")
+    store.rules["r1-abc"] = rule
+    store.chain.append("r1-abc")
+    return store, store.rules[SHIPPED], rule
+
+
+def test_rollback_pin_and_unpin_are_audited_and_persisted_whole(tmp_path, caplog):
+    switched: list = []
+    store, shipped, rule = _kept(tmp_path, switched)
+    SH, R1 = {"version": SHIPPED, "tau": 0.8}, {"version": "r1-abc", "tau": 0.6}
+    caplog.set_level("INFO", logger="dualread.audit")
+
+    assert store.rollback("operator:b") is shipped
+    assert switched == [shipped] and store.pinned is True
+    assert _without_at(store.events[-1]) == {"event": "rollback", "who": "operator:b",
+                                             "old": R1, "new": SH}
+    assert _saved(tmp_path)["chain"] == [SHIPPED] and _saved(tmp_path)["pinned"] is True
+
+    assert store.pin("r1-abc", "operator:c") is rule
+    assert switched == [shipped, rule] and store.chain == [SHIPPED, "r1-abc"]
+    assert _without_at(store.events[-1]) == {"event": "pin", "who": "operator:c",
+                                             "old": SH, "new": R1}
+    # pinning the rule already active switches nothing
+    assert store.pin(None, "operator:d") is rule
+    assert switched == [shipped, rule]
+    assert _without_at(store.events[-1]) == {"event": "pin", "who": "operator:d",
+                                             "old": R1, "new": R1}
+
+    store.unpin("operator:e")
+    assert store.pinned is False and store.view()["pinned"] is False
+    assert _without_at(store.events[-1]) == {"event": "unpin", "who": "operator:e",
+                                             "old": R1, "new": R1}
+    saved = _saved(tmp_path)
+    assert saved["pinned"] is False and saved["chain"] == [SHIPPED, "r1-abc"]
+    assert saved["events"] == store.events and len(store.events) == 4
+    # the log carries each record as it is kept
+    logged = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "dualread.audit"]
+    assert logged == [{"audit": "defer_rule", **e} for e in store.events]
+
+
+def test_pinning_an_unknown_rule_names_the_known_ones(tmp_path):
+    store, _, _ = _kept(tmp_path, [])
+    with pytest.raises(RecertError) as e:
+        store.pin("r9-zzz", "operator:b")
+    assert str(e.value) == "no such rule; known: shipped, r1-abc"
+    assert store.events == [] and store.chain == [SHIPPED, "r1-abc"]
 
 
 # ------------------------------------------------------------------ the base detector's flags
