@@ -325,6 +325,12 @@ class ExtendedReference:
     def extend_reference(self, scores: np.ndarray) -> ExtendedReference:
         return ExtendedReference(self.base, np.r_[self.extra, np.asarray(scores, float)])
 
+    def prepare(self) -> ExtendedReference:
+        """The base's scoring caches built (`Novelty.prepare`); this detector, not the base
+        alone, is returned (forwarded, the stream's reference would be dropped)."""
+        self.base.prepare()
+        return self
+
     def p_values_of(self, scores: np.ndarray) -> np.ndarray:
         s = np.asarray(scores, float)
         return np.maximum(self.base.p_values_of(s), p_values(self.extra, s, presorted=True))

@@ -149,6 +149,18 @@ def test_prepare_builds_the_scoring_cache_and_an_extension_rebuilds_it(kind, cac
     assert np.array_equal(nov.score(q), fresh.score(q))
 
 
+def test_prepare_of_an_extended_reference_keeps_its_reference():
+    """A re-certified detector (`DeferRule.apply`) prepared: its base's caches are built
+    and the detector is still the extended one (a forwarded call returned the base alone,
+    dropping the stream's reference)."""
+    nov = Novelty("knn", "h_pre").fit(gaussian(60, 4, 1)).calibrate(gaussian(20, 4, 2))
+    ext = nov.extend_reference(np.array([50.0, 60.0]))
+    assert ext.prepare() is ext
+    assert nov._b2[0] is nov.t["bank"]
+    q = gaussian(3, 4, 3) * 10
+    assert np.array_equal(ext.prepare().p_value(q), ext.p_value(q))
+
+
 def test_prepare_without_a_bank_builds_nothing():
     for nov in (Novelty("knn", "h_pre"), Novelty("token_knn", "h_pre"),
                 Novelty("mahalanobis", "h_pre").fit(gaussian(40, 3, 1))):
