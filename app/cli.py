@@ -355,7 +355,7 @@ def fit_detectors(
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from e
     act = load_actor(actor, device=device)
-    hd = Heads.load(heads, act.fingerprint, drop_image_check=True)
+    hd = Heads.load(heads, act.fingerprint, drop_image_check=True, prepare=False)
     if hd.card.get("data") not in (None, data) or hd.card.get("limit") not in (None, limit):
         console.print(f"[red]these heads were fitted on --data {hd.card.get('data')} "
                       f"--limit {hd.card.get('limit')}; give the same[/red]")

@@ -46,7 +46,7 @@ def mismatch(actor_dir: str | Path | None, heads_dir: str | Path | None) -> str 
     heads, an unreadable card) is left to the loader, which reports it as before."""
     try:
         actor_fp = fingerprint(Path(actor_dir) if actor_dir else EMBEDDED_ACTOR)
-        Heads.load(heads_dir, actor_fp)          # the one rule, legacy cards included
+        Heads.load(heads_dir, actor_fp, prepare=False)   # the one rule, legacy cards too
     except FingerprintMismatch:
         return mismatch_message(actor_dir, heads_dir, actor_fp, heads_fingerprint(heads_dir))
     except Exception:

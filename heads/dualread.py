@@ -421,10 +421,12 @@ class Heads:
 
     @classmethod
     def load(cls, folder: str | Path | None = None, actor_fingerprint: str | None = None,
-             drop_image_check: bool = False) -> Heads:
+             drop_image_check: bool = False, prepare: bool = True) -> Heads:
         """The heads in `folder` (default: the embedded ones). Heads whose rule includes the
         retired image check are refused (`RetiredImageCheck`) unless `drop_image_check`:
-        only for a caller that replaces their detectors (`dualread fit-detectors`)."""
+        only for a caller that replaces their detectors (`dualread fit-detectors`).
+        `prepare=False`: the detector's scoring caches are left to its first score (for a
+        caller that only checks the heads or replaces the detector)."""
         folder = Path(folder) if folder else EMBEDDED_HEADS
         card_path = folder / "heads_card.json"
         if not card_path.exists():
@@ -460,8 +462,9 @@ class Heads:
         heads.kappa = card.get("kappa", KAPPA)
         # older artefacts have no detector: novelty stays None, the rule is τ alone
         if card.get("novelty"):
-            # its scoring caches now, not on the first request (`Novelty.prepare`)
-            heads.novelty = load_detector(folder).prepare()
+            heads.novelty = load_detector(folder)
+            if prepare:       # its scoring caches now, not on the first request
+                heads.novelty = heads.novelty.prepare()
             heads.novelty_alpha = float(card["novelty"].get("alpha", ALPHA))
         heads.actor_fingerprint = card["actor_fingerprint"]
         heads.card = card

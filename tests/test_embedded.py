@@ -68,6 +68,14 @@ def test_loaded_heads_build_their_scoring_caches_before_any_score(monkeypatch):
     assert parts["pixels"].index() is index
 
 
+def test_heads_loaded_only_to_be_checked_build_no_cache():
+    """`serve`'s start-up check and `fit-detectors` load the heads without serving them:
+    the caches are left to a first score (building them twice cost start-up ~0.1 s)."""
+    parts = Heads.load(None, prepare=False).novelty.parts
+    assert not any(hasattr(p, a) for p in parts.values()
+                   for a in ("_b32", "_b2", "_index", "_outlines"))
+
+
 def test_prepared_heads_score_as_lazily_built_ones_bit_for_bit(embedded):
     heads = Heads.load(None, embedded.fingerprint)
     lazy = load_detector(EMBEDDED_HEADS)          # its caches built by its first score
