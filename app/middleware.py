@@ -385,11 +385,17 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            if self.max_header_bytes is not None and sum(
-                    len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            head = sum(len(k) + len(v) for k, v in scope["headers"])
+            # the request target too: h11 bounds the request line only while it arrives in
+            # pieces, so a 60 KB URL sent in one read reached the routes
+            target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            if self.max_header_bytes is not None and head + target > self.max_header_bytes:
                 precheck = True
-                await error_response(431, f"request headers over {self.max_header_bytes} "
-                                     "bytes", rid)(scope, receive, send_with_ids)
+                too_long = (431, "request headers") if head > self.max_header_bytes else \
+                    (414, "request target and headers")
+                await error_response(too_long[0], f"{too_long[1]} over "
+                                     f"{self.max_header_bytes} bytes", rid)(
+                    scope, receive, send_with_ids)
             elif scope.get("method") in BODY_METHODS and self.api_key and \
                     (self.body_paths is None or scope.get("path") in self.body_paths) and \
                     not bearer_matches(headers.get("authorization", ""), self.api_key):
