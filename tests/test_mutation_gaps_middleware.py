@@ -659,3 +659,31 @@ def test_the_latency_in_the_access_log_and_the_histogram(monkeypatch, caplog):
     assert json.loads(caplog.records[-1].getMessage())["latency_ms"] == 12.35
     assert m.registry.get_sample_value("dualread_request_duration_seconds_sum",
                                        {"route": "/ok"}) == pytest.approx(0.0123456)
+
+
+def test_long_digits_counts_a_long_numbers_digits_exactly():
+    """Only a number of more than 19 digits counts toward the body's total, with every
+    digit of it, across the scan's windows too."""
+    long_digits, short = middleware.long_digits, middleware.SHORT_NUMBER_DIGITS
+    assert short == 19
+    assert long_digits(b"") == 0 and long_digits(b"7") == 0
+    assert long_digits(b"1" * 19) == 0
+    assert long_digits(b" " + b"1" * 19) == 0          # a long gap, a short number
+    assert long_digits(b" " * 30 + b"123") == 0
+    assert long_digits(b"1" * 20) == 20
+    assert long_digits(b"-0." + b"9" * 25) == 26        # the 0 is a digit too
+    n = middleware.WINDOW + 5                           # a number over two windows
+    assert long_digits(b"1" * n) == n
+
+
+def test_long_numbers_may_hold_exactly_the_bound_together():
+    """16,384 digits of long numbers together pass; one more is refused, by the total."""
+    bound = middleware.MAX_LONG_DIGITS
+    assert bound == 16384
+    four = b"[" + b",".join([b"1" * 4096] * 4) + b"]"
+    assert json_problem(four) is None
+    assert json_problem(four[:-1] + b",12345678901234567890]") == (
+        "body: its numbers of more than 19 digits have more than 16384 digits together")
+    # short numbers never count, however many
+    row = b"[" + b",".join([b"1" * 19] * 200) + b"]"
+    assert json_problem(b"[" + b",".join([row] * 10) + b"]") is None     # 38,000 digits
