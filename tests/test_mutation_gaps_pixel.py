@@ -2,7 +2,9 @@
 the descriptors are read at, distinct rows of no images, the coreset's subsample and its
 greedy k-centre against a reference run here, the bank index's routing rows, a batch
 added to the bank, an image's score held outside its largest routed upper bounds, and
-two descriptors that float32 orders the other way round.
+two descriptors that float32 orders the other way round; images of another mode or size,
+no images, the Sobel taps, the defaults' stride, the index built once (and by `prepare`),
+the score's refusal, and more candidates than two blocks of the exact read.
 
 No actor is built.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 from heads.pixel_novelty import (
@@ -241,3 +244,98 @@ def test_a_descriptor_equal_to_a_bank_row_of_zeros_scores_zero():
     from heads.pixel_novelty import largest_nearest
 
     assert largest_nearest(torch.zeros(1, 2, 3), BankIndex(torch.zeros(1, 3))).tolist() == [0.0]
+
+
+def test_images_of_any_mode_and_size_are_read_as_rgb_resized_bilinearly():
+    from heads.pixel_novelty import pixel_descriptors
+
+    rng = np.random.default_rng(10)
+    grey = Image.fromarray(rng.integers(0, 255, (64, 64), dtype=np.uint8), mode="L")
+    assert torch.equal(pixel_descriptors([grey]), pixel_descriptors([grey.convert("RGB")]))
+    big = Image.fromarray(rng.integers(0, 255, (96, 80, 3), dtype=np.uint8))
+    assert torch.equal(pixel_descriptors([big]),
+                       pixel_descriptors([big.resize((64, 64), Image.BILINEAR)]))
+
+
+def test_no_images_give_no_descriptors_of_the_stated_shape():
+    from heads.pixel_novelty import pixel_descriptors
+
+    for side, stride, p in ((64, 2, 32 * 32), (32, 2, 16 * 16), (64, 4, 16 * 16)):
+        got = pixel_descriptors([], side, stride)
+        assert got.shape == (0, p, DIM) and got.dtype == torch.float32
+
+
+def test_box_means_and_descriptor_maps_default_to_every_pixel():
+    from heads.pixel_novelty import _box, descriptor_maps
+
+    x = torch.from_numpy(np.random.default_rng(11).random((1, 3, 6, 8), dtype=np.float32))
+    assert _box(x, 3).shape == x.shape
+    assert descriptor_maps(x).shape == (1, DIM, 6, 8)
+
+
+def test_sobel_is_the_sobel_kernel_over_eight_on_a_non_square_map():
+    from heads.pixel_novelty import _sobel
+
+    p = torch.from_numpy(np.random.default_rng(12).random((1, 2, 7, 10)))
+    kx = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]],
+                      dtype=torch.float64) / 8.0
+    w = torch.stack([kx, kx.T])[:, None]                      # [2 (x, y), 1, 3, 3]
+    want = F.conv2d(p.reshape(2, 1, 7, 10), w).reshape(1, 2, 2, 5, 8)
+    gx, gy = _sobel(p)
+    assert gx.shape == gy.shape == (1, 2, 5, 8)
+    assert torch.allclose(gx, want[:, :, 0]) and torch.allclose(gy, want[:, :, 1])
+
+
+def test_the_coreset_pool_is_the_same_on_every_call():
+    z = torch.from_numpy(np.random.default_rng(13).normal(size=(200, 3)))
+    assert torch.equal(coreset(z, 50, pool=50), coreset(z, 50, pool=50))
+
+
+def test_prepare_builds_the_index_that_scores_read(monkeypatch):
+    import heads.pixel_novelty as pn
+
+    rng = np.random.default_rng(14)
+    part = PixelNovelty().fit(torch.from_numpy(rng.random((1, 5, DIM))))
+    assert PixelNovelty().prepare().t == {}                  # nothing to build yet
+    assert part.prepare() is part
+
+    def refused(bank: torch.Tensor) -> None:
+        raise AssertionError("the index is built again at scoring")
+
+    monkeypatch.setattr(pn, "BankIndex", refused)
+    assert part.score(torch.from_numpy(rng.random((2, 3, DIM))).float()).shape == (2,)
+
+
+def test_the_index_is_built_once_per_bank():
+    rng = np.random.default_rng(15)
+    part = PixelNovelty().fit(torch.from_numpy(rng.random((1, 5, DIM))))
+    first = part.index()
+    assert part.index() is first
+    part.extend_bank(torch.from_numpy(rng.random((1, 2, DIM))))
+    assert part.index() is not first and part.index() is part.index()
+    assert torch.equal(part.index().bank64, part.t["bank"])
+
+
+def test_score_refuses_what_is_not_a_batch_of_descriptor_sets():
+    part = PixelNovelty().fit(torch.zeros(1, 2, DIM, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^a pixel novelty part scores \[N, P, D\] "
+                                         r"descriptors$"):
+        part.score(torch.zeros(2, DIM))
+
+
+def test_more_candidates_than_two_blocks_of_rows_are_each_read():
+    """Every descriptor of an image within the float32 slack of its largest distance is a
+    candidate: over 2·ROWS of them (points of one circle about the one bank row) are read
+    in blocks of ROWS, and the one holding the score comes last (the largest key)."""
+    from heads.pixel_novelty import largest_nearest
+
+    n = 2 * ROWS + 100
+    angle = np.linspace(np.pi, 2 * np.pi, n - 1, endpoint=False)   # keys below the holder's
+    holder = (1 + 1e-6) * np.array([np.cos(np.arctan(np.sqrt(2))),
+                                    np.sin(np.arctan(np.sqrt(2)))])
+    x = torch.from_numpy(np.r_[np.c_[np.cos(angle), np.sin(angle)], [holder]][None]).float()
+    rows, _ = distinct(x[0])
+    assert len(rows) == n and torch.equal(rows[-1], x[0, -1])
+    want = float(x[0].double().square().sum(1).max().sqrt())
+    assert float(x[0, -1].double().square().sum().sqrt()) == want
+    assert largest_nearest(x, BankIndex(torch.zeros(1, 2))).item() == want
