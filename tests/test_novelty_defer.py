@@ -463,3 +463,155 @@ def test_a_card_newer_than_the_code_is_refused(tmp_path, delta):
     card_path.write_text(json.dumps(card))
     with pytest.raises(CardTooNew, match=f"card version {5 + delta}, newer"):
         Heads.load(tmp_path / "h")
+
+
+# ---------------------------------------------------------------- image parts read ahead
+# `/answer` reads the detector's image-only parts (pixels, layout) on a worker while the
+# actor decodes (`Heads.read_images`), and `assess` takes that reading instead of the images.
+@pytest.fixture(scope="module")
+def shipped_readouts():
+    from models.loading import load_actor
+
+    actor = load_actor(None)
+    heads = Heads.load(None, actor.fingerprint)
+    items = load("easyvqa:test")[:6]
+    images = [it.image() for it in items]
+    res = actor.answer(images, [it.question for it in items], 16,
+                       deadlines=[float("inf")] * len(items))
+    return heads, [r.readout for r in res], images
+
+
+def _same(a, b) -> None:
+    assert [x.confidence for x in a] == [x.confidence for x in b]
+    assert [x.logits for x in a] == [x.logits for x in b]
+    assert [x.novelty for x in a] == [x.novelty for x in b]
+
+
+def test_assess_with_the_images_read_ahead_is_the_same_bit_for_bit(shipped_readouts,
+                                                                    monkeypatch):
+    heads, ros, images = shipped_readouts
+    assert heads.reads_images
+    read = heads.read_images(images)
+    assert set(read.p_values) == {"pixels", "layout"}      # the shipped image-only parts
+    direct = heads.assess(ros, images)
+    pair = heads.assess([ros[4], ros[1]], [images[4], images[1]])
+
+    def again(x):
+        raise AssertionError("an image part was read again")
+
+    for name in read.p_values:     # what was read ahead is taken, not computed again
+        monkeypatch.setattr(heads.novelty.parts[name], "p_value", again)
+    _same(heads.assess(ros, images_read=read), direct)
+    # rows picked out of a batch's reading are those items' own (the deadline drops some)
+    # (against the same two read directly: a batch's size moves the readers' last bits)
+    _same(heads.assess([ros[4], ros[1]], images_read=read.rows([4, 1])),
+          pair)
+    with pytest.raises(ValueError, match="2 images for 6 readouts"):
+        heads.assess(ros, images_read=read.rows([0, 1]))
+
+
+def test_a_recertified_detector_reads_ahead_the_same(shipped_readouts, monkeypatch):
+    """A re-certified rule's detector (a second reference, `ExtendedReference`) combines the
+    parts read ahead as the ones it reads itself."""
+    import copy
+
+    heads, ros, images = shipped_readouts
+    direct = heads.assess(ros, images)
+    other = copy.copy(heads)
+    # a stream reference above every item's score: the p-values rise to 1
+    other.novelty = heads.novelty.extend_reference(np.full(50, 1e6))
+    assert other.reads_images
+    extended = other.assess(ros, images)
+    assert [a.novelty.p_value for a in extended] != [a.novelty.p_value for a in direct]
+    read = other.read_images(images)
+
+    def again(x):
+        raise AssertionError("an image part was read again")
+
+    for name in read.p_values:
+        monkeypatch.setattr(heads.novelty.parts[name], "p_value", again)
+    _same(other.assess(ros, images_read=read), extended)
+
+
+def test_heads_without_an_image_part_read_nothing_ahead(qwen_heads):
+    heads = Heads.load(qwen_heads)
+    heads.novelty = _detector(heads.dim, False)
+    assert not heads.reads_images and heads.read_images([random_image(0)]) is None
+    heads.novelty = None
+    assert not heads.reads_images and heads.read_images([random_image(0)]) is None
+
+
+def _pixel_heads(qwen_heads, folder) -> str:
+    """Heads whose pixel part flags noise images and keeps flat pale ones (as above)."""
+    from PIL import Image
+
+    from heads.novelty import CompositeNovelty
+    from heads.pixel_novelty import PixelNovelty, pixel_descriptors
+
+    heads = Heads.load(qwen_heads)
+    flat = [Image.new("RGB", (40, 32), (200 + k, 200, 200)) for k in range(10)]
+    px = PixelNovelty(max_bank=500).fit(pixel_descriptors(flat))
+    px.t["calibration"] = torch.full((399,), 0.01, dtype=torch.float64)
+    heads.novelty = CompositeNovelty({"question": _detector(heads.dim, False), "pixels": px})
+    heads.novelty_alpha, heads.policy = 0.02, _policy(0.0)
+    heads.save(folder, {k: v for k, v in heads.card.items() if k != "novelty"})
+    return str(folder)
+
+
+def test_the_service_reads_the_images_while_the_actor_decodes(actor_dirs, qwen_heads,
+                                                              tmp_path, monkeypatch, caplog):
+    """The image parts are read on another thread during decoding: the stubbed decoding
+    waits for the reading to start, which a reading after decoding never would."""
+    import threading
+    import time
+
+    from PIL import Image
+
+    from app.serving import AnswerItem
+
+    service = _scripted(Service(actor_dirs["qwen3_vl"], _pixel_heads(qwen_heads, tmp_path / "h")),
+                        monkeypatch)
+    started, seen = threading.Event(), []
+    read = service.heads.read_images
+
+    def reading(images):
+        seen.append(threading.current_thread().name)
+        started.set()
+        return read(images)
+
+    monkeypatch.setattr(service.heads, "read_images", reading)
+    decode = service.actor.answer
+
+    def decoding(*a, **kw):
+        assert started.wait(5), "the images were not being read during decoding"
+        return decode(*a, **kw)
+
+    monkeypatch.setattr(service.actor, "answer", decoding)
+    noisy, calm = random_image(0), Image.new("RGB", (40, 32), (205, 200, 200))
+    now = time.monotonic()
+    # item 0's deadline has passed: item 1 must still be read with its own image
+    for images, want in (([noisy, calm], False), ([calm, noisy], True)):
+        out = service.answer_batch([AnswerItem(im, Q, 8) for im in images],
+                                   [now - 1, now + 60])
+        assert type(out[0]).__name__ == "DeadlineExceeded"
+        assert out[1].novelty.novel is want and out[1].defer is want
+    assert seen == ["dualread-image-read_0"] * 2
+    assert "batch_scoring_failed" not in caplog.text      # read as a batch, not item by item
+
+
+def test_a_failed_reading_ahead_falls_back_to_each_item_alone(actor_dirs, qwen_heads,
+                                                              tmp_path, monkeypatch, caplog):
+    import time
+
+    from app.serving import AnswerItem
+
+    service = _scripted(Service(actor_dirs["qwen3_vl"], _pixel_heads(qwen_heads, tmp_path / "h")),
+                        monkeypatch)
+
+    def broken(images):
+        raise RuntimeError("no reading")
+
+    monkeypatch.setattr(service.heads, "read_images", broken)
+    out = service.answer_batch([AnswerItem(random_image(0), Q, 8)], [time.monotonic() + 60])
+    assert out[0].novelty.novel is True and out[0].defer is True
+    assert "batch_scoring_failed" in caplog.text and "no reading" in caplog.text
