@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from app.serving import (
     StageTimes,
 )
 from app.text import CONTROL, mixed_script_letter, plain_question
-from heads.dualread import Assessment, FingerprintMismatch, Heads, ImageReading
+from heads.dualread import Assessment, FingerprintMismatch, Heads
 from heads.recert import SHIPPED, DeferRule, Served, input_key
 from models.actor import Actor, Answers, ReadoutMode
 from models.loading import load_actor
@@ -79,8 +78,6 @@ class Service:
         self.fingerprint = self.actor.fingerprint
         self.heads_id = None if heads is None else heads.heads_id
         self.needs_tag = uses_answer_tag(self._actor_card().get("response_format"))
-        # one worker: batches run one at a time, and a second would contend with decoding
-        self._image_reader = ThreadPoolExecutor(1, thread_name_prefix="dualread-image-read")
 
     def use_rule(self, rule: DeferRule) -> None:
         """Serve `rule` from the next batch on (one reference swap: a batch reads one
@@ -176,17 +173,13 @@ class Service:
         """`answer_batch`, with the actor's responses too (`readout`: how the states are
         read; the service captures them, the benchmark also times replay)."""
         heads = self.heads       # the rule this batch is decided by, start to end
-        # what the detector reads from the pixels alone needs no hidden state: read on a
-        # worker while the actor decodes (most of it is numpy, which lets the GIL go)
-        images_read = self._image_reader.submit(heads.read_images, [i.image for i in items]) \
-            if heads is not None and heads.reads_images else None
         res = self.actor.answer([i.image for i in items], [i.question for i in items],
                                 [i.max_new_tokens for i in items], readout=readout,
                                 deadlines=deadlines)
         now = time.monotonic()
         live = [k for k, d in enumerate(deadlines) if now <= d]
         scored = self._assess_batch({k: res[k].readout for k in live}, heads,
-                                    {k: items[k].image for k in live}, images_read)
+                                    {k: items[k].image for k in live})
         out: list[AnswerResult | Exception] = []
         for k, (r, deadline) in enumerate(zip(res, deadlines)):
             if now > deadline:     # decoding was cut at the deadline; its caller has gone
@@ -198,27 +191,18 @@ class Service:
         return res, out
 
     def _assess_batch(self, readouts: dict[int, Any], heads: Heads | None = None,
-                      images: dict[int, Any] | None = None,
-                      images_read: Future[ImageReading | None] | None = None
+                      images: dict[int, Any] | None = None
                       ) -> dict[int, tuple[Assessment, float]]:
         """Served confidences and novelty of a whole batch in one call of the readers (each
-        readout's decoded image in `images`: the detector's pixel part reads it; or
-        `images_read`, what `Heads.read_images` read from every item's image, row k from
-        item k), with each item's share of the seconds (waiting for `images_read`
-        included); {} when the call fails (each item then scores alone, so a bad readout or
-        image fails only its own item)."""
+        readout's decoded image in `images`: the detector's pixel part reads it), with each
+        item's share of the seconds; {} when the call fails (each item then scores alone, so
+        a bad readout or image fails only its own item)."""
         if not readouts or self.heads is None:
             return {}
         t = time.perf_counter()
         try:
             h, rs = heads or self.heads, list(readouts.values())
-            read = None if images_read is None else images_read.result()
-            if read is not None:
-                confs = h.assess(rs, images_read=read.rows(list(readouts)))
-            elif images is None:
-                confs = h.assess(rs)
-            else:
-                confs = h.assess(rs, [images[k] for k in readouts])
+            confs = h.assess(rs) if images is None else h.assess(rs, [images[k] for k in readouts])
         except Exception as e:
             # once per batch: the per-item fallback hides the failure from the caller
             log.warning(json.dumps({"event": "batch_scoring_failed", "items": len(readouts),

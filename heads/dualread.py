@@ -66,24 +66,6 @@ class Assessment:
     logits: tuple[float, float, float] | None = None
 
 
-@dataclass(frozen=True)
-class ImageReading:
-    """What the novelty detector reads from the decoded images alone (`Heads.read_images`):
-    the image features and the image-only parts' p-values, row k from image k."""
-
-    features: dict[str, torch.Tensor]
-    p_values: dict[str, np.ndarray]
-
-    def __len__(self) -> int:
-        return len(next(iter(self.p_values.values())))
-
-    def rows(self, idx: Sequence[int]) -> ImageReading:
-        """The reading of the images at `idx`, in that order."""
-        i = list(idx)
-        return ImageReading({k: v[i] for k, v in self.features.items()},
-                            {k: v[i] for k, v in self.p_values.items()})
-
-
 def rule_of(novelty: Novelty | CompositeNovelty | None) -> str:
     """The defer rule in words, as the card states it (docs/method.md §8), for heads with or
     without a novelty detector; `Heads.decide` implements it. (A plain function: the
@@ -288,36 +270,23 @@ class Heads:
         item, the readers' calls and not their arithmetic were most of the cost."""
         return [a.confidence for a in self.assess(readouts, novelty=False)]
 
-    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True,
-               images_read: ImageReading | None = None) -> list[Assessment]:
+    def assess(self, readouts: list, images: Sequence | None = None, novelty: bool = True
+               ) -> list[Assessment]:
         """Served confidences and the novelty reading of several readouts, from one
         feature pass: what `/answer` needs before the defer rule. `images`: the decoded
-        image of each readout, which a detector with a pixel part reads; or `images_read`,
-        what `read_images` read from them already (the same numbers). `novelty=False`:
+        image of each readout, which a detector with a pixel part reads. `novelty=False`:
         the confidences alone (no reading)."""
         if not readouts:
             return []
-        if images_read is not None and len(images_read) != len(readouts):
-            raise ValueError(f"images_read holds {len(images_read)} images for "
-                             f"{len(readouts)} readouts")
         # inference mode: no autograd bookkeeping on any of the small ops (~10% of them)
         with torch.inference_mode():
             feats = extract_many(readouts, self.kappa)
             # the confidences alone read no image (probe routes, `confidence`)
-            if not novelty:
-                f = Scored(feats)
-            elif images_read is not None:
-                f = Scored({**feats, **images_read.features})
-            else:
-                f = Scored(self.with_images(feats, images))
+            f = Scored(self.with_images(feats, images) if novelty else feats)
             scores = {m.name: m.score(self, f) for m in registry.registered()
                       if m.served and self.has(m)}
-            if self.novelty is None or not novelty:
-                nov = [None] * len(readouts)
-            elif images_read is not None:
-                nov = self.novelty.read(f, self.novelty_alpha, known=images_read.p_values)
-            else:
-                nov = self.novelty.read(f, self.novelty_alpha)
+            nov = self.novelty.read(f, self.novelty_alpha) \
+                if self.novelty is not None and novelty else [None] * len(readouts)
             lg = branch_log_odds(self, f) if all(r in self.readers for r in DUALREAD_READERS) \
                 else None
         return [Assessment({name: float(s[i]) for name, s in scores.items()}, nov[i],
@@ -357,22 +326,6 @@ class Heads:
             if name in IMAGE_FEATURES:
                 out[name] = IMAGE_FEATURES[name](images)
         return out
-
-    @property
-    def reads_images(self) -> bool:
-        """Whether the novelty detector has a part that reads the decoded image."""
-        return self.novelty is not None and bool(getattr(self.novelty, "image_features", ()))
-
-    def read_images(self, images: Sequence) -> ImageReading | None:
-        """What the novelty detector reads from the decoded images alone, its image parts'
-        features and p-values (None when no part reads the image). It needs no hidden
-        state, so the service reads it while the actor decodes and passes it to
-        `assess(images_read=...)`."""
-        if not self.reads_images:
-            return None
-        with torch.inference_mode():
-            f = self.with_images({}, images)
-            return ImageReading(f, self.novelty.image_p_values(f))
 
     def novelty_of(self, readout, image=None) -> NoveltyReading | None:
         """Score, conformal p-value and flag of one readout (and its decoded image, which

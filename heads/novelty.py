@@ -341,12 +341,9 @@ class ExtendedReference:
     def novel(self, x: torch.Tensor, alpha: float = ALPHA) -> np.ndarray:
         return self.p_value(x) < alpha
 
-    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA,
-             known: dict[str, np.ndarray] | None = None) -> list[NoveltyReading]:
-        # `known` (parts' p-values read already) only ever comes from a composite base
-        base = self.base.read(feats, alpha) if known is None else \
-            self.base.read(feats, alpha, known)
-        s = np.array([r.score for r in base])
+    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA
+             ) -> list[NoveltyReading]:
+        s = np.array([r.score for r in self.base.read(feats, alpha)])
         return [NoveltyReading(float(a), float(b), bool(b < alpha))
                 for a, b in zip(s, self.p_values_of(s))]
 
@@ -384,37 +381,24 @@ class CompositeNovelty:
         small = min(self.parts.values(), key=lambda p: len(p.t.get("calibration", ())))
         return small.t
 
-    def part_p_values(self, feats: dict[str, torch.Tensor],
-                      known: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Each part's own p-value of every row of a feature dict; `known`: parts' p-values
-        read already (`image_p_values`), taken as they are."""
+    def part_p_values(self, feats: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Each part's own p-value of every row of a feature dict."""
         out = {}
         for name, part in self.parts.items():
-            if known is not None and name in known:
-                out[name] = known[name]
-                continue
             if "calibration" not in part.t:
                 raise RuntimeError("calibrate on a clean split before asking for p-values")
             out[name] = part.p_value(features(part.feature, feats))
         return out
 
-    def image_p_values(self, feats: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """The p-values of the parts that read the image alone (their features in `feats`):
-        the service reads them while the actor decodes, and passes them back as `known`."""
-        image = set(self.image_features)
-        return {name: part.p_value(features(part.feature, feats))
-                for name, part in self.parts.items() if part.feature in image}
-
-    def p_values(self, feats: dict[str, torch.Tensor],
-                 known: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        each = self.part_p_values(feats, known)
+    def p_values(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
+        each = self.part_p_values(feats)
         return np.minimum(1.0, len(self.parts) * np.min(np.stack(list(each.values())), 0))
 
-    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA,
-             known: dict[str, np.ndarray] | None = None) -> list[NoveltyReading]:
+    def read(self, feats: dict[str, torch.Tensor], alpha: float = ALPHA
+             ) -> list[NoveltyReading]:
         """The combined reading of each row; its score is −log10 of the combined p-value
-        (larger = more unusual). `known`: as `part_p_values` takes it."""
-        p = self.p_values(feats, known)
+        (larger = more unusual)."""
+        p = self.p_values(feats)
         return [NoveltyReading(float(-np.log10(v)), float(v), bool(v < alpha)) for v in p]
 
     def prepare(self) -> CompositeNovelty:
