@@ -385,7 +385,9 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            head = sum(len(k) + len(v) for k, v in scope["headers"])
+            # each header as it travels, "name: value" and CRLF: by name and value alone,
+            # 16,000 empty headers (`a:`) passed a 16 KiB bound
+            head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             # the request target too: h11 bounds the request line only while it arrives in
             # pieces, so a 60 KB URL sent in one read reached the routes
             target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")

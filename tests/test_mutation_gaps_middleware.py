@@ -276,16 +276,17 @@ def test_other_scopes_pass_through_untouched():
 
 def test_headers_over_the_bound_are_431_and_at_the_bound_pass():
     m = Metrics()
-    h = {"x-a": "b" * 20}                      # 3 + 20 = 23 bytes, and 3 of the path /ok
-    assert _call(_mw(metrics=m, max_header_bytes=26), headers=h)["status"] == 200
-    r = _call(_mw(metrics=m, max_header_bytes=22), headers=h)
+    # "x-a: " + 20 bytes + CRLF = 27 bytes, and 3 of the path /ok
+    h = {"x-a": "b" * 20}
+    assert _call(_mw(metrics=m, max_header_bytes=30), headers=h)["status"] == 200
+    r = _call(_mw(metrics=m, max_header_bytes=26), headers=h)
     assert r["status"] == 431
-    assert r["json"]["detail"] == "request headers over 22 bytes"
+    assert r["json"]["detail"] == "request headers over 26 bytes"
     assert r["json"]["request_id"] == r["headers"]["x-request-id"]
     # the headers within the bound, the request target with them over it
-    r = _call(_mw(metrics=m, max_header_bytes=25), headers=h)
+    r = _call(_mw(metrics=m, max_header_bytes=29), headers=h)
     assert r["status"] == 414
-    assert r["json"]["detail"] == "request target and headers over 25 bytes"
+    assert r["json"]["detail"] == "request target and headers over 29 bytes"
     assert _count(m, "precheck", 431) == 1 and _count(m, "precheck", 414) == 1
     assert _count(m, "/ok", 200) == 1
     assert _call(_mw(max_header_bytes=None), headers=h)["status"] == 200

@@ -23,3 +23,13 @@ def test_the_target_and_the_headers_share_the_bound(service):
     with small_limits_client(service, max_header_bytes=2048) as c:
         r = c.get("/health/live", params={"pad": "a" * 1100}, headers={"x-pad": "a" * 1000})
         assert_error(r, 414, "request target and headers over 2048 bytes")
+
+
+def test_many_empty_headers_count_their_separators(service):
+    """Each header counts as it travels ("name: value" and CRLF): 600 empty headers are
+    600 bytes by name alone, within 2 KiB, and 3,000 on the wire."""
+    with small_limits_client(service, max_header_bytes=2048) as c:
+        few = [(f"a{k}".encode(), b"") for k in range(100)]
+        assert c.get("/health/live", headers=few).status_code == 200
+        many = [(b"a", b"")] * 600
+        assert_error(c.get("/health/live", headers=many), 431, "request headers over 2048 bytes")
