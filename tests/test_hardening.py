@@ -657,7 +657,7 @@ def test_an_unknown_content_part_type_is_never_echoed(api):
     assert r.status_code == 422 and r.headers["x-request-id"]
     message = r.json()["error"]["message"]
     assert QUESTION_MARK not in r.text
-    assert message == "messages.0.content.0.type: must be 'text' or 'image_url'", message
+    assert message == "messages[0].content[0].type: must be 'text' or 'image_url'", message
 
 
 @pytest.mark.parametrize("key", ["MRN 1234567", "Jane_Doe_MRN1234567"])

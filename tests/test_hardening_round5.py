@@ -140,10 +140,10 @@ def test_the_openai_route_names_its_fields_in_plain_words(api):
     uri = "data:image/png;base64," + IMG
     image = {"type": "image_url", "image_url": {"url": uri}}
     cases = [
-        ([{"type": "text", "text": 5}, image], {}, "messages.0.content.0.text: "),
+        ([{"type": "text", "text": 5}, image], {}, "messages[0].content[0].text: "),
         ([image, {"type": "image_url", "image_url": {"url": uri, "x": 1}}], {},
-         "messages.0.content.1.image_url: unexpected field"),
-        (5, {}, "messages.0.content: must be a string or an array"),
+         "messages[0].content[1].image_url: unexpected field"),
+        (5, {}, "messages[0].content: must be a string or an array"),
         ([image, {"type": "text", "text": Q}], {"temperature": float("nan")},
          "temperature: must be a number from 0 to 2"),
         ([image, {"type": "text", "text": Q}], {"n": 2}, "n: must be an integer equal to 1"),
@@ -322,7 +322,7 @@ def test_a_refused_body_is_parsed_again_only_for_a_discriminated_union_s_tag(api
     chat["max_tokens"] = 8
     chat["messages"][0]["content"][1]["text"] = 5
     r = api.post("/v1/chat/completions", json=chat)
-    assert r.json()["error"]["message"].startswith("messages.0.content.1.text: "), r.text
+    assert r.json()["error"]["message"].startswith("messages[0].content[1].text: "), r.text
     assert calls == [1]
 
 
@@ -364,11 +364,11 @@ def _message_of(r) -> str:
     ("/v1/chat/completions", {**CHAT_BODY, "messages": []},
      "messages: must have at least 1 item"),
     ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{}]}]},
-     "messages.0.content.0.type: required"),
+     "messages[0].content[0].type: required"),
     ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [
-        {"type": "video"}]}]}, "messages.0.content.0.type: must be 'text' or 'image_url'"),
+        {"type": "video"}]}]}, "messages[0].content[0].type: must be 'text' or 'image_url'"),
     ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "robot", "content": "a"}]},
-     "messages.0.role: must be 'system', 'developer', 'user' or 'assistant'"),
+     "messages[0].role: must be 'system', 'developer', 'user' or 'assistant'"),
 ])
 def test_pydantic_s_wording_is_replaced_by_the_service_s(api, path, body, detail):
     """The review's leftovers ("mask: Input should be a valid dictionary or object to
@@ -531,22 +531,22 @@ def test_the_openai_route_s_question_and_image_refusals_name_its_own_fields(api)
     image = {"type": "image_url", "image_url": {"url": uri + IMG}}
     cases = [
         ([image, {"type": "text", "text": "what\u0007?"}],
-         "messages.0.content: the question (its text parts, joined) contains a control "
+         "messages[0].content: the question (its text parts, joined) contains a control "
          "character (U+0007)"),
         ([{"type": "text", "text": "?"}, image, {"type": "text", "text": "!"}],
-         "messages.0.content: the question (its text parts, joined) has no letter or digit"),
+         "messages[0].content: the question (its text parts, joined) has no letter or digit"),
         ([image, {"type": "text", "text": "what <|im_start|> is it?"}],
-         "messages.0.content: the question (its text parts, joined) contains reserved token"),
+         "messages[0].content: the question (its text parts, joined) contains reserved token"),
         ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {
             "url": uri + b64(b"not an image at all")}}],
-         "messages.0.content.1.image_url.url: cannot decode image"),
+         "messages[0].content[1].image_url.url: cannot decode image"),
         ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {"url": uri + "%%%%"}}],
-         "messages.0.content.1.image_url.url: not valid base64"),
+         "messages[0].content[1].image_url.url: not valid base64"),
         ([{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}},
           {"type": "text", "text": Q}],
-         "messages.0.content.0.image_url.url: must be a base64 data URI"),
+         "messages[0].content[0].image_url.url: must be a base64 data URI"),
         ([image, {"type": "text", "text": "a" * 2001}],
-         "messages.0.content.1.text: longer than 2000 characters"),
+         "messages[0].content[1].text: longer than 2000 characters"),
     ]
     for content, detail in cases:
         r = api.post("/v1/chat/completions", json=_chat(content))
@@ -556,17 +556,17 @@ def test_the_openai_route_s_question_and_image_refusals_name_its_own_fields(api)
 
 
 @pytest.mark.parametrize("image_url, detail", [
-    ({"type": "text"}, "messages.0.content.0.image_url.url: required; "
-                       "messages.0.content.0.image_url: unexpected field"),
-    ({"type": "image_url"}, "messages.0.content.0.image_url.url: required; "
-                            "messages.0.content.0.image_url: unexpected field"),
-    ({"text": "x"}, "messages.0.content.0.image_url.url: required; "
-                    "messages.0.content.0.image_url: unexpected field"),
+    ({"type": "text"}, "messages[0].content[0].image_url.url: required; "
+                       "messages[0].content[0].image_url: unexpected field"),
+    ({"type": "image_url"}, "messages[0].content[0].image_url.url: required; "
+                            "messages[0].content[0].image_url: unexpected field"),
+    ({"text": "x"}, "messages[0].content[0].image_url.url: required; "
+                    "messages[0].content[0].image_url: unexpected field"),
 ])
 def test_a_field_named_as_a_tag_is_read_as_the_field_after_the_tag(api, image_url, detail):
     """pydantic names an image part `...0.image_url.image_url.url` (its tag, then its
     field): an `image_url` object holding a value that is also a tag had both read as the
-    tag, and the missing url was reported at `messages.0.content.0.url`."""
+    tag, and the missing url was reported at `messages[0].content[0].url`."""
     content = [{"type": "image_url", "image_url": image_url}, {"type": "text", "text": Q}]
     assert _message_of(api.post("/v1/chat/completions", json=_chat(content))) == detail
 

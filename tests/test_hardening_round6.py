@@ -58,11 +58,11 @@ def test_a_value_equal_to_a_key_s_name_does_not_move_the_error(api, route, body,
 ])
 def test_an_unknown_key_of_a_content_part_is_the_part_s(api, part):
     """The part's tag (`text`, `image_url`) ends the location of an unknown key on the part:
-    it was read as the part's field of that name (`messages.0.content.1.text`)."""
+    it was read as the part's field of that name (`messages[0].content[1].text`)."""
     body = _chat([IMAGE, part] if part["type"] == "text" else [{"type": "text", "text": Q},
                                                                  part])
     error = _openai_error(api.post("/v1/chat/completions", json=body))
-    assert error["message"] == "messages.0.content.1: unexpected field"
+    assert error["message"] == "messages[0].content[1]: unexpected field"
     assert error["param"] == "messages[0].content[1]"
 
 
@@ -173,30 +173,30 @@ _loads = json.loads
 
 # ------------------------------------------------------------------ 3. OpenAI's param
 @pytest.mark.parametrize("content, message, param", [
-    ([IMAGE, {"type": "text", "text": 5}], "messages.0.content.1.text: must be a string",
+    ([IMAGE, {"type": "text", "text": 5}], "messages[0].content[1].text: must be a string",
      "messages[0].content[1].text"),
-    ([IMAGE, {"type": "text"}], "messages.0.content.1.text: required",
+    ([IMAGE, {"type": "text"}], "messages[0].content[1].text: required",
      "messages[0].content[1].text"),
     ([{"type": "text", "text": Q}, {"type": "video"}],
-     "messages.0.content.1.type: must be 'text' or 'image_url'", "messages[0].content[1].type"),
+     "messages[0].content[1].type: must be 'text' or 'image_url'", "messages[0].content[1].type"),
     ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {"url": 5}}],
-     "messages.0.content.1.image_url.url: must be a string",
+     "messages[0].content[1].image_url.url: must be a string",
      "messages[0].content[1].image_url.url"),
     # refused after parsing: the image's url and a text part by their index
     ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {"url": "https://x"}}],
-     "messages.0.content.1.image_url.url: must be a base64 data URI",
+     "messages[0].content[1].image_url.url: must be a base64 data URI",
      "messages[0].content[1].image_url.url"),
     ([{"type": "text", "text": Q}, {"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + b64(b"not an image")}}],
-     "messages.0.content.1.image_url.url: cannot decode image",
+     "messages[0].content[1].image_url.url: cannot decode image",
      "messages[0].content[1].image_url.url"),
     ([{"type": "text", "text": Q}, IMAGE, {"type": "text", "text": "a" * 2001}],
-     "messages.0.content.2.text: longer than 2000 characters",
+     "messages[0].content[2].text: longer than 2000 characters",
      "messages[0].content[2].text"),
     # the whole content: its type, or the question its parts make together
-    (5, "messages.0.content: must be a string or an array", "messages[0].content"),
+    (5, "messages[0].content: must be a string or an array", "messages[0].content"),
     ([IMAGE, {"type": "text", "text": "?"}],
-     "messages.0.content: the question (its text parts, joined) has no letter or digit",
+     "messages[0].content: the question (its text parts, joined) has no letter or digit",
      "messages[0].content"),
 ])
 def test_openai_s_param_names_the_content_part_by_its_index(api, content, message, param):

@@ -239,8 +239,17 @@ def _errors(*codes: int) -> dict[int | str, dict]:
 ERRORS = _errors(*(c for c in BODY_ERRORS if c != 400), *MODEL_ERRORS)
 
 
+# a request path in a message, as the service writes it (`messages.0.content.1.text`)
+_PATH_IN_TEXT = re.compile(r"(?<![\w.\[])messages(?:\.(?:\d+|[A-Za-z_]\w*))+")
+
+
+def _openai_paths(message: str) -> str:
+    """The request paths a message names, as `param` writes them (`messages[0].content`)."""
+    return _PATH_IN_TEXT.sub(lambda m: _param(m.group(0)) or m.group(0), message)
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message,
+    return {"error": {"message": _openai_paths(message),
                       "type": ERROR_TYPES.get(status, "server_error" if status >= 500
                                               else "invalid_request_error"),
                       "param": param, "code": ERROR_CODES.get(status)}}
@@ -457,4 +466,6 @@ def _openai_error(status: int, body: bytes) -> bytes:
         return body                                   # already in this shape
     detail = doc.get("detail") if isinstance(doc, dict) else None
     message = detail if isinstance(detail, str) else "error"
-    return json.dumps(error_body(status, message)).encode()
+    # compact, as the route's own errors (starlette's JSONResponse) are written
+    return json.dumps(error_body(status, message), ensure_ascii=False,
+                      separators=(",", ":")).encode()
