@@ -32,14 +32,21 @@ DESCRIPTION = ("Visual question answering with a frozen VLM and DualRead confide
                '`{"detail": str, "request_id": str}`.')
 
 
+# the multipart parser warns of each body it cannot read (the 400 says it too): without a
+# handler of its own Python's last resort printed those warnings as plain lines
+LIBRARY_LOGGERS = {"python_multipart": logging.WARNING}
+
+
 def _json_logging() -> None:
-    for name in ("dualread.access", "dualread.errors", "dualread.service", "dualread.audit"):
+    levels = {**dict.fromkeys(("dualread.access", "dualread.errors", "dualread.service",
+                               "dualread.audit"), logging.INFO), **LIBRARY_LOGGERS}
+    for name, level in levels.items():
         lg = logging.getLogger(name)
         if not lg.handlers:
             h = logging.StreamHandler(sys.stderr)
             h.setFormatter(JsonLines())
             lg.addHandler(h)
-            lg.setLevel(logging.INFO)
+            lg.setLevel(level)
             lg.propagate = False
 
 

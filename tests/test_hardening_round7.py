@@ -58,3 +58,45 @@ def test_the_route_s_own_and_rewritten_errors_read_alike(api):
     assert rewritten.status_code == 415
     for r in (own, rewritten):
         assert r.content.startswith(b'{"error":{"message":"') and b'": ' not in r.content
+
+
+# ------------------------------------------------------------------ multipart
+@pytest.mark.parametrize("boundary", ["", '""', "b" * 71])
+def test_an_empty_or_over_long_multipart_boundary_is_400(api, boundary):
+    from tests.helpers import assert_error
+
+    r = api.post("/answer", content=b"--\r\n\r\n--",
+                 headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    assert_error(r, 400, "multipart boundary must have 1 to 70 characters")
+
+
+def test_a_70_character_boundary_is_read(api):
+    """The bound is RFC 2046's: a boundary of 70 characters reads as any other."""
+    b = "b" * 70
+    body = (f"--{b}\r\nContent-Disposition: form-data; name=\"question\"\r\n\r\n"
+            f"what color is the shape?\r\n--{b}--\r\n").encode()
+    r = api.post("/answer", content=body,
+                 headers={"content-type": f"multipart/form-data; boundary={b}"})
+    # read whole: the one thing wrong is the missing image
+    assert r.status_code == 422 and "needs a 'file' part or an 'image' part" in r.text
+
+
+def test_the_multipart_parser_s_warnings_are_json_lines(service):
+    """Its warnings (one per body it cannot read) went to Python's last-resort handler,
+    plain text among the service's JSON lines."""
+    import logging
+
+    from app.logs import JsonLines
+    from app.main import create_app
+
+    create_app(service=service)
+    lg = logging.getLogger("python_multipart.multipart")
+    handlers = [h for h in logging.getLogger("python_multipart").handlers
+                if isinstance(h.formatter, JsonLines)]
+    assert handlers and not logging.getLogger("python_multipart").propagate
+    assert lg.isEnabledFor(logging.WARNING) and not lg.isEnabledFor(logging.INFO)
+    rec = lg.makeRecord(lg.name, logging.WARNING, __file__, 1,
+                        "Did not find CR at end of boundary (%d)", (7,), None)
+    line = json.loads(handlers[0].format(rec))
+    assert line["message"] == "Did not find CR at end of boundary (7)"
+    assert line["logger"] == "python_multipart.multipart" and line["level"] == "WARNING"

@@ -124,16 +124,22 @@ class _Refused(MultiPartException):
 # Longest multipart Content-Type read: the parser walks it on the event loop (twice),
 # about 1 µs a byte, and nothing else bounds a header's length
 MAX_CONTENT_TYPE = 1024
+MAX_BOUNDARY = 70            # RFC 2046 §5.1.1
 
 
 def _check_charset(request: Request) -> None:
-    """Refuse a content type too long to parse, or naming a charset not in `CHARSETS`
-    (none means UTF-8)."""
+    """Refuse a content type too long to parse, with an empty or over-long boundary, or
+    naming a charset not in `CHARSETS` (none means UTF-8)."""
     content_type = request.headers.get("content-type", "")
     if len(content_type) > MAX_CONTENT_TYPE:
         raise HTTPException(status_code=400, detail=f"Content-Type header over "
                                                     f"{MAX_CONTENT_TYPE} characters")
     _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if boundary is not None and not 1 <= len(boundary) <= MAX_BOUNDARY:
+        # an empty one was read as a boundary of two hyphens
+        raise HTTPException(status_code=400, detail=f"multipart boundary must have 1 to "
+                                                    f"{MAX_BOUNDARY} characters (RFC 2046)")
     named = params.get(b"charset", b"utf-8")
     named = named.decode("latin-1") if isinstance(named, bytes) else named
     if named.lower() not in CHARSETS:
