@@ -65,6 +65,16 @@ class Unauthorized(ServiceError):
         super().__init__(detail)
 
 
+class WrongOperatorKey(Unauthorized):
+    """A wrong `X-Operator-Key`: its challenge names that header, not the API key's
+    Bearer scheme (the client's API key may well be right)."""
+
+    headers = {"WWW-Authenticate": 'OperatorKey header="X-Operator-Key"'}
+
+    def __init__(self) -> None:
+        super().__init__("wrong operator key")
+
+
 class QueueFull(ServiceError):
     status = 429
     headers = {"Retry-After": "1"}

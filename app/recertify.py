@@ -20,7 +20,7 @@ from fastapi import Request
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from app.deps import key_matches
-from app.errors import Unauthorized
+from app.errors import WrongOperatorKey
 from app.metrics import MetricsHooks
 from app.serving import AnswerResult
 from app.settings import Settings
@@ -125,7 +125,7 @@ class Recertification:
         if given is None or not self.enabled:
             return None
         if not key_matches(given, self.settings.operator_key):
-            raise Unauthorized("wrong operator key")
+            raise WrongOperatorKey()
         # one shared key: "operator" is all it can say (a hash of the key, shown on
         # /calibration, would let any API client test guesses of it offline)
         return "operator"

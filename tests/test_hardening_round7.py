@@ -100,3 +100,25 @@ def test_the_multipart_parser_s_warnings_are_json_lines(service):
     line = json.loads(handlers[0].format(rec))
     assert line["message"] == "Did not find CR at end of boundary (7)"
     assert line["logger"] == "python_multipart.multipart" and line["level"] == "WARNING"
+
+
+# ------------------------------------------------------------------ the operator key's challenge
+def test_a_wrong_operator_key_is_challenged_for_that_key_not_a_bearer_token(service, tmp_path):
+    """A right API key with a wrong `X-Operator-Key` got `WWW-Authenticate: Bearer`: the
+    challenge told the client to fix the token it had right."""
+    from tests.helpers import assert_error, small_limits_client
+
+    with small_limits_client(service, api_key="api-secret", operator_key="op-secret",
+                             recert_state=str(tmp_path / "state.json")) as c:
+        body = {"request_id": "0" * 32, "correct": True}
+        r = c.post("/feedback", json=body, headers={"Authorization": "Bearer api-secret",
+                                                    "X-Operator-Key": "guess"})
+        assert_error(r, 401, "wrong operator key")
+        assert r.headers["www-authenticate"] == 'OperatorKey header="X-Operator-Key"'
+        r = c.post("/calibration/rollback", headers={"Authorization": "Bearer api-secret",
+                                                     "X-Operator-Key": "guess"})
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == 'OperatorKey header="X-Operator-Key"'
+        # a wrong API key keeps the Bearer challenge
+        r = c.post("/feedback", json=body, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
