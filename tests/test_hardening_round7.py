@@ -122,3 +122,27 @@ def test_a_wrong_operator_key_is_challenged_for_that_key_not_a_bearer_token(serv
         # a wrong API key keeps the Bearer challenge
         r = c.post("/feedback", json=body, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
+# ------------------------------------------------------------------ parsing off the event loop
+def test_the_openai_route_parses_its_body_off_the_event_loop(api, monkeypatch):
+    """As /answer does: pydantic holds the GIL either way, but a 30 MB body of escapes held
+    the loop itself (and every other request on it) 383 ms."""
+    import asyncio
+
+    from app.routers import openai
+
+    on_loop, real = [], openai._parse
+
+    def spy(raw: bytes):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(raw)
+
+    monkeypatch.setattr(openai, "_parse", spy)
+    r = api.post("/v1/chat/completions", json={"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert r.status_code == 422 and on_loop == [False]
