@@ -340,6 +340,10 @@ def _line(where: Where, what: str) -> str:
     return f"{'.'.join(where) or 'body'}: {what}"
 
 
+# pydantic's JSON parser's words for a \u escape of half a surrogate pair
+_SURROGATE = re.compile(r"surrogate|end of hex escape")
+
+
 def joined(parts: list[tuple[Where, str]]) -> str:
     """`explained`'s parts as `explain`'s one line."""
     return "; ".join(_line(where, what) for where, what in parts) or "invalid request"
@@ -354,7 +358,13 @@ def explained(errors: list[dict], body: object = _NO_BODY,
     unions = {} if model is None else _unions(model)
     for err in errors[:10]:
         if err.get("type") == "json_invalid":
-            read.append(([], None, "not valid JSON", None))     # loc holds a byte offset
+            # loc holds a byte offset; a lone surrogate is refused here by the JSON parser
+            # (the probe routes' parser reads it, then its field says "must be valid
+            # Unicode text"): the same words, that the client may find it
+            why = str((err.get("ctx") or {}).get("error", ""))
+            read.append(([], None, "not valid JSON: a \\u escape that is not valid Unicode "
+                                   "text (a lone surrogate)" if _SURROGATE.search(why)
+                         else "not valid JSON", None))
             continue
         if err.get("type") == "extra_forbidden":
             # The unknown key itself is client text (it could carry an identifier); the

@@ -146,3 +146,34 @@ def test_the_openai_route_parses_its_body_off_the_event_loop(api, monkeypatch):
     r = api.post("/v1/chat/completions", json={"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]})
     assert r.status_code == 422 and on_loop == [False]
+
+
+# ------------------------------------------------------------------ a lone surrogate
+LONE = "not valid JSON: a \\u escape that is not valid Unicode text (a lone surrogate)"
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "\\ud800\\ud800", "\\ud800x"])
+def test_a_lone_surrogate_is_named_as_such(api, escape):
+    """/answer and the OpenAI route said only "not valid JSON", the probe routes "must be
+    valid Unicode text": the client now reads what is wrong on every route."""
+    from tests.helpers import assert_error
+
+    img = b64(png_bytes(random_image(0)))
+    body = f'{{"image": "{img}", "question": "what {escape} is it?"}}'
+    assert_error(api.post("/answer", content=body,
+                          headers={"content-type": "application/json"}), 422, "body: " + LONE)
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"}, {"type": "image_url",
+                                                 "image_url": {"url": URI}}]}]})
+    r = api.post("/v1/chat/completions", content=chat.replace("what is", f"what {escape} is"),
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["message"] == "body: " + LONE
+
+
+def test_other_broken_escapes_stay_plain_invalid_json(api):
+    from tests.helpers import assert_error
+
+    for bad in ('{"question": "a\\u12"}', '{"question": "a\\x"}', '{"question": 5'):
+        r = api.post("/answer", content=bad, headers={"content-type": "application/json"})
+        assert_error(r, 422, "body: not valid JSON")
+        assert "surrogate" not in r.text
