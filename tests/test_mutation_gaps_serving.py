@@ -571,15 +571,21 @@ def test_answer_queues_in_the_limits_bucket_and_reports_to_the_hooks():
     assert quiet[0].batch == 1 and scored[0].result.answer == "x"
 
 
+async def _busy(settings: Settings, backend: Recording) -> tuple[Serving, asyncio.Task]:
+    """A service on `backend` whose batcher is running one answer (held by the backend)."""
+    srv = await attached(settings, backend)
+    task = asyncio.create_task(srv.answer([item()]))
+    while srv.batcher.inflight == 0:
+        await asyncio.sleep(0.005)
+    return srv, task
+
+
 def test_a_full_queue_is_429_and_too_many_items_413():
     hold = threading.Event()
     backend = Recording(hold)
 
     async def main():
-        srv = await attached(Settings(queue_limit=2, batch_wait_ms=0.0), backend)
-        running = asyncio.create_task(srv.answer([item()]))
-        while srv.batcher.inflight == 0:
-            await asyncio.sleep(0.005)
+        srv, running = await _busy(Settings(queue_limit=2, batch_wait_ms=0.0), backend)
         queued = asyncio.create_task(srv.answer([item(), item()]))     # at the limit
         await asyncio.sleep(0.02)
         with pytest.raises(QueueFull) as full:
@@ -605,10 +611,7 @@ def test_no_answer_within_the_deadline_is_504_and_the_job_is_dropped():
     backend = Recording(hold)
 
     async def main():
-        srv = await attached(Settings(request_timeout_s=0.1, batch_wait_ms=0.0), backend)
-        busy = asyncio.create_task(srv.answer([item()]))
-        while srv.batcher.inflight == 0:
-            await asyncio.sleep(0.005)
+        srv, busy = await _busy(Settings(request_timeout_s=0.1, batch_wait_ms=0.0), backend)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded) as e:
             await srv.answer([item(16)])
@@ -664,10 +667,7 @@ def _gone_while_busy(call) -> tuple[list, float]:
         return True
 
     async def main():
-        srv = await attached(Settings(batch_wait_ms=0.0), Recording(hold))
-        busy = asyncio.create_task(srv.answer([item()]))
-        while srv.batcher.inflight == 0:
-            await asyncio.sleep(0.005)
+        srv, busy = await _busy(Settings(batch_wait_ms=0.0), Recording(hold))
         t0 = time.monotonic()
         with pytest.raises(ClientGone):
             await call(srv, gone)
