@@ -453,6 +453,7 @@ def serve(
     import uvicorn
 
     from app.heads_match import mismatch
+    from app.logs import UVICORN_LOG_CONFIG
     from app.main import create_app
     from app.settings import apply_threads
 
@@ -498,6 +499,7 @@ def serve(
         f"dualread: serving on http://{settings.host}:{settings.port} (OpenAPI at /docs); "
         "/health/ready turns 200 once the model is loaded")
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
+                            log_config=UVICORN_LOG_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
                             # h11: the one parser that bounds the headers (httptools: no limit)
                             http="h11", h11_max_incomplete_event_size=settings.max_header_bytes)

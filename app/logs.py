@@ -27,3 +27,19 @@ class JsonLines(logging.Formatter):
         if record.exc_info:
             out["traceback"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+# uvicorn's own loggers as JSON lines too (`dualread serve`): its "Invalid HTTP request
+# received." warning, which any client can cause, was a plain line among the JSON ones
+UVICORN_LOG_CONFIG: dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "app.logs.JsonLines"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json",
+                            "stream": "ext://sys.stderr"},
+                 "none": {"class": "logging.NullHandler"}},
+    "loggers": {"uvicorn": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
+                # the service writes its own access lines (`dualread.access`)
+                "uvicorn.access": {"handlers": ["none"], "level": "WARNING",
+                                   "propagate": False}},
+}

@@ -39,7 +39,8 @@ LIBRARY_LOGGERS = {"python_multipart": logging.WARNING}
 
 def _json_logging() -> None:
     levels = {**dict.fromkeys(("dualread.access", "dualread.errors", "dualread.service",
-                               "dualread.audit"), logging.INFO), **LIBRARY_LOGGERS}
+                               "dualread.audit", "dualread.engine"), logging.INFO),
+              **LIBRARY_LOGGERS}
     for name, level in levels.items():
         lg = logging.getLogger(name)
         if not lg.handlers:

@@ -271,6 +271,24 @@ def body_paths(app: Any) -> frozenset[str]:
                      and ctx.original_route.methods & set(BODY_METHODS))
 
 
+# HTTP's methods (RFC 9110 and PATCH): any other token is the client's own text
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
+                     "PATCH"})
+
+
+def _logged_method(method: object) -> str:
+    """The method as the access log writes it: another token is "OTHER" (a client could
+    send 120 KB of it, or a name)."""
+    return method if isinstance(method, str) and method in METHODS else "OTHER"
+
+
+def _request_line_bytes(scope: Scope) -> int:
+    """The request line's length: `METHOD target HTTP/x.y` and CRLF."""
+    query = scope.get("query_string") or b""
+    return (len(scope.get("method") or "") + 1 + len(scope.get("raw_path") or b"")
+            + (1 + len(query) if query else 0) + 1 + len("HTTP/") + 3 + 2)
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int,
                  draining: Callable[[], bool], body_timeout_s: float = 30.0,
@@ -385,16 +403,19 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
-            # each header as it travels, "name: value" and CRLF: by name and value alone,
-            # 16,000 empty headers (`a:`) passed a 16 KiB bound
+            # each header as parsed, "name: value" and CRLF (h11 has dropped the blanks
+            # around a value): by name and value alone, 16,000 empty headers passed 16 KiB
             head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-            # the request target too: h11 bounds the request line only while it arrives in
-            # pieces, so a 60 KB URL sent in one read reached the routes
-            target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-            if self.max_header_bytes is not None and head + target > self.max_header_bytes:
+            # the request line too: h11 bounds it only while it arrives in pieces, so a
+            # 60 KB URL, or a 120 KB method, sent in one read reached the app
+            line = _request_line_bytes(scope)
+            if self.max_header_bytes is not None and head + line > self.max_header_bytes:
                 precheck = True
-                too_long = (431, "request headers") if head > self.max_header_bytes else \
-                    (414, "request target and headers")
+                # the larger part names the status: 12 bytes of URL beside 16 KB of
+                # headers is not a "URI too long"
+                too_long = (414, "request line and headers") if line > head else \
+                    (431, "request headers" if head > self.max_header_bytes
+                     else "request line and headers")
                 await error_response(too_long[0], f"{too_long[1]} over "
                                      f"{self.max_header_bytes} bytes", rid)(
                     scope, receive, send_with_ids)
@@ -438,6 +459,7 @@ class RequestContext:
             self.metrics.requests.labels(route, str(status)).inc()
             # Never image bytes, question text or the client's own id: patient data.
             log.info(json.dumps({"request_id": rid, "route": route,
-                                 "method": scope.get("method"), "status": status,
+                                 "method": _logged_method(scope.get("method")),
+                                 "status": status,
                                  "latency_ms": round(took * 1000, 2),
                                  "batch_size": state.get("batch_size")}))

@@ -8,7 +8,7 @@ the one definition of every field's constraints); this adds what depends on the 
   their 401 (in the shape of the operation's other errors: OpenAI's on the OpenAI route);
   without a key no operation declares it (the server asks for none);
 - the operator key, when one is configured: required on the operator routes (served only
-  then) with their 401, 403, 404 and 409, optional on /feedback.
+  then) with their 401, 403, 404 and 409, optional on /feedback and GET /calibration.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ OPERATOR_SCHEME = {"type": "apiKey", "in": "header", "name": "X-Operator-Key",
                                   "/calibration/pin, /unpin and /rollback (403 without it, "
                                   "401 when wrong); optional on /feedback, where an "
                                   "operator's verdict also counts toward re-certifying the "
-                                  "defer rule (401 when wrong)"}
+                                  "defer rule (401 when wrong), and on GET /calibration, "
+                                  "which shows an operator more (401 when wrong)"}
+# routes that read the operator key when it is sent (a wrong one is a 401 there too)
+OPERATOR_OPTIONAL = {("post", "/feedback"), ("get", "/calibration")}
 OPERATOR_ERRORS = {401: "missing or wrong API key, or a wrong operator key",
                    403: "no operator key (X-Operator-Key) sent"}
 # what else an operator route answers
@@ -83,17 +86,25 @@ OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
                          409: "nothing to roll back to: shipped is the only rule in the chain"}}
 
 
+# where a wrong operator key is a 401 too, its challenge names that key's header
+OPERATOR_CHALLENGE = ('Bearer (a missing or wrong API key); OperatorKey header="X-Operator-Key" '
+                      '(a wrong operator key)')
+
+
 def _error(op: dict, code: int, description: str) -> dict:
     """An error response of `op`: `description`, in the shape of its other errors."""
     entry = _unauthorized(op)
     if code != 401:
         entry.pop("headers")
+    else:
+        entry["headers"] = {"WWW-Authenticate": {"description": OPERATOR_CHALLENGE,
+                                                 "schema": {"type": "string"}}}
     return {**entry, "description": description}
 
 
 def _operator_security(doc: dict, paths: set[str], keyed: bool) -> None:
-    """Declare the operator key: required on the operator routes, optional on /feedback,
-    with the statuses it brings."""
+    """Declare the operator key: required on the operator routes, optional on /feedback
+    and GET /calibration, with the statuses it brings."""
     bearer = {"HTTPBearer": []} if keyed else {}
     for path, item in doc.get("paths", {}).items():
         for method in METHODS:
@@ -105,7 +116,7 @@ def _operator_security(doc: dict, paths: set[str], keyed: bool) -> None:
                 for code, text in {**OPERATOR_ERRORS,
                                    **OPERATOR_OUTCOMES.get((method, path), {})}.items():
                     op["responses"][str(code)] = _error(op, code, text)
-            elif (method, path) == ("post", "/feedback"):
+            elif (method, path) in OPERATOR_OPTIONAL:
                 op["security"] = [bearer, {**bearer, OPERATOR: []}]
                 op["responses"]["401"] = _error(op, 401, OPERATOR_ERRORS[401])
     doc.setdefault("components", {}).setdefault("securitySchemes", {})[OPERATOR] = \

@@ -29,6 +29,10 @@ URI = "data:image/png;base64," + b64(png_bytes(random_image(0)))
     ("send exactly one user message: one image and its question",
      "send exactly one user message: one image and its question"),
     ("body over the limit of 10 bytes", "body over the limit of 10 bytes"),
+    # a name `param` would not write (not ASCII, over 41 characters): no text is dropped
+    ("messages.0.contenté: x", "messages[0].contenté: x"),
+    ("messages.٣.role: x", "messages.٣.role: x"),
+    ("messages.0." + "a" * 50 + ": x", "messages[0]." + "a" * 50 + ": x"),
 ])
 def test_a_message_names_fields_as_param_does(message, shown):
     assert _openai_paths(message) == shown
@@ -61,13 +65,13 @@ def test_the_route_s_own_and_rewritten_errors_read_alike(api):
 
 
 # ------------------------------------------------------------------ multipart
-@pytest.mark.parametrize("boundary", ["", '""', "b" * 71])
+@pytest.mark.parametrize("boundary", ["", '""', "b" * 71, "é" * 35])
 def test_an_empty_or_over_long_multipart_boundary_is_400(api, boundary):
     from tests.helpers import assert_error
 
-    r = api.post("/answer", content=b"--\r\n\r\n--",
-                 headers={"content-type": f"multipart/form-data; boundary={boundary}"})
-    assert_error(r, 400, "multipart boundary must have 1 to 70 characters")
+    r = api.post("/answer", content=b"--\r\n\r\n--", headers={
+        "content-type": f"multipart/form-data; boundary={boundary}".encode()})
+    assert_error(r, 400, "multipart boundary must have 1 to 70 ASCII characters")
 
 
 def test_a_70_character_boundary_is_read(api):
@@ -94,6 +98,9 @@ def test_the_multipart_parser_s_warnings_are_json_lines(service):
     handlers = [h for h in logging.getLogger("python_multipart").handlers
                 if isinstance(h.formatter, JsonLines)]
     assert handlers and not logging.getLogger("python_multipart").propagate
+    # the batcher's own logger too (it wrote plain text through Python's last resort)
+    assert any(isinstance(h.formatter, JsonLines)
+               for h in logging.getLogger("dualread.engine").handlers)
     assert lg.isEnabledFor(logging.WARNING) and not lg.isEnabledFor(logging.INFO)
     rec = lg.makeRecord(lg.name, logging.WARNING, __file__, 1,
                         "Did not find CR at end of boundary (%d)", (7,), None)
@@ -177,3 +184,59 @@ def test_other_broken_escapes_stay_plain_invalid_json(api):
         r = api.post("/answer", content=bad, headers={"content-type": "application/json"})
         assert_error(r, 422, "body: not valid JSON")
         assert "surrogate" not in r.text
+
+
+# ------------------------------------------------------------------ uvicorn's own lines
+def test_serve_writes_uvicorn_s_lines_as_json(monkeypatch, capsys):
+    """`dualread serve` gives uvicorn a logging config whose lines are JSON: its "Invalid
+    HTTP request received." (any client can cause it) was a plain line."""
+    import logging
+    import logging.config
+
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from app.cli import app as cli
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    assert CliRunner().invoke(cli, ["serve", "--port", "1"]).exit_code == 0
+    config = seen["log_config"]
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("uvicorn", "uvicorn.access")
+             for lg in [logging.getLogger(n)]}
+    try:
+        logging.config.dictConfig(config)
+        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+        logging.getLogger("uvicorn.access").warning("GET / 200")     # the service logs those
+        err = capsys.readouterr().err.strip().splitlines()
+    finally:
+        for n, (handlers, level, propagate) in saved.items():
+            lg = logging.getLogger(n)
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
+    assert len(err) == 1
+    line = json.loads(err[0])
+    assert (line["logger"], line["message"]) == ("uvicorn.error", "Invalid HTTP request received.")
+
+
+# ------------------------------------------------------------------ the document's 401s
+def test_the_document_names_the_operator_challenge_only_where_it_is_sent(service):
+    from tests.helpers import small_limits_client
+
+    with small_limits_client(service, api_key="k", operator_key="op") as c:
+        doc = c.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+
+    def challenge(path: str, method: str) -> str:
+        return doc["paths"][path][method]["responses"]["401"]["headers"][
+            "WWW-Authenticate"]["description"]
+
+    for path, method in (("/answer", "post"), ("/v1/chat/completions", "post"),
+                         ("/probe/score", "post")):
+        assert challenge(path, method) == "Bearer"
+    for path, method in (("/feedback", "post"), ("/calibration", "get"),
+                         ("/calibration/pin", "post"), ("/calibration/rollback", "post")):
+        assert 'OperatorKey header="X-Operator-Key"' in challenge(path, method)
+    assert "wrong operator key" in doc["paths"]["/calibration"]["get"]["responses"]["401"][
+        "description"]

@@ -276,20 +276,67 @@ def test_other_scopes_pass_through_untouched():
 
 def test_headers_over_the_bound_are_431_and_at_the_bound_pass():
     m = Metrics()
-    # "x-a: " + 20 bytes + CRLF = 27 bytes, and 3 of the path /ok
+    # "x-a: " + 20 bytes + CRLF = 27 bytes; the request line "GET /ok HTTP/1.1" + CRLF, 18
     h = {"x-a": "b" * 20}
-    assert _call(_mw(metrics=m, max_header_bytes=30), headers=h)["status"] == 200
+    assert _call(_mw(metrics=m, max_header_bytes=45), headers=h)["status"] == 200
     r = _call(_mw(metrics=m, max_header_bytes=26), headers=h)
     assert r["status"] == 431
     assert r["json"]["detail"] == "request headers over 26 bytes"
     assert r["json"]["request_id"] == r["headers"]["x-request-id"]
-    # the headers within the bound, the request target with them over it
-    r = _call(_mw(metrics=m, max_header_bytes=29), headers=h)
+    # the headers within the bound, the line with them over it: the headers are the most
+    r = _call(_mw(metrics=m, max_header_bytes=44), headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request line and headers over 44 bytes"
+    # a line longer than the headers: 414 ("GET /" + 40 bytes + " HTTP/1.1" + CRLF = 56)
+    path = "/" + "a" * 40
+    assert _call(_mw(metrics=m, max_header_bytes=83), path=path, headers=h)["status"] != 414
+    r = _call(_mw(metrics=m, max_header_bytes=82), path=path, headers=h)
     assert r["status"] == 414
-    assert r["json"]["detail"] == "request target and headers over 29 bytes"
-    assert _count(m, "precheck", 431) == 1 and _count(m, "precheck", 414) == 1
+    assert r["json"]["detail"] == "request line and headers over 82 bytes"
+    # the method is the line's too (40 bytes of it, sent in one read, reached the app)
+    r = _call(_mw(metrics=m, max_header_bytes=81), method="X" * 40, headers=h)
+    assert r["status"] == 414
+    assert _call(_mw(metrics=m, max_header_bytes=82), method="X" * 40,
+                 headers=h)["status"] not in (414, 431)
+    assert _count(m, "precheck", 431) == 2 and _count(m, "precheck", 414) == 2
     assert _count(m, "/ok", 200) == 1
     assert _call(_mw(max_header_bytes=None), headers=h)["status"] == 200
+
+
+def test_a_query_counts_with_its_question_mark():
+    """"GET /ok?ab HTTP/1.1" + CRLF: 21 bytes."""
+    from app.middleware import _request_line_bytes
+
+    scope = {"method": "GET", "raw_path": b"/ok", "query_string": b"ab"}
+    assert _request_line_bytes(scope) == len(b"GET /ok?ab HTTP/1.1\r\n") == 21
+    assert _request_line_bytes({**scope, "query_string": b""}) == len(b"GET /ok HTTP/1.1\r\n")
+
+
+@pytest.mark.parametrize("method, logged", [("GET", "GET"), ("PATCH", "PATCH"),
+                                            ("OPTIONS", "OPTIONS"), ("get", "OTHER"),
+                                            ("SECRET-PATIENT-NAME", "OTHER"), (None, "OTHER")])
+def test_the_access_log_writes_only_http_s_own_methods(method, logged):
+    """Any other token is the client's text (a name, or 120 KB of it): never logged."""
+    from app.middleware import _logged_method
+
+    assert _logged_method(method) == logged
+
+
+def test_an_unknown_method_is_logged_as_other():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    lg = logging.getLogger("dualread.access")
+    level = lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    try:
+        _call(_mw(), method="SECRET-PATIENT-NAME")
+        _call(_mw(), method="GET")
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+    assert [json.loads(r.getMessage())["method"] for r in records] == ["OTHER", "GET"]
 
 
 def test_a_body_without_the_key_is_refused_before_it_is_read():

@@ -136,10 +136,10 @@ def _check_charset(request: Request) -> None:
                                                     f"{MAX_CONTENT_TYPE} characters")
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
-    if boundary is not None and not 1 <= len(boundary) <= MAX_BOUNDARY:
+    if boundary is not None and not (1 <= len(boundary) <= MAX_BOUNDARY and boundary.isascii()):
         # an empty one was read as a boundary of two hyphens
         raise HTTPException(status_code=400, detail=f"multipart boundary must have 1 to "
-                                                    f"{MAX_BOUNDARY} characters (RFC 2046)")
+                                                    f"{MAX_BOUNDARY} ASCII characters (RFC 2046)")
     named = params.get(b"charset", b"utf-8")
     named = named.decode("latin-1") if isinstance(named, bytes) else named
     if named.lower() not in CHARSETS:

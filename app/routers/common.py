@@ -27,8 +27,7 @@ ERROR_MEANINGS: dict[int, str] = {
 }
 # Headers sent with a status, every time.
 ERROR_HEADERS: dict[int, dict[str, str]] = {
-    401: {"WWW-Authenticate": 'Bearer (the API key); OperatorKey header="X-Operator-Key" for '
-                              'a wrong operator key'},
+    401: {"WWW-Authenticate": "Bearer"},
     408: {"Retry-After": "seconds to wait before retrying"},
     429: {"Retry-After": "seconds to wait before retrying"},
 }

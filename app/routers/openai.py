@@ -241,7 +241,10 @@ ERRORS = _errors(*(c for c in BODY_ERRORS if c != 400), *MODEL_ERRORS)
 
 
 # a request path in a message, as the service writes it (`messages.0.content.1.text`)
-_PATH_IN_TEXT = re.compile(r"(?<![\w.\[])messages(?:\.(?:\d+|[A-Za-z_]\w*))+")
+# (ASCII names of `_IDENT`'s length only, ending where a name ends: `_param` converts all
+# of what it matches, and no text is dropped)
+_PATH_IN_TEXT = re.compile(r"(?<![A-Za-z0-9_.\[])messages"
+                           r"(?:\.(?:[0-9]+|[A-Za-z_][A-Za-z0-9_]{0,40}))+(?![A-Za-z0-9_])")
 
 
 def _openai_paths(message: str) -> str:
