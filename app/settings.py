@@ -35,8 +35,8 @@ class Settings(BaseSettings):
     # then answers 400 and closes; httptools has no bound (a 96 MB header took 17.8 s)
     max_header_bytes: int = Field(16384, ge=1024,
                                   description="request line and headers (400 from the parser "
-                                              "while they arrive, 431 once read whole; 414 "
-                                              "when the request target takes them over)")
+                                              "while they arrive; once read whole 431, or "
+                                              "414 when the request line is the longer)")
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="per image (413)")
     # 4096² (the largest side the processors keep): a 40 M-pixel PNG of 117 KB cost
     # 2.4 s and 420 MB to decode and resize
