@@ -1088,3 +1088,11 @@ def test_the_part_sizes_are_inclusive_bounds():
     _, cert = recert.certify(vs, base, "r", target_risk=1.0, delta=0.2, min_per_class=10,
                              temperature_share=(frac[-2] + frac[-1]) / 2, search="binary")
     assert cert["n_tau"] == 1 and cert["holds"] and cert["released_share"] == 1.0
+
+
+def test_the_temperature_part_is_below_the_share_strictly():
+    """An id whose hash fraction is the share itself falls in the τ part: the split is
+    fraction < share, so the temperature part's chance is the share exactly."""
+    f = int.from_bytes(hashlib.sha256(b"req-7").digest()[:8], "big") / 2 ** 64
+    assert not recert.in_temperature_part("req-7", f)
+    assert recert.in_temperature_part("req-7", float(np.nextafter(f, 1.0)))
