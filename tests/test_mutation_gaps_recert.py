@@ -1,10 +1,12 @@
 """Fast tests of heads/recert.py and of heads/detectors.py's refit-free paths (mutation gaps:
 before these, no selected test read the stored records' optional fields, the input key,
 `/calibration`'s view, the base detector's flags from served p-values, a closed window's
-α-spending and audit record, the rollback/pin/unpin records, or what
-`add_clean_sample` and `refit_detectors` hand the collector and the detector stage). Every
-expectation is computed by hand; no actor is built (a stand-in collector returns fixed
-feature rows).
+α-spending and audit record, the rollback/pin/unpin records, a state file set aside or
+read back with its defaults, the temporary file of a write, the detectors' digest, every
+field of a certificate, or what `add_clean_sample` and `refit_detectors` hand the
+collector and the detector stage). Every expectation is computed by hand (a certificate
+from heads.calibration and heads.defer, step by step); no actor is built (a stand-in
+collector returns fixed feature rows).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import inspect
 import json
 import re
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +26,13 @@ from PIL import Image
 
 import heads.detectors as detectors
 import heads.recert as recert
-from heads.defer import DeferPolicy
+from heads.calibration import fit_temperature, fuse
+from heads.defer import (
+    DeferPolicy,
+    choose_threshold,
+    choose_threshold_sequence,
+    sequence_grid,
+)
 from heads.detectors import (
     AUGMENT_PER_FAMILY,
     DETECTOR_ALPHA,
@@ -35,7 +44,7 @@ from heads.detectors import (
 )
 from heads.dualread import Heads
 from heads.fit import fit_heads
-from heads.novelty import Novelty
+from heads.novelty import CompositeNovelty, Novelty
 from heads.recert import (
     SHIPPED,
     DeferRule,
@@ -607,3 +616,483 @@ def test_refit_detectors_hands_the_fit_readouts_to_the_detector_stage(collector,
     assert collector.built[-1] == (None, None, _default(fit_heads, "max_new_tokens"), 0.37)
     assert staged[-1][4:6] == (_default(fit_heads, "novelty_per_family"),
                                _default(fit_heads, "seed"))
+
+
+# ------------------------------------------------------------------ reading a state file back
+def _state_with_a_kept_rule(tmp_path) -> dict:
+    """The state file of `_store` (no detector) with r1-abc (τ 0.6) active above shipped."""
+    store = _store(tmp_path)
+    store.rules["r1-abc"] = DeferRule("r1-abc", {"psr": 2.0, "per": 1.0}, _policy(0.6))
+    store.chain.append("r1-abc")
+    store._save()
+    return _saved(tmp_path)
+
+
+def _other_heads_id(s: dict) -> None:
+    s["heads_id"] = "heads-2"
+
+
+def _other_detectors(s: dict) -> None:
+    s["detectors"] = "0" * 64
+
+
+def _other_shipped_policy(s: dict) -> None:
+    s["rules"][SHIPPED]["policy"]["tau"] = 0.7
+
+
+def _other_shipped_temperatures(s: dict) -> None:
+    s["rules"][SHIPPED]["temperatures"]["psr"] = 1.5
+
+
+def _a_reference_of_an_absent_detector(s: dict) -> None:
+    s["rules"]["r1-abc"]["references"] = {"novelty": [0.5]}
+
+
+def _no_shipped_rule(s: dict) -> None:
+    del s["rules"][SHIPPED]
+
+
+def _no_rules(s: dict) -> None:
+    del s["rules"]
+
+
+@pytest.mark.parametrize("change", [
+    _other_heads_id, _other_detectors, _other_shipped_policy, _other_shipped_temperatures,
+    _a_reference_of_an_absent_detector, _no_shipped_rule, _no_rules])
+def test_a_state_file_that_differs_in_one_respect_is_set_aside_and_logged(
+        tmp_path, monkeypatch, caplog, change):
+    """Each check alone sets the file aside (under its time of day) and says so in the log;
+    the file otherwise the same is read back."""
+    state = _state_with_a_kept_rule(tmp_path)
+    assert _store(tmp_path).active.version == "r1-abc"          # unchanged: kept
+    change(state)
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    monkeypatch.setattr(recert, "time", SimpleNamespace(
+        time=lambda: T0 + 0.7, strftime=time.strftime, gmtime=time.gmtime))
+    caplog.set_level("WARNING", logger="dualread.audit")
+    store = _store(tmp_path)
+    monkeypatch.undo()
+    assert store.active.version == SHIPPED and store.chain == [SHIPPED]
+    assert set(store.rules) == {SHIPPED}
+    assert not (tmp_path / "state.json").exists()
+    assert json.loads((tmp_path / "state.json.stale-1700000000").read_text()) == state
+    [record] = [r for r in caplog.records if r.name == "dualread.audit"]
+    assert json.loads(record.getMessage()) == {
+        "event": "recert_state_set_aside", "to": "state.json.stale-1700000000",
+        "why": "written for other heads"}
+
+
+def test_a_kept_rule_without_references_is_read_back(tmp_path):
+    state = _state_with_a_kept_rule(tmp_path)
+    del state["rules"]["r1-abc"]["references"]                 # written before they were kept
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    store = _store(tmp_path)
+    assert store.active.version == "r1-abc" and store.active.references == {}
+
+
+def test_an_older_state_file_reads_with_the_defaults(tmp_path):
+    """Written before windows, events, pins, α-spending or the last attempt were kept: none
+    of them, and a history of attempts with no test count spent δ on each."""
+    state = _state_with_a_kept_rule(tmp_path)
+    for key in ("pinned", "window", "events", "attempts", "tests", "last_attempt",
+                "alpha_spending"):
+        del state[key]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    store = _store(tmp_path)
+    assert store.active.version == "r1-abc" and store.chain == [SHIPPED, "r1-abc"]
+    assert store.pinned is False and store.window == [] and store.events == []
+    assert (store.attempts, store.tests, store.last_attempt) == (0, 0, None)
+    assert store.counted == set() and store.keys == set()
+    state["attempts"] = 3
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert (_store(tmp_path).attempts, _store(tmp_path).tests) == (3, 3)
+
+
+def test_a_state_file_is_read_back_whole(tmp_path):
+    store = _store(tmp_path)
+    keyed = [Served(SHIPPED, (0.0, 0.0, 0.0), key="k-a"), Served(SHIPPED, (0.0, 0.0, 0.0)),
+             Served(SHIPPED, (1.0, 0.0, 0.0), key="k-b")]
+    for i, s in enumerate(keyed):
+        store.add(f"req-{i}", s, i != 1, "op:a")
+    store.pinned, store.attempts, store.tests = True, 4, 5
+    store.last_attempt = {"event": "refused", "version": "r4-abc"}
+    store._event("unpin", "op:b", old=store.active)
+    store._save()
+    back = _store(tmp_path)
+    assert back.window == store.window and back.events == store.events
+    assert back.counted == {"req-0", "req-1", "req-2"} and back.keys == {"k-a", "k-b"}
+    assert (back.pinned, back.attempts, back.tests) == (True, 4, 5)
+    assert back.last_attempt == {"event": "refused", "version": "r4-abc"}
+    # the inputs read back are still counted once, under any request id
+    assert back.add("req-9", keyed[2], True, "op:a") == \
+        {"counted": False, "reason": "duplicate_input"}
+    assert back.add("req-1", keyed[1], True, "op:a") == \
+        {"counted": False, "reason": "already_counted"}
+
+
+# ------------------------------------------------------------------ counting a verdict
+def test_a_verdict_is_counted_as_given_and_the_file_says_so(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    fresh = store.view()
+    assert fresh["last_attempt"] is None and fresh["pinned"] is False
+    assert (store.attempts, store.tests) == (0, 0)
+    served = Served(SHIPPED, (0.5, -0.5, 0.0), key="k-1")
+    monkeypatch.setattr(recert, "time", SimpleNamespace(
+        time=lambda: T0, strftime=time.strftime, gmtime=time.gmtime))
+    assert store.add("req-1", served, 1, "operator:a") == {"counted": True, "window": 1}
+    monkeypatch.undo()
+    [v] = store.window
+    assert v == Verdict("req-1", served, True, T0, "operator:a") and v.correct is True
+    assert _saved(tmp_path)["window"] == [v.to_dict()]
+    assert _saved(tmp_path)["alpha_spending"] == store.spending()
+    # the same input under another request id, and a keyless one under two ids
+    assert store.add("req-2", served, False, "operator:a") == \
+        {"counted": False, "reason": "duplicate_input"}
+    blank = Served(SHIPPED, (0.5, -0.5, 0.0))
+    assert store.add("req-3", blank, False, "operator:b")["counted"]
+    assert store.add("req-4", blank, False, "operator:b") == {"counted": True, "window": 3}
+    assert store.keys == {"k-1"} and store.counted == {"req-1", "req-3", "req-4"}
+
+
+# ------------------------------------------------------------------ writing the state file
+def test_atomic_write_goes_through_a_temporary_file_beside_the_target(tmp_path, monkeypatch):
+    target = tmp_path / "new" / "dir" / "state.json"          # folders made as needed
+    moved = []
+    replace = recert.os.replace
+
+    def recording_replace(src, dst):
+        moved.append((Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(recert.os, "replace", recording_replace)
+    recert.atomic_write(target, '{"a": 1}')
+    monkeypatch.undo()
+    [(tmp, dst)] = moved
+    assert dst == target and tmp.parent == target.parent
+    assert tmp.name.startswith("state.json.") and tmp.name.endswith(".tmp")
+    assert target.read_text() == '{"a": 1}' and sorted(target.parent.iterdir()) == [target]
+    recert.atomic_write(target, "second")                    # over an existing file
+    assert target.read_text() == "second"
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
+    target = tmp_path / "state.json"
+    recert.atomic_write(target, "old")
+    with pytest.raises(TypeError):
+        recert.atomic_write(target, None)                     # fails inside the write
+    assert target.read_text() == "old" and sorted(tmp_path.iterdir()) == [target]
+
+
+# ------------------------------------------------------------------ the detectors' digest
+def _cal_bytes(det: Novelty) -> bytes:
+    return det.t["calibration"].numpy().astype("<f8").tobytes()
+
+
+def test_detectors_digest_by_hand():
+    none = Heads(dim=2)
+    assert none.novelty is None
+    assert recert.detectors_digest(none) == hashlib.sha256(b"novelty-").hexdigest()
+    rng = np.random.default_rng(0)
+    one = Novelty("knn", "pixels").fit(torch.from_numpy(rng.normal(size=(30, 2)))) \
+        .calibrate(torch.from_numpy(rng.normal(size=(20, 2))))
+    heads = Heads(dim=2)
+    heads.novelty = one
+    assert recert.detectors_digest(heads) == hashlib.sha256(
+        b"novelty" + b":knn:pixels" + _cal_bytes(one)).hexdigest()
+    # an uncalibrated one; a composite, by part name
+    bare = Novelty("knn", "h_pre").fit(torch.from_numpy(rng.normal(size=(30, 2))))
+    heads.novelty = bare
+    assert recert.detectors_digest(heads) == hashlib.sha256(
+        b"novelty" + b":knn:h_pre" + b"-").hexdigest()
+    heads.novelty = CompositeNovelty({"question": bare, "image": one})
+    assert recert.detectors_digest(heads) == hashlib.sha256(
+        b"novelty" + b"image:knn:pixels" + _cal_bytes(one) + b"question:knn:h_pre"
+        + b"-").hexdigest()
+
+
+def test_heads_that_defer_everything_set_aside_a_state_file_without_the_shipped_rule(
+        tmp_path):
+    """With no policy (τ: defer everything) the shipped rule's policy reads None either way:
+    its temperatures still have to match."""
+    base = Heads(dim=2, policy=None)
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    store = RuleStore(tmp_path / "state.json", base, "heads-1", Settings(window=300))
+    store._save()
+    state = _saved(tmp_path)
+    assert state["rules"][SHIPPED]["policy"] is None
+    del state["rules"][SHIPPED]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    again = RuleStore(tmp_path / "state.json", base, "heads-1", Settings(window=300))
+    assert again.active.version == SHIPPED and again.active.policy is None
+    assert list(tmp_path.glob("state.json.stale-*"))
+
+
+# ------------------------------------------------------------------ the certificate, by hand
+def _split(request_id: str, share: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h / 2 ** 64 < share
+
+
+def _by_hand(vs: list[Verdict], base: Heads, *, r: float, d: float, share: float,
+             search: str = "sequence", step: float = 0.01, given: int | None = None
+             ) -> tuple[dict, dict, dict, dict, dict]:
+    """The certificate of docs/method.md §8 step by step, from heads.calibration and
+    heads.defer alone: (certificate, temperatures unrounded, the policy, references, drift
+    reference)."""
+    n = len(vs)
+    z = np.array([v.correct for v in vs], int)
+    x = np.array([v.served.logits for v in vs], float)
+    temp = np.array([_split(v.request_id, share) for v in vs])
+    idx = np.flatnonzero(~temp)
+    cert = {"n": n, "n_correct": int(z.sum()), "n_wrong": int(n - z.sum()), "target_risk": r,
+            "delta": d, "min_per_class": 10, "temperature_share": share,
+            "duplicates_dropped": (given or n) - n,
+            "bound": "one-sided Clopper-Pearson upper bound of the risk among released",
+            "holds": False, "reason": None, "n_temperature": int(temp.sum()),
+            "n_tau": len(idx)}
+    if temp.sum() < 20 or len(set(z[temp])) < 2:
+        temps = dict(base.temperatures)
+        cert["temperatures_kept"] = (f"temperature part has {int(temp.sum())} verdicts, "
+                                     f"{int(z[temp].sum())} correct: needs 20 with both "
+                                     "labels to refit")
+    else:
+        zt = torch.as_tensor(z[temp], dtype=torch.float64)
+        temps = {"psr": fit_temperature(torch.as_tensor(x[temp, 0]), zt),
+                 "per": fit_temperature(torch.as_tensor(x[temp, 1]), zt)}
+    xt = torch.as_tensor(x)
+    p = fuse(torch.sigmoid(xt[:, 0] / temps["psr"]),
+             torch.sigmoid(xt[:, 1] / temps["per"] + xt[:, 2])).numpy()
+    flagged = np.array([v.served.problem for v in vs])
+    refs, notes, drift = {}, {}, {"dualread": p.tolist()}
+    if base.novelty is not None:
+        det, alpha = base.novelty, base.novelty_alpha
+        s = np.array([v.served.scores.get("novelty", np.nan) for v in vs])
+        if np.isfinite(s).any():
+            drift["novelty"] = s[np.isfinite(s)].tolist()
+        if hasattr(det, "extend_reference") and np.isfinite(s).all():
+            refs["novelty"] = s.tolist()
+            loo = np.array([(1 + (np.delete(s, i) >= s[i]).sum()) / n for i in idx])
+            flagged[idx] |= np.maximum(det.p_values_of(s[idx]), loo) < alpha
+            notes["novelty"] = f"extended by {n} window scores"
+        else:
+            # judged against the base's reference: rereading the scores where it can
+            if hasattr(det, "p_values_of"):
+                pv = np.array([det.p_values_of(np.array([s[i]]))[0] if np.isfinite(s[i])
+                               else np.nan for i in idx])
+            else:
+                pv = np.array([vs[i].served.p_values.get("novelty", np.nan) for i in idx])
+            flagged[idx] |= pv < alpha
+            notes["novelty"] = "skipped: the detector cannot extend its reference" \
+                if not hasattr(det, "extend_reference") else \
+                "skipped: some verdicts carry no score of this detector"
+    cert["detector_references"] = notes or "no detector"
+    cand = idx[~flagged[idx]]
+    cert["n_tau_other_terms_defer"] = len(idx) - len(cand)
+    if search == "sequence" and temp.sum() >= 50:
+        grid = sequence_grid(p[temp], len(cand), r, d, step)
+        policy = choose_threshold_sequence(p[cand], z[cand], grid, r, d)
+        cert["threshold_search"] = (
+            f"fixed-sequence testing over {len(grid)} thresholds read off the temperature "
+            f"part (released shares {step:g} apart), highest first, each at level delta "
+            "(heads.defer.choose_threshold_sequence)")
+    else:
+        policy = choose_threshold(p[cand], z[cand], r, d)
+        cert["threshold_search"] = (
+            "binary search, each test at delta / ceil(log2 m) (heads.defer.choose_threshold)"
+            + ("" if search == "binary" else f": the temperature part has {int(temp.sum())} "
+               "verdicts, fewer than 50 to read thresholds off"))
+    kept = cand[p[cand] >= policy.tau]
+    cert.update(temperatures={k: round(v, 6) for k, v in temps.items()}, tau=policy.tau,
+                feasible=policy.feasible,
+                released_share=round(len(kept) / max(1, len(idx)), 6),
+                risk_among_released=round(float(1 - z[kept].mean()), 6) if len(kept) else None,
+                risk_upper_bound=round(policy.risk_upper_bound, 6))
+    if policy.feasible:
+        cert["holds"] = True
+    else:
+        cert["reason"] = (f"no threshold keeps the {1 - d:.0%} Clopper-Pearson bound of the "
+                          f"risk among released at or below {r} on the {len(cand)} τ-part "
+                          "verdicts the other terms release")
+    return cert, temps, policy.to_dict(), refs, drift
+
+
+def _window(n: int, seed: int, *, offset: float = 2.0, problems: int = 0,
+            scores=None) -> list[Verdict]:
+    """Verdicts whose branch log-odds tell right from wrong answers (roughly), with a
+    consistency term on some and the parse flag on the first `problems`."""
+    rng = np.random.default_rng(seed)
+    ease = rng.normal(size=n)
+    right = rng.uniform(size=n) < 1 / (1 + np.exp(-(2.5 * ease + offset)))
+    pre = 2.5 * ease + 0.7 * rng.normal(size=n) + 1.5
+    post = 2.5 * ease + 0.7 * rng.normal(size=n) + 1.5
+    term = np.where(rng.uniform(size=n) < 0.3, -0.8, 0.0)
+    out = []
+    for i in range(n):
+        sc = {} if scores is None or np.isnan(scores[i]) else {"novelty": float(scores[i])}
+        pv = {"novelty": 0.5} if sc else {}
+        out.append(Verdict(f"c{seed}-{i}", Served(SHIPPED, (float(pre[i]), float(post[i]),
+                                                             float(term[i])),
+                                                  sc, pv, i < problems, f"k{seed}-{i}"),
+                           bool(right[i]), 0.0, "op"))
+    return out
+
+
+def _plain_base() -> Heads:
+    base = Heads(dim=2, policy=DeferPolicy(0.8, 0.1, 0.1, 0.7, 0.05, 0.08, 500, True))
+    base.temperatures = {"psr": 1.3, "per": 0.8}
+    return base
+
+
+def test_a_certified_window_by_hand_with_fitted_temperatures_and_the_sequence_search():
+    """400 verdicts (a repeat of one input among them, some unparsed answers), no detector:
+    every field of the certificate and the rule as the protocol computes them."""
+    base = _plain_base()
+    vs = _window(400, 1, problems=12)
+    repeat = Verdict("again", vs[5].served, not vs[5].correct, 0.0, "op")
+    rule, cert = recert.certify(vs[:200] + [repeat] + vs[200:], base, "r7-abc",
+                                target_risk=0.1, delta=0.1, min_per_class=10,
+                                temperature_share=0.3, who="operator:x", step=0.02)
+    want, temps, policy, refs, drift = _by_hand(vs, base, r=0.1, d=0.1, share=0.3,
+                                                step=0.02, given=401)
+    assert want["n_temperature"] >= 50 and "temperatures_kept" not in want
+    assert want["holds"] and want["n_tau_other_terms_defer"] > 0
+    assert cert == want
+    assert list(cert) == list(want)
+    assert rule == DeferRule("r7-abc", temps, policy, refs, drift, want, rule.created_at,
+                             "operator:x")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rule.created_at)
+    assert rule.temperatures != {"psr": 1.3, "per": 0.8}
+    # by default the rule names no one
+    assert recert.certify(vs, base, "r8", target_risk=0.1, delta=0.1,
+                          min_per_class=10)[0].created_by == ""
+
+
+def test_a_small_window_by_hand_keeps_the_temperatures_and_searches_by_bisection():
+    base = _plain_base()
+    vs = _window(160, 2, offset=3.0)
+    for search in ("sequence", "binary"):
+        rule, cert = recert.certify(vs, base, "r2", target_risk=0.15, delta=0.2,
+                                    min_per_class=10, temperature_share=0.1, search=search)
+        want, temps, policy, _, drift = _by_hand(vs, base, r=0.15, d=0.2, share=0.1,
+                                                 search=search)
+        assert want["n_temperature"] < 20 and want["holds"]
+        assert cert == want and temps == {"psr": 1.3, "per": 0.8}
+        assert rule.temperatures == temps and rule.policy == policy
+        assert rule.drift_reference == drift and rule.references == {}
+
+
+def test_a_refused_window_by_hand_says_which_bound_failed():
+    base = _plain_base()
+    vs = _window(300, 3, offset=-0.3)
+    rule, cert = recert.certify(vs, base, "r3", target_risk=0.05, delta=0.2,
+                                min_per_class=10)
+    want = _by_hand(vs, base, r=0.05, d=0.2, share=0.3)[0]
+    assert rule is None and cert == want and not want["holds"]
+    assert cert["reason"].startswith("no threshold keeps the 80% Clopper-Pearson bound")
+    assert cert["risk_among_released"] is None and cert["released_share"] == 0
+
+
+def _knn(seed: int = 0) -> Novelty:
+    rng = np.random.default_rng(seed)
+    return Novelty("knn", "pixels").fit(torch.from_numpy(rng.normal(size=(200, 2)))) \
+        .calibrate(torch.from_numpy(rng.normal(size=(199, 2))))
+
+
+def test_a_window_by_hand_that_extends_the_detector():
+    """Every verdict has a score: the detector's reference grows by the window, and the
+    τ part is judged by the larger of its p-values against the base and against the rest
+    of the window."""
+    base = _plain_base()
+    base.novelty = _knn()
+    rng = np.random.default_rng(4)
+    far = base.novelty.score(torch.from_numpy(rng.normal(size=(300, 2)) + 3.0))
+    vs = _window(300, 4, scores=far, problems=8)
+    rule, cert = recert.certify(vs, base, "r4", target_risk=0.1, delta=0.1,
+                                min_per_class=10)
+    want, temps, policy, refs, drift = _by_hand(vs, base, r=0.1, d=0.1, share=0.3)
+    assert want["detector_references"] == {"novelty": "extended by 300 window scores"}
+    assert cert == want and want["holds"]
+    assert rule.references == refs == {"novelty": far.tolist()}
+    assert rule.drift_reference == drift and set(drift) == {"dualread", "novelty"}
+
+
+def test_windows_by_hand_that_skip_the_detector():
+    base = _plain_base()
+    base.novelty = _knn()
+    rng = np.random.default_rng(5)
+    s = base.novelty.score(torch.from_numpy(rng.normal(size=(300, 2))))
+    s[7] = np.nan                                             # one verdict without a score
+    vs = _window(300, 5, scores=s, problems=6)
+    rule, cert = recert.certify(vs, base, "r5", target_risk=0.1, delta=0.1,
+                                min_per_class=10)
+    want, _, _, refs, drift = _by_hand(vs, base, r=0.1, d=0.1, share=0.3)
+    assert want["detector_references"] == {
+        "novelty": "skipped: some verdicts carry no score of this detector"}
+    assert cert == want and refs == {} and rule.references == {}
+    assert rule.drift_reference["novelty"] == drift["novelty"] and len(drift["novelty"]) == 299
+
+    class Fixed:
+        """A detector that cannot extend its reference (nor reread a score)."""
+
+    base.novelty = Fixed()
+    vs = _window(300, 6, scores=np.ones(300))
+    _, cert = recert.certify(vs, base, "r6", target_risk=0.1, delta=0.1, min_per_class=10)
+    assert cert["detector_references"] == {
+        "novelty": "skipped: the detector cannot extend its reference"}
+    assert cert == _by_hand(vs, base, r=0.1, d=0.1, share=0.3)[0]
+
+
+def test_certify_refuses_an_unknown_search_or_step_and_says_which():
+    vs = _window(40, 7)
+    base = _plain_base()
+    with pytest.raises(ValueError) as e:
+        recert.certify(vs, base, "r", target_risk=0.1, delta=0.1, min_per_class=1,
+                       search="sequential")
+    assert str(e.value) == "search is 'sequence' or 'binary'"
+    for step in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError) as e:
+            recert.certify(vs, base, "r", target_risk=0.1, delta=0.1, min_per_class=1,
+                           step=step)
+        assert str(e.value) == "step is a released share in (0, 1]"
+    # a step of 1: one threshold, released share 1
+    _, cert = recert.certify(_window(100, 7), base, "r", target_risk=0.5, delta=0.1,
+                             min_per_class=1, step=1.0, temperature_share=0.9)
+    assert "released shares 1 apart" in cert["threshold_search"]
+
+
+def test_the_shipped_rule_reads_the_heads_temperatures_and_names_the_artefact():
+    base = _plain_base()
+    rule = recert.shipped_rule(base)
+    assert rule == DeferRule(SHIPPED, {"psr": 1.3, "per": 0.8}, base.policy.to_dict(),
+                             created_by="heads artefact")
+    base.policy = None
+    assert recert.shipped_rule(base).policy is None
+
+
+def test_the_part_sizes_are_inclusive_bounds():
+    """A temperature part of exactly 20 verdicts refits the temperatures, one of exactly 50
+    reads the sequence's thresholds off, and a τ part of one verdict can release it (at
+    r = 1, where one verdict is enough)."""
+    base = _plain_base()
+    vs = _window(120, 8, offset=0.5)
+    frac = np.sort([int.from_bytes(hashlib.sha256(v.request_id.encode()).digest()[:8], "big")
+                    / 2 ** 64 for v in vs])
+    _, cert = recert.certify(vs, base, "r", target_risk=0.3, delta=0.2, min_per_class=10,
+                             temperature_share=(frac[19] + frac[20]) / 2)
+    assert cert["n_temperature"] == 20 and "temperatures_kept" not in cert
+    assert cert == _by_hand(vs, base, r=0.3, d=0.2, share=(frac[19] + frac[20]) / 2)[0]
+    _, cert = recert.certify(vs, base, "r", target_risk=0.3, delta=0.2, min_per_class=10,
+                             temperature_share=(frac[49] + frac[50]) / 2)
+    assert cert["n_temperature"] == 50
+    assert cert["threshold_search"].startswith("fixed-sequence testing")
+    _, cert = recert.certify(vs, base, "r", target_risk=1.0, delta=0.2, min_per_class=10,
+                             temperature_share=(frac[-2] + frac[-1]) / 2, search="binary")
+    assert cert["n_tau"] == 1 and cert["holds"] and cert["released_share"] == 1.0
+
+
+def test_the_temperature_part_is_below_the_share_strictly():
+    """An id whose hash fraction is the share itself falls in the τ part: the split is
+    fraction < share, so the temperature part's chance is the share exactly."""
+    f = int.from_bytes(hashlib.sha256(b"req-7").digest()[:8], "big") / 2 ** 64
+    assert not recert.in_temperature_part("req-7", f)
+    assert recert.in_temperature_part("req-7", float(np.nextafter(f, 1.0)))
