@@ -286,3 +286,102 @@ def test_an_image_part_bank_of_other_width_is_refused_naming_both_widths(tmp_pat
         LayoutNovelty.load(tmp_path, "p")
     assert str(e.value).endswith(f"(`dualread fit-detectors`). bank: rows of "
                                  f"[{part.DIM - 2}] values, this code describes by {part.DIM}")
+
+
+def test_an_image_part_card_counts_its_bank_rows():
+    from heads.layout_novelty import LayoutNovelty
+
+    part = _layout_part(max_bank=6)                            # 8 fitting rows, capped at 6
+    assert part.to_dict()["bank"] == 6 == len(part.t["bank"]) != part.DIM
+    assert _layout_part().to_dict()["bank"] == 8
+    assert LayoutNovelty().to_dict()["bank"] == 0              # not fitted: no bank yet
+
+
+def test_only_a_logistic_detector_card_names_its_c():
+    from heads.novelty import LOGISTIC_C
+
+    assert Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).to_dict()["C"] is None
+    assert Novelty("mahalanobis", "h_pre").fit(_x(10, 0)).to_dict()["C"] is None
+    logistic = Novelty("logistic", "h_pre").fit(_x(10, 0), _x(10, 1) + 3)
+    assert logistic.to_dict()["C"] == LOGISTIC_C == 0.1
+
+
+def test_a_score_read_again_is_found_in_the_calibration_within_its_tolerance():
+    from heads.novelty import SAME_SCORE, _in_calibration
+
+    cal = np.array([0.0, 10.0, 20.0, 30.0])
+    s = np.array([20.0 * (1 + SAME_SCORE / 2), 25.0, -np.inf, np.inf, 1.5 * SAME_SCORE])
+    own, lo = _in_calibration(cal, s)
+    # 20.0001 is 20.0 read again (its last bits moved: within SAME_SCORE · (1 + |s|));
+    # 25.0 is no calibration score; the infinite scores (an item without image tokens)
+    # match none; 1.5e-5 is beyond 0.0's tolerance (1e-5 · (1 + 1.5e-5))
+    assert own.tolist() == [True, False, False, False, False]
+    assert lo.tolist() == [2, 3, 0, 4, 1]
+    # near 0 the absolute part of the tolerance holds: 0.5e-5 is 0.0 read again
+    assert _in_calibration(cal, np.array([0.5 * SAME_SCORE]))[0].tolist() == [True]
+    # a calibration item without image tokens (score -inf) read again is its own copy
+    own, lo = _in_calibration(np.array([-np.inf, 1.0]), np.array([-np.inf, 1.0]))
+    assert own.tolist() == [True, True] and lo.tolist() == [0, 1]
+
+
+def test_a_clean_sample_row_outside_the_calibration_is_read_as_a_fresh_input():
+    from heads.novelty import CompositeNovelty
+
+    q = Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).calibrate(_x(4, 1))
+    det = CompositeNovelty({"q": q})
+    cal = np.sort(q.score(_x(4, 1)))
+    rows = torch.cat([_x(4, 1), _x(1, 2) + 50, _x(10, 0)[:1]])   # own, far, a bank row
+    got = det.clean_sample({"h_pre": rows})
+    own = [(cal >= v).sum() / 4 for v in q.score(_x(4, 1))]      # leave-one-out
+    # fresh rows: (1 + #{s_i >= s}) / (n + 1): beyond every score 1/5, at zero 5/5
+    want = -np.log10(np.r_[own, 1 / 5, 1.0])
+    assert got == pytest.approx(want.tolist())
+    assert got[4] == pytest.approx(np.log10(5))
+
+
+def test_a_clean_sample_of_an_uncalibrated_part_says_what_to_do():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0))})
+    want = "^calibrate on a clean split before a clean sample$"
+    with pytest.raises(RuntimeError, match=want):
+        det.clean_sample({"h_pre": _x(2, 1)})
+    with pytest.raises(RuntimeError, match=want):
+        det.calibration_share({"h_pre": _x(2, 1)})
+
+
+def test_an_unknown_feature_is_refused_naming_the_known_ones():
+    import re
+
+    from heads.novelty import FEATURES, features
+
+    with pytest.raises(ValueError) as e:
+        features("nope", {"h_pre": _x(2, 0)})
+    assert str(e.value) == f"unknown novelty feature 'nope'; known: {', '.join(FEATURES)}"
+    assert re.search(r"known: h_pre, h_close, h_mid, img_mean, ", str(e.value))
+
+
+def test_refusals_of_an_empty_composite_and_an_uncalibrated_part_by_their_words():
+    from heads.novelty import CompositeNovelty
+
+    with pytest.raises(ValueError, match="^a composite detector needs at least one part$"):
+        CompositeNovelty({})
+    with pytest.raises(RuntimeError,
+                       match="^calibrate on a clean split before asking for p-values$"):
+        Novelty("knn", "h_pre", k=1).fit(_x(10, 0)).p_value(_x(2, 1))
+
+
+def test_a_composite_keeps_its_clean_sample_as_sorted_floats():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0))},
+                           clean=np.array([3, 1, 2]))
+    assert det.clean.dtype == np.float64 and det.clean.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_token_sets_without_any_token_score_minus_infinity():
+    g = np.random.default_rng(4)
+    nov = Novelty("token_knn", "img_token_set", max_bank=30).fit(
+        torch.from_numpy(g.normal(size=(6, 4, 3))))
+    empty = torch.full((2, 4, 3), float("nan"), dtype=torch.float64)   # no token at all
+    assert nov.score(empty).tolist() == [-np.inf, -np.inf]
