@@ -11,7 +11,7 @@ import pytest
 
 from app.routers.openai import _openai_error, _openai_paths, error_body
 from tests.conftest import random_image
-from tests.helpers import b64, png_bytes
+from tests.helpers import assert_error, b64, png_bytes, small_limits_client
 
 URI = "data:image/png;base64," + b64(png_bytes(random_image(0)))
 
@@ -67,8 +67,6 @@ def test_the_route_s_own_and_rewritten_errors_read_alike(api):
 # ------------------------------------------------------------------ multipart
 @pytest.mark.parametrize("boundary", ["", '""', "b" * 71, "é" * 35])
 def test_an_empty_or_over_long_multipart_boundary_is_400(api, boundary):
-    from tests.helpers import assert_error
-
     r = api.post("/answer", content=b"--\r\n\r\n--", headers={
         "content-type": f"multipart/form-data; boundary={boundary}".encode()})
     assert_error(r, 400, "multipart boundary must have 1 to 70 ASCII characters")
@@ -113,8 +111,6 @@ def test_the_multipart_parser_s_warnings_are_json_lines(service):
 def test_a_wrong_operator_key_is_challenged_for_that_key_not_a_bearer_token(service, tmp_path):
     """A right API key with a wrong `X-Operator-Key` got `WWW-Authenticate: Bearer`: the
     challenge told the client to fix the token it had right."""
-    from tests.helpers import assert_error, small_limits_client
-
     with small_limits_client(service, api_key="api-secret", operator_key="op-secret",
                              recert_state=str(tmp_path / "state.json")) as c:
         body = {"request_id": "0" * 32, "correct": True}
@@ -163,8 +159,6 @@ LONE = "not valid JSON: a \\u escape that is not valid Unicode text (a lone surr
 def test_a_lone_surrogate_is_named_as_such(api, escape):
     """/answer and the OpenAI route said only "not valid JSON", the probe routes "must be
     valid Unicode text": the client now reads what is wrong on every route."""
-    from tests.helpers import assert_error
-
     img = b64(png_bytes(random_image(0)))
     body = f'{{"image": "{img}", "question": "what {escape} is it?"}}'
     assert_error(api.post("/answer", content=body,
@@ -178,8 +172,6 @@ def test_a_lone_surrogate_is_named_as_such(api, escape):
 
 
 def test_other_broken_escapes_stay_plain_invalid_json(api):
-    from tests.helpers import assert_error
-
     for bad in ('{"question": "a\\u12"}', '{"question": "a\\x"}', '{"question": 5'):
         r = api.post("/answer", content=bad, headers={"content-type": "application/json"})
         assert_error(r, 422, "body: not valid JSON")
@@ -223,8 +215,6 @@ def test_serve_writes_uvicorn_s_lines_as_json(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ the document's 401s
 def test_the_document_names_the_operator_challenge_only_where_it_is_sent(service):
-    from tests.helpers import small_limits_client
-
     with small_limits_client(service, api_key="k", operator_key="op") as c:
         doc = c.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
 
