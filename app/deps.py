@@ -7,7 +7,7 @@ import hmac
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.errors import NoHeads, Unauthorized, UnsupportedMediaType
+from app.errors import NoHeads, RepeatedHeader, Unauthorized, UnsupportedMediaType
 from app.serving import Serving
 from app.settings import Settings
 
@@ -33,10 +33,20 @@ def key_matches(given: str, key: str) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-def check_key(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> None:
-    key = settings.api_key
+def one_header(request: Request, name: str, shown: str) -> str | None:
+    """A credential header's value, None when absent; two of them are a 400 (`shown` is the
+    name as the message writes it)."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise RepeatedHeader(shown)
+    return values[0] if values else None
+
+
+def check_key(request: Request, creds: HTTPAuthorizationCredentials | None) -> None:
+    key = get_settings(request).api_key
     if not key:
         return
+    one_header(request, "authorization", "Authorization")
     # HTTPBearer checked the scheme; an absent header compares as empty
     if not key_matches(creds.credentials if creds is not None else "", key):
         raise Unauthorized()
@@ -44,21 +54,19 @@ def check_key(settings: Settings, creds: HTTPAuthorizationCredentials | None) ->
 
 async def require_key(request: Request,
                       creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-    check_key(get_settings(request), creds)
+    check_key(request, creds)
 
 
 async def require_key_for_docs(request: Request, creds: HTTPAuthorizationCredentials | None
                                = Depends(bearer)) -> None:
-    settings = get_settings(request)
-    if settings.docs_require_key:
-        check_key(settings, creds)
+    if get_settings(request).docs_require_key:
+        check_key(request, creds)
 
 
 async def require_key_for_metrics(request: Request, creds: HTTPAuthorizationCredentials | None
                                   = Depends(bearer)) -> None:
-    settings = get_settings(request)
-    if settings.metrics_require_key:
-        check_key(settings, creds)
+    if get_settings(request).metrics_require_key:
+        check_key(request, creds)
 
 
 async def require_heads(request: Request) -> None:

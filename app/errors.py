@@ -75,6 +75,16 @@ class WrongOperatorKey(Unauthorized):
         super().__init__("wrong operator key")
 
 
+class RepeatedHeader(ServiceError):
+    """Two credential headers of one name: refused rather than one picked, so that what a
+    proxy appends never decides which key is checked."""
+
+    status = 400
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"send one {name} header, not several")
+
+
 class QueueFull(ServiceError):
     status = 429
     headers = {"Retry-After": "1"}

@@ -86,6 +86,7 @@ OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
                          409: "nothing to roll back to: shipped is the only rule in the chain"}}
 
 
+REPEATED = "a credential header (Authorization, X-Operator-Key) is sent twice"
 # where a wrong operator key is a 401 too, its challenge names that key's header
 OPERATOR_CHALLENGE = ('Bearer (a missing or wrong API key); OperatorKey header="X-Operator-Key" '
                       '(a wrong operator key)')
@@ -135,6 +136,8 @@ def build(app: FastAPI, settings: Settings, operator_paths: set[str] = frozenset
                 continue
             if keyed:
                 op["responses"]["401"] = _unauthorized(op)
+                # the key's header sent twice (app.deps.one_header), on routes without a body
+                op["responses"].setdefault("400", _error(op, 400, REPEATED))
             else:
                 del op["security"]
     if not keyed:

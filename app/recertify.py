@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from app.deps import key_matches
+from app.deps import key_matches, one_header
 from app.errors import WrongOperatorKey
 from app.metrics import MetricsHooks
 from app.serving import AnswerResult
@@ -121,8 +121,10 @@ class Recertification:
         """The operator's identity when the request presents the operator key; None when
         it presents none, or when no operator key is configured (nothing counts then). A
         wrong key is 401: a client that means to count must learn that it does not."""
-        given = request.headers.get(OPERATOR_HEADER)
-        if given is None or not self.enabled:
+        if not self.enabled:
+            return None
+        given = one_header(request, OPERATOR_HEADER, "X-Operator-Key")
+        if given is None:
             return None
         if not key_matches(given, self.settings.operator_key):
             raise WrongOperatorKey()

@@ -286,15 +286,21 @@ async def answer(request: Request, serving: Serving = Depends(get_serving)) -> A
     return response(serving, rid, served.result, served.queued_s)
 
 
+async def operator_or_none(request: Request) -> str | None:
+    # a dependency, so a wrong operator key is answered before the body is validated, as on
+    # the operator routes
+    return request.app.state.recert.operator(request)
+
+
 @router.post("/feedback", response_model=FeedbackResponse, responses=error_responses(*BODY_ERRORS),
              dependencies=[Depends(require_json)])
-async def feedback(request: Request, body: FeedbackRequest) -> FeedbackResponse:
+async def feedback(request: Request, body: FeedbackRequest,
+                   who: str | None = Depends(operator_or_none)) -> FeedbackResponse:
     """A clinician's verdict on an earlier answer (by its server-generated request_id);
     feeds the calibration monitor. O(1): the window statistics wait for /metrics."""
     hooks = request.app.state.hooks
-    # an operator's verdict also counts toward re-certifying the defer rule, once per id
-    # (app.recertify); anyone else's feeds the monitor only
-    who = request.app.state.recert.operator(request)
+    # an operator's verdict (`who`) also counts toward re-certifying the defer rule, once
+    # per id (app.recertify); anyone else's feeds the monitor only
     # both claims happen before the first await, so concurrent verdicts on one id cannot
     # each win one of them (the monitor's label and the certificate's count)
     labelled = hooks.feedback(body.request_id, body.correct)

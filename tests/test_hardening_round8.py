@@ -1,0 +1,80 @@
+"""Regression tests of the last hostile run's written-down leftovers on credentials: a
+wrong operator key on /feedback is answered before the body is judged (as on the operator
+routes), and a credential header sent twice is refused rather than its first copy read."""
+
+from __future__ import annotations
+
+from tests.helpers import assert_error, small_limits_client
+
+API = {"Authorization": "Bearer api-secret"}
+
+
+def _client(service, tmp_path):
+    return small_limits_client(service, api_key="api-secret", operator_key="op-secret",
+                               recert_state=str(tmp_path / "state.json"))
+
+
+def test_a_wrong_operator_key_on_feedback_is_answered_before_the_body(service, tmp_path):
+    """/feedback judged its body first (422 to a wrong key with a bad body), the operator
+    routes their key first: a client probing keys learnt different things from each."""
+    with _client(service, tmp_path) as c:
+        wrong = {**API, "X-Operator-Key": "guess"}
+        for body in ({"request_id": "0" * 32}, {"correct": "maybe"}, {}):
+            assert_error(c.post("/feedback", json=body, headers=wrong), 401,
+                         "wrong operator key")
+            assert_error(c.post("/calibration/pin", json={"version": 3}, headers=wrong), 401,
+                         "wrong operator key")
+        # the right key, or none, still has its body judged
+        for headers in (API, {**API, "X-Operator-Key": "op-secret"}):
+            assert_error(c.post("/feedback", json={"correct": True}, headers=headers), 422,
+                         "request_id")
+        r = c.post("/feedback", json={"request_id": "0" * 32, "correct": True},
+                   headers={**API, "X-Operator-Key": "op-secret"})
+        assert r.status_code == 200 and r.json()["accepted"] is False
+
+
+def test_a_credential_header_sent_twice_is_refused(service, tmp_path):
+    """The first copy won: a proxy that appended its own X-Operator-Key or Authorization
+    decided which key was checked, and a right key beside a wrong one passed."""
+    with _client(service, tmp_path) as c:
+        body = {"request_id": "0" * 32, "correct": True}
+        twice = [("Authorization", "Bearer api-secret"), ("X-Operator-Key", "op-secret"),
+                 ("X-Operator-Key", "guess")]
+        assert_error(c.post("/feedback", json=body, headers=twice), 400,
+                     "send one X-Operator-Key header, not several")
+        assert_error(c.post("/calibration/rollback", headers=twice), 400, "X-Operator-Key")
+        assert_error(c.get("/calibration", headers=twice), 400, "X-Operator-Key")
+        # two copies of one right key too: which copy counts is not the client's to guess
+        same = [("Authorization", "Bearer api-secret"), ("X-Operator-Key", "op-secret"),
+                ("X-Operator-Key", "op-secret")]
+        assert_error(c.post("/feedback", json=body, headers=same), 400, "X-Operator-Key")
+        auth_twice = [("Authorization", "Bearer api-secret"), ("Authorization", "Bearer x")]
+        assert_error(c.get("/calibration", headers=auth_twice), 400,
+                     "send one Authorization header, not several")
+        assert_error(c.post("/feedback", json=body, headers=auth_twice), 400, "Authorization")
+        # one of each passes
+        r = c.post("/feedback", json=body, headers={**API, "X-Operator-Key": "op-secret"})
+        assert r.status_code == 200
+
+
+def test_repeated_headers_are_not_read_where_no_key_is_configured(service, tmp_path):
+    """Without an API key (or an operator key) the header is not a credential here: it is
+    ignored, whatever its count, as before."""
+    with small_limits_client(service) as c:
+        twice = [("Authorization", "Bearer a"), ("Authorization", "Bearer b"),
+                 ("X-Operator-Key", "a"), ("X-Operator-Key", "b")]
+        r = c.post("/feedback", json={"request_id": "0" * 32, "correct": True}, headers=twice)
+        assert r.status_code == 200 and r.json()["counted"] is False
+        assert c.get("/calibration", headers=twice).status_code == 200
+
+
+def test_the_document_names_the_400_on_every_keyed_operation(service, tmp_path):
+    """Every operation that checks a key can now answer 400 to that key's header sent twice;
+    the GET routes had no 400 in the document."""
+    with _client(service, tmp_path) as c:
+        doc = c.get("/openapi.json", headers=API).json()
+    keyed = [(path, method, op) for path, item in doc["paths"].items()
+             for method, op in item.items() if "security" in op]
+    assert any(method == "get" for _, method, _ in keyed)
+    for path, method, op in keyed:
+        assert "sent twice" in op["responses"]["400"]["description"], (method, path)
