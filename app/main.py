@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from app import errors, openapi
 from app.logs import JsonLines
 from app.metrics import Metrics
-from app.middleware import RequestContext, body_paths
+from app.middleware import OriginForm, RequestContext, body_paths
 from app.recertify import DriftCollector, RecertHooks, Recertification
 from app.routers import answer, calibration, openai, ops, probes
 from app.service import Service
@@ -115,4 +115,5 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                        body_timeout_s=settings.body_timeout_s, api_key=settings.api_key,
                        body_paths=body_paths(app), max_header_bytes=settings.max_header_bytes)
     app.add_middleware(openai.OpenAIErrors)    # outside RequestContext: its errors too
+    app.add_middleware(OriginForm)             # outermost: every layer routes by the path
     return app

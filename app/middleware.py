@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from fastapi import HTTPException
 from fastapi.routing import APIRoute, iter_route_contexts
@@ -287,6 +288,23 @@ def _request_line_bytes(scope: Scope) -> int:
     query = scope.get("query_string") or b""
     return (len(scope.get("method") or "") + 1 + len(scope.get("raw_path") or b"")
             + (1 + len(query) if query else 0) + 1 + len("HTTP/") + 3 + 2)
+
+
+class OriginForm:
+    """Routes a request target in absolute form (`POST http://host/answer`, which RFC 9112
+    3.2.2 says a server must accept) by its path: uvicorn's h11 parser kept the whole URL as
+    the path, so every such request was a 404. Only `path` is rewritten: `raw_path` keeps
+    what was sent, which the request line's bound counts."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = scope.get("raw_path") or b""
+        if scope["type"] == "http" and raw[:8].lower().startswith((b"http://", b"https://")):
+            path = urlsplit(raw).path or b"/"
+            scope = {**scope, "path": unquote(path.decode("ascii", "replace"))}
+        await self.app(scope, receive, send)
 
 
 class RequestContext:

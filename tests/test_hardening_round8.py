@@ -4,6 +4,8 @@ routes), and a credential header sent twice is refused rather than its first cop
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import assert_error, small_limits_client
 
 API = {"Authorization": "Bearer api-secret"}
@@ -78,3 +80,29 @@ def test_the_document_names_the_400_on_every_keyed_operation(service, tmp_path):
     assert any(method == "get" for _, method, _ in keyed)
     for path, method, op in keyed:
         assert "sent twice" in op["responses"]["400"]["description"], (method, path)
+
+
+@pytest.mark.parametrize("raw, path", [
+    (b"http://example.org/answer", "/answer"),
+    (b"HTTPS://example.org:8443/calibration/pin", "/calibration/pin"),
+    (b"http://example.org", "/"),
+    (b"http://user@example.org/a%20b", "/a b"),
+    (b"/answer", None),                   # origin form: untouched
+    (b"/http://example.org/answer", None),
+    (b"ftp://example.org/answer", None),  # not HTTP's: left to 404
+])
+def test_origin_form_routes_an_absolute_target_by_its_path(raw, path):
+    import asyncio
+
+    from app.middleware import OriginForm
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen.update(scope)
+
+    sent = {"type": "http", "path": raw.decode(), "raw_path": raw, "query_string": b""}
+    asyncio.run(OriginForm(app)(sent, None, None))
+    assert seen["path"] == (path if path is not None else raw.decode())
+    assert seen["raw_path"] == raw      # what was sent: the request line's bound counts it
+    assert sent["path"] == raw.decode()  # the server's own scope is not changed in place

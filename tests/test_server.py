@@ -251,3 +251,28 @@ def test_oversized_header_is_refused_before_the_app_while_live_answers(server):
     assert reply.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), reply[:200]
     assert sent < 64, sent          # cut off near 16 KiB, not after the whole megabyte
     assert httpx.get(server.url + "/health/live", timeout=5).status_code == 200
+
+
+def test_a_request_target_in_absolute_form_is_routed_by_its_path(server):
+    """RFC 9112 3.2.2: a server must accept `GET http://host/path`; uvicorn's parser kept
+    the whole URL as the path, so it was a 404."""
+    def send(raw: bytes) -> str:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(raw)
+            data = b""
+            while not data.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return data.decode("latin-1")
+
+    reply = send(b"GET http://example.org/health/live HTTP/1.1\r\nHost: example.org\r\n\r\n")
+    assert reply.startswith("HTTP/1.1 200"), reply[:300]
+    body = b'{"request_id": "' + b"0" * 32 + b'", "correct": true}'
+    reply = send(b"POST HTTPS://example.org:8443/feedback?x=1 HTTP/1.1\r\nHost: example.org\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert reply.startswith("HTTP/1.1 200") and '"accepted":false' in reply, reply[:300]
+    assert send(b"GET http://example.org/nope HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+        "HTTP/1.1 404")
