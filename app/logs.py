@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from contextvars import ContextVar
 from datetime import UTC, datetime
+
+# The request a library's log line belongs to, where the service can tell (the multipart
+# parser's warnings): set around the library call, read by `JsonLines`
+LOG_REQUEST_ID: ContextVar[str | None] = ContextVar("dualread_log_request_id", default=None)
 
 
 class JsonLines(logging.Formatter):
@@ -24,6 +29,9 @@ class JsonLines(logging.Formatter):
         out = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                "level": record.levelname, "logger": record.name}
         out.update((k, v) for k, v in fields.items() if k not in out)
+        rid = LOG_REQUEST_ID.get()
+        if rid is not None and "request_id" not in out:
+            out["request_id"] = rid
         if record.exc_info:
             out["traceback"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)

@@ -4,6 +4,8 @@ routes), and a credential header sent twice is refused rather than its first cop
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import assert_error, small_limits_client
@@ -106,3 +108,32 @@ def test_origin_form_routes_an_absolute_target_by_its_path(raw, path):
     assert seen["path"] == (path if path is not None else raw.decode())
     assert seen["raw_path"] == raw      # what was sent: the request line's bound counts it
     assert sent["path"] == raw.decode()  # the server's own scope is not changed in place
+
+
+def test_the_multipart_parsers_warnings_name_their_request(api):
+    """The parser's own warnings were JSON lines without a request id: an operator could
+    not tell which request a `Did not find CR at end of boundary` was about."""
+    import logging
+
+    from app.logs import JsonLines
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(JsonLines().format(record))    # formatted as it is logged
+
+    keep = Keep()
+    logging.getLogger("python_multipart").addHandler(keep)
+    try:
+        r = api.post("/answer", content=b"--Bx\r\n",
+                     headers={"Content-Type": "multipart/form-data; boundary=B"})
+    finally:
+        logging.getLogger("python_multipart").removeHandler(keep)
+    assert r.status_code == 400, r.text
+    assert lines, "the body should make the parser warn"
+    assert all(json.loads(line)["request_id"] == r.json()["request_id"] for line in lines)
+    # outside a request the formatter adds no id
+    rec = logging.getLogger("python_multipart").makeRecord(
+        "python_multipart", logging.WARNING, __file__, 1, "m", (), None)
+    assert "request_id" not in json.loads(JsonLines().format(rec))

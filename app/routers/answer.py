@@ -17,6 +17,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.deps import get_serving, media_type, request_id, require_json, require_key
 from app.errors import InvalidInput, UnsupportedMediaType, explain, explain_json
+from app.logs import LOG_REQUEST_ID
 from app.routers.common import BODY_ERRORS, MODEL_ERRORS, confidence, error_responses
 from app.schemas import (
     AnswerRequest,
@@ -152,6 +153,8 @@ async def _form(request: Request) -> FormData:
     for a question that is not text, 400 for a body the parser cannot read or that stops
     before its end, as Starlette."""
     _check_charset(request)
+    # the parser's own warnings (python_multipart) name the request they are about
+    logged = LOG_REQUEST_ID.set(request_id(request))
     try:
         async with aclosing(request.stream()) as stream:
             parser = _TextParts(request.headers, stream, max_files=1, max_fields=2)
@@ -160,6 +163,8 @@ async def _form(request: Request) -> FormData:
         raise InvalidInput(e.message) from None
     except MultiPartException as e:
         raise HTTPException(status_code=400, detail=e.message) from None
+    finally:
+        LOG_REQUEST_ID.reset(logged)
     if not parser.ended:
         # the parts read so far, and a file cut off mid-part (not among them)
         await form.close()
