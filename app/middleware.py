@@ -14,10 +14,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from fastapi import HTTPException
 from fastapi.routing import APIRoute, iter_route_contexts
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
@@ -255,8 +256,9 @@ def _is_json(headers: Headers) -> bool:
 
 
 def bearer_matches(authorization: str, key: str) -> bool:
-    """`Authorization: Bearer <key>` (scheme in any case), as the routes' check reads it."""
-    scheme, _, token = authorization.partition(" ")
+    """`Authorization: Bearer <key>` (scheme in any case), read by the parser the routes'
+    check uses (blanks around the token dropped)."""
+    scheme, token = get_authorization_scheme_param(authorization)
     return key_matches(token if scheme.lower() == "bearer" else "", key)
 
 
@@ -302,7 +304,11 @@ class OriginForm:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = scope.get("raw_path") or b""
         if scope["type"] == "http" and raw[:8].lower().startswith((b"http://", b"https://")):
-            path = urlsplit(raw).path or b"/"
+            # by hand, not urlsplit: that raises on a bracketed host it cannot read
+            # (`http://[x/`), which was a plain-text 500 quoting the host in the log
+            rest = raw.split(b"://", 1)[1].split(b"#", 1)[0]
+            at = rest.find(b"/")
+            path = rest[at:] if at >= 0 else b"/"
             scope = {**scope, "path": unquote(path.decode("ascii", "replace"))}
         await self.app(scope, receive, send)
 
@@ -421,6 +427,8 @@ class RequestContext:
 
         try:
             length = headers.get("content-length")
+            authorized = not self.api_key or \
+                bearer_matches(headers.get("authorization", ""), self.api_key)
             # each header as parsed, "name: value" and CRLF (h11 has dropped the blanks
             # around a value): by name and value alone, 16,000 empty headers passed 16 KiB
             head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
@@ -437,17 +445,26 @@ class RequestContext:
                 await error_response(too_long[0], f"{too_long[1]} over "
                                      f"{self.max_header_bytes} bytes", rid)(
                     scope, receive, send_with_ids)
-            elif scope.get("method") in BODY_METHODS and self.api_key and \
-                    (self.body_paths is None or scope.get("path") in self.body_paths) and \
-                    not bearer_matches(headers.get("authorization", ""), self.api_key):
+            elif length is not None and "transfer-encoding" in headers:
+                # two framings (RFC 9112 6.1): a proxy that reads the other one would take
+                # the rest of this body for a second request; refused, connection closed
+                precheck = True
+                await error_response(400, "send Content-Length or Transfer-Encoding, not "
+                                          "both", rid, {"Connection": "close"})(
+                    scope, receive, send_with_ids)
+            elif scope.get("method") in BODY_METHODS and not authorized and \
+                    (self.body_paths is None or scope.get("path") in self.body_paths):
                 # every route that takes a body needs the key: refused before a byte of the
                 # body is read or its size is judged (the routes check the key again)
                 precheck = True
                 await error_response(401, "missing or invalid credentials", rid,
                                      {"WWW-Authenticate": "Bearer"})(scope, receive,
                                                                      send_with_ids)
-            elif length is not None and (not length.isdigit() or int(length) > max_body):
-                # refused before a byte of the body is read
+            elif length is not None and authorized and \
+                    (not length.isdigit() or int(length) > max_body):
+                # refused before a byte of the body is read; without the key the router
+                # answers (404, 405, 401) and reads nothing, so a 413 cannot tell an
+                # unauthenticated client the limits
                 precheck = True
                 await error_response(413, f"body over the limit of {max_body} bytes",
                                      rid)(scope, receive, send_with_ids)

@@ -28,6 +28,11 @@ def test_a_wrong_operator_key_on_feedback_is_answered_before_the_body(service, t
                          "wrong operator key")
             assert_error(c.post("/calibration/pin", json={"version": 3}, headers=wrong), 401,
                          "wrong operator key")
+        # before the content type too, as /calibration/pin (415 there before)
+        for kind in ("text/plain", None):
+            r = c.post("/feedback", content=b"x", headers={
+                **wrong, **({"Content-Type": kind} if kind else {})})
+            assert_error(r, 401, "wrong operator key")
         # the right key, or none, still has its body judged
         for headers in (API, {**API, "X-Operator-Key": "op-secret"}):
             assert_error(c.post("/feedback", json={"correct": True}, headers=headers), 422,
@@ -92,6 +97,12 @@ def test_the_document_names_the_400_on_every_keyed_operation(service, tmp_path):
     (b"/answer", None),                   # origin form: untouched
     (b"/http://example.org/answer", None),
     (b"ftp://example.org/answer", None),  # not HTTP's: left to 404
+    # hosts a URL parser refuses (urlsplit raised: a plain-text 500 quoting the host)
+    (b"http://[::1/health/live", "/health/live"),
+    (b"http://]/answer", "/answer"),
+    (b"http://[PATIENT-SMITH]/answer", "/answer"),
+    (b"http://example.org#frag", "/"),
+    (b"http://example.org/a%23b#c/d", "/a#b"),
 ])
 def test_origin_form_routes_an_absolute_target_by_its_path(raw, path):
     import asyncio
@@ -137,3 +148,40 @@ def test_the_multipart_parsers_warnings_name_their_request(api):
     rec = logging.getLogger("python_multipart").makeRecord(
         "python_multipart", logging.WARNING, __file__, 1, "m", (), None)
     assert "request_id" not in json.loads(JsonLines().format(rec))
+
+
+def test_without_the_key_no_413_tells_the_body_limit(service, tmp_path):
+    """A Content-Length over the limit got a 413 naming it on any route that takes no body
+    (GET /health/live, POST /nope), before the key was read."""
+    with _client(service, tmp_path) as c:
+        big = {"Content-Length": "999999999"}
+        for method, path, status in (("GET", "/health/live", 200), ("GET", "/calibration", 401),
+                                     ("POST", "/nope", 404), ("DELETE", "/answer", 405)):
+            r = c.request(method, path, headers=big)
+            assert r.status_code == status, (method, path, r.status_code, r.text)
+            assert "limit" not in r.text
+        # with the key the limit is judged before anything is read, as before
+        r = c.request("GET", "/health/live", headers={**big, **API})
+        assert_error(r, 413, "body over the limit of")
+
+
+def test_a_body_framed_two_ways_is_refused_and_the_connection_closed(service, tmp_path):
+    """Content-Length and Transfer-Encoding together (RFC 9112 6.1): a proxy reading the
+    other framing would take the body's rest for a second request."""
+    with _client(service, tmp_path) as c:
+        for headers in ({}, API):
+            r = c.post("/feedback", content=b"0\r\n\r\n", headers={
+                **headers, "Content-Length": "5", "Transfer-Encoding": "chunked",
+                "Content-Type": "application/json"})
+            assert_error(r, 400, "send Content-Length or Transfer-Encoding, not both")
+            assert r.headers["connection"] == "close"
+
+
+def test_the_bearer_token_is_read_alike_before_and_after_routing(service, tmp_path):
+    """`Bearer  key` (two blanks): the GET routes' parser strips the token and passed it, the
+    body routes' pre-check did not and refused it."""
+    with _client(service, tmp_path) as c:
+        loose = {"Authorization": "Bearer  api-secret\t"}
+        assert c.get("/calibration", headers=loose).status_code == 200
+        r = c.post("/feedback", json={"request_id": "0" * 32, "correct": True}, headers=loose)
+        assert r.status_code == 200, r.text

@@ -276,3 +276,21 @@ def test_a_request_target_in_absolute_form_is_routed_by_its_path(server):
     assert reply.startswith("HTTP/1.1 200") and '"accepted":false' in reply, reply[:300]
     assert send(b"GET http://example.org/nope HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
         "HTTP/1.1 404")
+    # a host no URL parser reads: routed all the same (it was a plain-text 500)
+    reply = send(b"GET http://[PATIENT/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert reply.startswith("HTTP/1.1 200") and "x-request-id" in reply.lower(), reply[:300]
+
+
+def test_a_body_framed_two_ways_closes_the_connection(server):
+    """Content-Length beside Transfer-Encoding (RFC 9112 6.1): the 400 closes the
+    connection, so the bytes after the chunked body are never read as a second request."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /feedback HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                     b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):       # the server closes: recv ends
+            data += chunk
+    reply = data.decode("latin-1")
+    assert reply.startswith("HTTP/1.1 400") and "not both" in reply, reply[:300]
+    assert reply.count("HTTP/1.1") == 1, reply     # the pipelined GET was not answered

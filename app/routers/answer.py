@@ -292,13 +292,14 @@ async def answer(request: Request, serving: Serving = Depends(get_serving)) -> A
 
 
 async def operator_or_none(request: Request) -> str | None:
-    # a dependency, so a wrong operator key is answered before the body is validated, as on
-    # the operator routes
+    # a dependency, run before the content type's, so a wrong operator key is answered
+    # before the body's type and fields are judged, as on the operator routes (FastAPI runs
+    # it once a request: its result is cached for the handler's `who`)
     return request.app.state.recert.operator(request)
 
 
 @router.post("/feedback", response_model=FeedbackResponse, responses=error_responses(*BODY_ERRORS),
-             dependencies=[Depends(require_json)])
+             dependencies=[Depends(operator_or_none), Depends(require_json)])
 async def feedback(request: Request, body: FeedbackRequest,
                    who: str | None = Depends(operator_or_none)) -> FeedbackResponse:
     """A clinician's verdict on an earlier answer (by its server-generated request_id);
