@@ -1096,3 +1096,64 @@ def test_the_temperature_part_is_below_the_share_strictly():
     f = int.from_bytes(hashlib.sha256(b"req-7").digest()[:8], "big") / 2 ** 64
     assert not recert.in_temperature_part("req-7", f)
     assert recert.in_temperature_part("req-7", float(np.nextafter(f, 1.0)))
+
+
+def test_the_sequence_search_spends_the_given_risk_and_delta():
+    """r ≠ δ, and δ not `choose_threshold_sequence`'s default (0.1): passing δ as the risk
+    target, or dropping δ, changes the threshold (both passed with r = δ = 0.1)."""
+    base = _plain_base()
+    vs = _window(400, 1, problems=12)
+    for r, d in ((0.12, 0.05), (0.1, 0.2)):
+        rule, cert = recert.certify(vs, base, "r9", target_risk=r, delta=d, min_per_class=10,
+                                    step=0.02)
+        want, _, policy, _, _ = _by_hand(vs, base, r=r, d=d, share=0.3, step=0.02)
+        assert want["threshold_search"].startswith("fixed-sequence") and want["holds"]
+        assert cert == want and rule.policy == policy
+        assert (rule.policy["target_risk"], rule.policy["delta"]) == (r, d)
+
+
+def _relabelled(vs: list[Verdict], wrong: int) -> list[Verdict]:
+    """`vs` with exactly the first `wrong` verdicts wrong."""
+    return [Verdict(v.request_id, v.served, i >= wrong, v.at, v.who) for i, v in enumerate(vs)]
+
+
+def test_the_label_balance_bound_is_inclusive_and_an_empty_window_is_refused():
+    base = _plain_base()
+    vs = _window(200, 7)
+    # exactly min_per_class wrong verdicts is enough; one fewer is not
+    cert = recert.certify(_relabelled(vs, 10), base, "r", target_risk=0.1, delta=0.1,
+                          min_per_class=10)[1]
+    assert cert["n_wrong"] == 10 and not str(cert["reason"]).startswith("label balance")
+    cert = recert.certify(_relabelled(vs, 9), base, "r", target_risk=0.1, delta=0.1,
+                          min_per_class=10)[1]
+    assert cert["reason"] == ("label balance: 191 correct and 9 wrong verdicts; each needs "
+                              "at least 10")
+    # no verdict at all is refused whatever the per-class minimum (even 0)
+    rule, cert = recert.certify([], base, "r", target_risk=0.1, delta=0.1, min_per_class=0)
+    assert rule is None and cert["reason"] == ("label balance: 0 correct and 0 wrong "
+                                               "verdicts; each needs at least 0")
+
+
+def test_an_extended_detector_keeps_the_shipped_references_p_value():
+    """The τ part is judged by the larger of its p-values against the shipped reference and
+    against the rest of the window: a score typical of the reference but the window's
+    largest is released. Judged by the window alone it would be flagged."""
+    base = _plain_base()
+    base.novelty = _knn()
+    rng = np.random.default_rng(8)
+    s = base.novelty.score(torch.from_numpy(rng.normal(size=(300, 2)))) * 1e-3
+    vs0 = _window(300, 8)
+    tau_part = [i for i, v in enumerate(vs0) if not _split(v.request_id, 0.3)]
+    typical = float(np.median(base.novelty.score(torch.from_numpy(rng.normal(size=(99, 2))))))
+    s[tau_part[:2]] = typical
+    vs = _window(300, 8, scores=s)
+    rule, cert = recert.certify(vs, base, "r10", target_risk=0.1, delta=0.1, min_per_class=10)
+    want = _by_hand(vs, base, r=0.1, d=0.1, share=0.3)[0]
+    assert cert == want
+    idx = np.flatnonzero([not _split(v.request_id, 0.3) for v in vs])
+    shipped = base.novelty.p_values_of(s[idx])
+    window = recert._loo_p_values(s, idx)
+    two = np.isin(idx, tau_part[:2])
+    # the two: flagged by the window alone, released by the shipped reference
+    assert (window[two] < base.novelty_alpha).all() and (shipped[two] >= 0.3).all()
+    assert cert["n_tau_other_terms_defer"] == 0
