@@ -435,7 +435,15 @@ class RequestContext:
             # the request line too: h11 bounds it only while it arrives in pieces, so a
             # 60 KB URL, or a 120 KB method, sent in one read reached the app
             line = _request_line_bytes(scope)
-            if self.max_header_bytes is not None and head + line > self.max_header_bytes:
+            if length is not None and "transfer-encoding" in headers:
+                # two framings (RFC 9112 6.1): a proxy that reads the other one would take
+                # the rest of this body for a second request; refused, connection closed.
+                # First: any other refusal (a 431) would leave the connection open
+                precheck = True
+                await error_response(400, "send Content-Length or Transfer-Encoding, not "
+                                          "both", rid, {"Connection": "close"})(
+                    scope, receive, send_with_ids)
+            elif self.max_header_bytes is not None and head + line > self.max_header_bytes:
                 precheck = True
                 # the larger part names the status: 12 bytes of URL beside 16 KB of
                 # headers is not a "URI too long"
@@ -444,13 +452,6 @@ class RequestContext:
                      else "request line and headers")
                 await error_response(too_long[0], f"{too_long[1]} over "
                                      f"{self.max_header_bytes} bytes", rid)(
-                    scope, receive, send_with_ids)
-            elif length is not None and "transfer-encoding" in headers:
-                # two framings (RFC 9112 6.1): a proxy that reads the other one would take
-                # the rest of this body for a second request; refused, connection closed
-                precheck = True
-                await error_response(400, "send Content-Length or Transfer-Encoding, not "
-                                          "both", rid, {"Connection": "close"})(
                     scope, receive, send_with_ids)
             elif scope.get("method") in BODY_METHODS and not authorized and \
                     (self.body_paths is None or scope.get("path") in self.body_paths):

@@ -185,3 +185,15 @@ def test_the_bearer_token_is_read_alike_before_and_after_routing(service, tmp_pa
         assert c.get("/calibration", headers=loose).status_code == 200
         r = c.post("/feedback", json={"request_id": "0" * 32, "correct": True}, headers=loose)
         assert r.status_code == 200, r.text
+
+
+def test_two_framings_close_the_connection_beside_headers_over_the_bound(service, tmp_path):
+    """The 431 for headers over `--max-header-bytes` came first and kept the connection
+    open, so a body framed two ways with a long header was read as h11 framed it and what
+    followed it answered as a second request (RFC 9112 6.3: close after responding)."""
+    with _client(service, tmp_path) as c:
+        r = c.post("/feedback", content=b"0\r\n\r\n", headers={
+            "X-Pad": "p" * 17000, "Content-Length": "5", "Transfer-Encoding": "chunked",
+            "Content-Type": "application/json"})
+        assert_error(r, 400, "send Content-Length or Transfer-Encoding, not both")
+        assert r.headers["connection"] == "close"
