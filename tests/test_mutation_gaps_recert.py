@@ -1157,3 +1157,32 @@ def test_an_extended_detector_keeps_the_shipped_references_p_value():
     # the two: flagged by the window alone, released by the shipped reference
     assert (window[two] < base.novelty_alpha).all() and (shipped[two] >= 0.3).all()
     assert cert["n_tau_other_terms_defer"] == 0
+
+
+def test_a_rule_without_a_policy_and_a_detector_that_cannot_extend_apply_as_they_are():
+    """`apply` of a rule with no τ (heads shipped without a policy) serves no policy, and a
+    reference kept for a detector that can no longer extend it leaves that detector as the
+    base has it (a kept rule's names are checked on load, not each detector's kind)."""
+
+    class Fixed:
+        """A detector that cannot extend its reference."""
+
+    base = Heads(dim=2, policy=None)
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    base.novelty = Fixed()
+    heads = DeferRule("r1", {"psr": 2.0}, None, references={"novelty": [0.1, 0.2]}).apply(base)
+    assert heads.policy is None and heads.novelty is base.novelty
+    assert heads.temperatures == {"psr": 2.0, "per": 1.0} and heads.rule_version == "r1"
+
+
+def test_a_state_file_without_rules_beside_heads_without_a_policy_is_set_aside(tmp_path):
+    """With no shipped policy the policy check passes on a file without rules: the
+    temperatures' check must read the missing rules as none, not fail."""
+    base = Heads(dim=2, policy=None)
+    base.temperatures = {"psr": 1.0, "per": 1.0}
+    (tmp_path / "state.json").write_text(json.dumps(
+        {"heads_id": "heads-1", "detectors": recert.detectors_digest(base), "chain": []}))
+    store = RuleStore(tmp_path / "state.json", base, "heads-1", Settings(window=300))
+    assert store.active.version == SHIPPED and store.active.policy is None
+    assert not (tmp_path / "state.json").exists()
+    assert list(tmp_path.glob("state.json.stale-*"))
