@@ -315,3 +315,45 @@ def test_natural_intercept_matches_the_mean_label():
     assert float(torch.sigmoid(far.double() + b).mean()) == pytest.approx(0.4, abs=1e-9)
     with pytest.raises(ValueError, match="both right and wrong"):
         natural_intercept(torch.zeros(3), torch.ones(3))
+
+
+def _readout(seed: int, image_tokens: int, answer: list[int]):
+    from models.readout import Readout
+
+    g = torch.Generator().manual_seed(seed)
+
+    def h(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, 4, generator=g)
+
+    return Readout(h_pre=h(), h_close=h(), h_answer=h(2), h_image=h(image_tokens), h_mid=h(),
+                   token_logprobs=-torch.rand(4, generator=g),
+                   token_entropy=torch.rand(4, generator=g),
+                   answer_index=torch.tensor(answer, dtype=torch.long), digit_probs=None)
+
+
+def test_extract_many_of_mixed_image_sizes_is_each_readout_alone():
+    """Readouts with different image-token counts (two image sizes in one batch) take the
+    one-at-a-time path: every key as each readout alone gives it, at the κ asked for; a
+    batch of one size gives [N, 1] sequence scores; a one-token answer has a log-prob."""
+    from heads.features import KAPPA, extract_many
+
+    ros = [_readout(0, 3, [1, 2]), _readout(1, 5, [2]), _readout(2, 3, []), _readout(3, 7, [0])]
+    kappa = 3 * KAPPA
+    many = extract_many(ros, kappa)
+    alone = [extract_many([r], kappa) for r in ros]
+    assert set(many) == set(alone[0]) and "img_tokens" in many
+    for k in many:
+        assert many[k].shape[0] == len(ros)
+        torch.testing.assert_close(many[k], torch.cat([a[k] for a in alone]), equal_nan=True)
+    assert not torch.equal(many["phi"], extract_many(ros)["phi"])       # κ is passed on
+    pair = extract_many(ros[:2], kappa)                                 # two sizes
+    for k in pair:
+        torch.testing.assert_close(pair[k], many[k][:2], equal_nan=True)
+    # a one-token answer: msp is that token's probability (0 is kept for no answer span)
+    assert alone[1]["msp"].item() == pytest.approx(math.exp(ros[1].token_logprobs[2].item()))
+    assert alone[2]["msp"].item() == 0
+    two = extract_many([ros[0], ros[2]])
+    for k in ("msp", "mean_logprob", "entropy", "mu"):
+        assert two[k].shape == (2, 1), k
+    with pytest.raises(ValueError, match="^no readouts to extract features from$"):
+        extract_many([])
