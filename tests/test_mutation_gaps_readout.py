@@ -120,3 +120,63 @@ def test_locate_a_cut_empty_answer_falls_back_to_the_last_token():
     assert parsed.tagged and parsed.answer_span == (8, 8)
     assert locate(parsed, [(0, 3), (3, 8)], set()) == ([1], 1)     # "<ans", "wer>"
     assert locate(parsed, [(0, 3), (3, 8)], {1}) == ([0], 0)       # the last one is special
+
+
+class _Backend:
+    """A byte-level tokenizer backend that counts its single-token decodes."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        from tokenizers.decoders import ByteLevel
+
+        self.decoder = ByteLevel()
+        self.pieces = pieces
+        self.calls = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        assert skip_special_tokens is False
+        self.calls += 1
+        return "".join(self.pieces[i] for i in ids)
+
+
+class _Tokenizer:
+    """`decode` as a Hugging Face tokenizer's, refusing any other reading of the flags
+    than the one the spans are defined by; `full` replaces the whole text's decode."""
+
+    def __init__(self, pieces: list[str], full: str | None = None) -> None:
+        self.backend_tokenizer = _Backend(pieces)
+        self.full = full
+
+    def decode(self, ids, skip_special_tokens=None, clean_up_tokenization_spaces=None) -> str:
+        assert skip_special_tokens is False and clean_up_tokenization_spaces is False
+        text = "".join(self.backend_tokenizer.pieces[i] for i in ids)
+        whole = len(ids) == len(self.backend_tokenizer.pieces)
+        return self.full if whole and self.full is not None else text
+
+
+def test_piece_texts_are_decoded_once_per_backend_and_token():
+    from models.readout import _piece_texts
+
+    a, b = _Backend(["x", "yy", "z"]), _Backend(["p", "q", "r"])
+    assert _piece_texts(a, [0, 1, 1, 2]) == ["x", "yy", "yy", "z"] and a.calls == 3
+    assert _piece_texts(a, [2, 0]) == ["z", "x"] and a.calls == 3            # cached
+    assert _piece_texts(b, [0, 1]) == ["p", "q"] and b.calls == 2            # not a's cache
+
+    class Slotted:
+        """A backend no weak reference can point at: decoded without a cache."""
+        __slots__ = ("pieces",)
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return "".join(self.pieces[i] for i in ids)
+
+    s = Slotted()
+    s.pieces = ["u", "v"]
+    assert _piece_texts(s, [1, 0, 1]) == ["v", "u", "v"]
+
+
+def test_token_spans_read_the_pieces_only_when_they_join_to_the_decoded_text():
+    from models.readout import token_spans
+
+    assert token_spans(_Tokenizer(["ab", "c", "de"]), [0, 1, 2]) == [(0, 2), (2, 3), (3, 5)]
+    # a whole decode that differs from the joined pieces: the prefix loop's spans
+    tok = _Tokenizer(["ab", "c", "de"], full="abcdeX")
+    assert token_spans(tok, [0, 1, 2]) == [(0, 2), (2, 3), (3, 6)]
