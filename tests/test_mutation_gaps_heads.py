@@ -357,3 +357,67 @@ def test_extract_many_of_mixed_image_sizes_is_each_readout_alone():
         assert two[k].shape == (2, 1), k
     with pytest.raises(ValueError, match="^no readouts to extract features from$"):
         extract_many([])
+
+
+class _Reads:
+    """A stand-in detector: its reading of each item is built from the features it reads
+    (`key`, first column), so a test can tell what it was given; it keeps its α."""
+
+    def __init__(self, key: str, image_features: tuple = (), reads_pixels: bool = False):
+        self.key, self.image_features, self.reads_pixels = key, image_features, reads_pixels
+        self.alphas: list[float] = []
+
+    def read(self, f: dict, alpha: float) -> list:
+        from heads.novelty import NoveltyReading
+
+        self.alphas.append(alpha)
+        col = f[self.key].reshape(len(f[self.key]), -1)[:, 0]
+        return [NoveltyReading(float(v), 0.5, bool(v > 0)) for v in col]
+
+
+def test_assess_reads_the_detector_on_the_images_and_keeps_the_branch_log_odds(monkeypatch):
+    """`assess` gives the detector the image features it asks for (computed from the images
+    passed), at the heads' α, and DualRead's branch log-odds; `novelty=False` and
+    `confidence_batch` read no image and call no detector; `novelty_of` reads one item as
+    `assess` does, with the image, with the light features, or with all of them."""
+    from PIL import Image
+
+    from heads.features import extract_many
+    from heads.methods.dualread import branch_log_odds
+    from heads.novelty import IMAGE_FEATURES
+
+    monkeypatch.setitem(IMAGE_FEATURES, "red_share",
+                        lambda ims: torch.tensor([[np.asarray(i)[..., 0].mean() / 255 - 0.5]
+                                                  for i in ims]))
+    h = _heads(4)
+    for reader in h.readers.values():
+        reader.eval()                            # as loaded heads are: no dropout
+    h.novelty_alpha = 0.123
+    h.novelty = _Reads("red_share", ("red_share",))
+    ros = [_readout(k, 3, [1, 2]) for k in range(3)]
+    ims = [Image.new("RGB", (8, 8), (r, 0, 0)) for r in (255, 0, 200)]
+    out = h.assess(ros, ims)
+    assert [a.novelty.score for a in out] == pytest.approx([0.5, -0.5, 200 / 255 - 0.5])
+    assert [a.novelty.novel for a in out] == [True, False, True] and h.novelty.alphas == [0.123]
+    lg = branch_log_odds(h, extract_many(ros, h.kappa))
+    assert [a.logits for a in out] == [tuple(map(float, row)) for row in lg]
+    assert all(set(a.confidence) >= {"dualread", "psr"} for a in out)
+    with pytest.raises(ValueError, match="pass each readout's decoded image"):
+        h.assess(ros)
+    quiet = h.assess(ros, novelty=False)
+    assert [a.novelty for a in quiet] == [None] * 3 and h.novelty.alphas == [0.123]
+    assert [a.confidence for a in quiet] == [a.confidence for a in out]
+    assert h.confidence_batch(ros) == [a.confidence for a in out]
+    assert h.novelty.alphas == [0.123]
+    # one item: through the image, the light features (h_pre), or all of them
+    h.novelty = _Reads("red_share", ("red_share",), reads_pixels=True)
+    assert h.novelty_of(ros[2], ims[2]) == out[2].novelty
+    for key in ("h_pre", "img_tokens"):
+        h.novelty = _Reads(key)
+        [want] = h.novelty.read(extract_many([ros[1]], h.kappa), 0.1)
+        assert h.novelty_of(ros[1]) == want and h.novelty.alphas[-1] == 0.123
+    # without every DualRead reader there are no branch log-odds
+    del h.readers["visual"]
+    assert h.assess(ros, ims)[0].logits is None
+    h.novelty = None
+    assert h.novelty_of(ros[0]) is None and h.assess(ros)[0].novelty is None
