@@ -421,3 +421,25 @@ def test_assess_reads_the_detector_on_the_images_and_keeps_the_branch_log_odds(m
     assert h.assess(ros, ims)[0].logits is None
     h.novelty = None
     assert h.novelty_of(ros[0]) is None and h.assess(ros)[0].novelty is None
+
+
+def test_heads_certified_with_the_retired_image_check_are_refused_and_told_what_to_do(
+        tmp_path):
+    from heads.dualread import RetiredImageCheck
+    from tests.helpers import edit_card
+
+    folder = tmp_path / "heads"
+    _heads().save(folder, {})
+    want = (f"heads in {folder} were certified with the pixel image check, which this "
+            "version no longer runs; serving them without it would apply a defer rule other "
+            "than the certified one. Refit the detectors with `dualread fit-detectors` (or "
+            "the heads with `dualread fit-heads`), or serve them with an earlier dualread")
+    for field, value in (("image_check", {"alpha": 0.01}),
+                         ("defer_rule", "dualread < tau or image-check or novelty")):
+        edit_card(folder / "heads_card.json", field, value)
+        with pytest.raises(RetiredImageCheck) as e:
+            Heads.load(folder)
+        assert str(e.value) == want
+        assert Heads.load(folder, drop_image_check=True).policy == POLICY
+        edit_card(folder / "heads_card.json", field, None)
+    assert Heads.load(folder).policy == POLICY
