@@ -385,3 +385,39 @@ def test_token_sets_without_any_token_score_minus_infinity():
         torch.from_numpy(g.normal(size=(6, 4, 3))))
     empty = torch.full((2, 4, 3), float("nan"), dtype=torch.float64)   # no token at all
     assert nov.score(empty).tolist() == [-np.inf, -np.inf]
+
+
+def test_the_scores_by_hand_and_the_fit_refusals_word_for_word():
+    """Each kind's score from its fitted terms set by hand (a Mahalanobis location away from
+    0, a logistic intercept: fitted on standardised data both sit near 0, where a sign
+    slip shows in no fit); the refusals of a wrong input say what to pass."""
+    maha = Novelty("mahalanobis", "x")
+    maha.t = {"mean": torch.zeros(2, dtype=torch.float64), "scale": torch.ones(2).double(),
+              "location": torch.tensor([1.0, 2.0]).double(),
+              "precision": torch.tensor([[4.0, 0.0], [0.0, 1.0]]).double()}
+    x = torch.tensor([[1.0, 2.0], [2.0, 2.0], [1.0, 5.0]]).double()
+    assert maha.score(x).tolist() == pytest.approx([0.0, 2.0, 3.0])
+    logistic = Novelty("logistic", "x")
+    logistic.t = {"mean": torch.zeros(2).double(), "scale": torch.ones(2).double(),
+                  "coef": torch.tensor([1.0, -2.0]).double(),
+                  "intercept": torch.tensor([0.5]).double()}
+    assert logistic.score(x).tolist() == pytest.approx([-2.5, -1.5, -8.5])
+    with pytest.raises(ValueError, match="^logistic needs x_shifted; the other kinds take "
+                                         "clean data only$"):
+        Novelty("logistic", "x").fit(x)
+    with pytest.raises(ValueError, match=r"^token_knn takes \[N, M, D\] features$"):
+        Novelty("token_knn", "x").fit(x)
+    with pytest.raises(ValueError, match=r"^knn takes \[N, D\] features$"):
+        Novelty("knn", "x").fit(x[None])
+
+
+def test_a_capped_token_bank_is_distinct_rows_of_the_tokens_the_same_each_fit():
+    rng = np.random.default_rng(3)
+    tokens = torch.from_numpy(rng.normal(size=(40, 5, 3)))
+    banks = [Novelty("token_knn", "img_tokens", k=1, max_bank=60).fit(tokens).t["bank"]
+             for _ in range(2)]
+    assert torch.equal(banks[0], banks[1]) and len(banks[0]) == 60
+    rows = {tuple(r.tolist()) for r in banks[0]}
+    assert len(rows) == 60                                   # no row drawn twice
+    z = Novelty("token_knn", "img_tokens", k=1, max_bank=10 ** 6).fit(tokens).t["bank"]
+    assert rows <= {tuple(r.tolist()) for r in z}
