@@ -421,3 +421,30 @@ def test_a_capped_token_bank_is_distinct_rows_of_the_tokens_the_same_each_fit():
     assert len(rows) == 60                                   # no row drawn twice
     z = Novelty("token_knn", "img_tokens", k=1, max_bank=10 ** 6).fit(tokens).t["bank"]
     assert rows <= {tuple(r.tolist()) for r in z}
+
+
+def test_min_scale_floors_each_features_standardisation_scale():
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.normal(size=(50, 3)) * np.array([0.01, 1.0, 3.0]))
+    plain = Novelty("knn", "x", k=1).fit(x)
+    floor = torch.tensor([0.5, 0.5, 0.5])
+    n = Novelty("knn", "x", k=1).fit(x, min_scale=floor)
+    assert torch.equal(n.t["scale"], torch.maximum(plain.t["scale"], floor.double()))
+    assert n.t["scale"][0] == 0.5 and n.t["scale"][2] == plain.t["scale"][2]
+    assert Novelty().feature == "img_mean" and Novelty().kind == "mahalanobis"
+
+
+def test_the_logistic_kind_is_l2_regularised_at_its_stated_strength():
+    from sklearn.linear_model import LogisticRegression
+
+    from heads.novelty import LOGISTIC_C
+
+    rng = np.random.default_rng(6)
+    x = torch.from_numpy(rng.normal(size=(60, 2)))
+    shifted = torch.from_numpy(rng.normal(size=(40, 2)) + [0.8, -0.4])
+    n = Novelty("logistic", "x").fit(x, shifted)
+    z, zs = n._std(x.double()), n._std(shifted.double())
+    want = LogisticRegression(C=LOGISTIC_C, max_iter=5000).fit(
+        torch.cat([z, zs]).numpy(), np.r_[np.zeros(60), np.ones(40)])
+    assert n.t["coef"].numpy() == pytest.approx(want.coef_[0], rel=1e-6)
+    assert n.t["intercept"].numpy() == pytest.approx(want.intercept_, rel=1e-6)
