@@ -431,7 +431,8 @@ def test_min_scale_floors_each_features_standardisation_scale():
     n = Novelty("knn", "x", k=1).fit(x, min_scale=floor)
     assert torch.equal(n.t["scale"], torch.maximum(plain.t["scale"], floor.double()))
     assert n.t["scale"][0] == 0.5 and n.t["scale"][2] == plain.t["scale"][2]
-    assert Novelty().feature == "img_mean" and Novelty().kind == "mahalanobis"
+    fresh = Novelty()
+    assert (fresh.kind, fresh.feature, fresh.k, fresh.n_fit) == ("mahalanobis", "img_mean", 5, 0)
 
 
 def test_the_logistic_kind_is_l2_regularised_at_its_stated_strength():
