@@ -361,17 +361,21 @@ def test_extract_many_of_mixed_image_sizes_is_each_readout_alone():
 
 class _Reads:
     """A stand-in detector: its reading of each item is built from the features it reads
-    (`key`, first column), so a test can tell what it was given; it keeps its α."""
+    (`key`, the sum of its columns), so a test can tell what it was given; it keeps its α."""
 
-    def __init__(self, key: str, image_features: tuple = (), reads_pixels: bool = False):
+    def __init__(self, key: str, image_features: tuple = (), reads_pixels: bool = False,
+                 also: str | None = None):
         self.key, self.image_features, self.reads_pixels = key, image_features, reads_pixels
+        self.also = also                   # a second feature, added
         self.alphas: list[float] = []
 
     def read(self, f: dict, alpha: float) -> list:
         from heads.novelty import NoveltyReading
 
         self.alphas.append(alpha)
-        col = f[self.key].reshape(len(f[self.key]), -1)[:, 0]
+        col = f[self.key].reshape(len(f[self.key]), -1).nansum(1)
+        if self.also is not None:
+            col = col + f[self.also].reshape(len(col), -1).nansum(1)
         return [NoveltyReading(float(v), 0.5, bool(v > 0)) for v in col]
 
 
@@ -402,17 +406,22 @@ def test_assess_reads_the_detector_on_the_images_and_keeps_the_branch_log_odds(m
     lg = branch_log_odds(h, extract_many(ros, h.kappa))
     assert [a.logits for a in out] == [tuple(map(float, row)) for row in lg]
     assert all(set(a.confidence) >= {"dualread", "psr"} for a in out)
-    with pytest.raises(ValueError, match="pass each readout's decoded image"):
+    with pytest.raises(ValueError, match="^these heads' novelty detector reads the image "
+                                         r"\(a pixel or layout part\): pass each readout's "
+                                         "decoded image$"):
         h.assess(ros)
     quiet = h.assess(ros, novelty=False)
     assert [a.novelty for a in quiet] == [None] * 3 and h.novelty.alphas == [0.123]
     assert [a.confidence for a in quiet] == [a.confidence for a in out]
     assert h.confidence_batch(ros) == [a.confidence for a in out]
     assert h.novelty.alphas == [0.123]
-    # one item: through the image, the light features (h_pre), or all of them
-    h.novelty = _Reads("red_share", ("red_share",), reads_pixels=True)
-    assert h.novelty_of(ros[2], ims[2]) == out[2].novelty
-    for key in ("h_pre", "img_tokens"):
+    # one item: through the image, the light features (h_pre), or all of them (φ reads κ)
+    h.novelty = _Reads("red_share", ("red_share",), reads_pixels=True, also="phi")
+    [want] = h.novelty.read(h.with_images(extract_many([ros[2]], h.kappa), ims[2:]), 0.1)
+    assert h.novelty_of(ros[2], ims[2]) == want and h.novelty.alphas[-1] == 0.123
+    with pytest.raises(ValueError, match="pass each readout's decoded image"):
+        h.novelty_of(ros[2])
+    for key in ("h_pre", "phi"):
         h.novelty = _Reads(key)
         [want] = h.novelty.read(extract_many([ros[1]], h.kappa), 0.1)
         assert h.novelty_of(ros[1]) == want and h.novelty.alphas[-1] == 0.123
@@ -443,3 +452,31 @@ def test_heads_certified_with_the_retired_image_check_are_refused_and_told_what_
         assert Heads.load(folder, drop_image_check=True).policy == POLICY
         edit_card(folder / "heads_card.json", field, None)
     assert Heads.load(folder).policy == POLICY
+
+
+def test_a_pixel_part_gets_the_pixel_descriptors_of_the_images(monkeypatch):
+    """`with_images` adds the pixel descriptors (`with_pixels` of the features and images)
+    only for a detector that asks for them."""
+    import heads.pixel_novelty as pixel
+    from heads.features import extract_many
+
+    calls = []
+
+    def with_pixels(feats, images):
+        calls.append(len(images))
+        return {**feats, pixel.PIXEL_FEATURE: torch.full((len(images), 1), 0.25)}
+
+    monkeypatch.setattr(pixel, "with_pixels", with_pixels)
+    h = _heads(4)
+    h.novelty = _Reads(pixel.PIXEL_FEATURE, (pixel.PIXEL_FEATURE,), also="h_pre")
+    ros = [_readout(k, 3, [1]) for k in range(2)]
+    out = h.with_images(extract_many(ros, h.kappa), ["a", "b"])
+    assert calls == [2] and out[pixel.PIXEL_FEATURE].tolist() == [[0.25], [0.25]]
+    assert torch.equal(out["h_pre"], extract_many(ros, h.kappa)["h_pre"])
+    from heads.novelty import IMAGE_FEATURES
+
+    # an image feature that is not the pixels: no descriptors computed
+    monkeypatch.setitem(IMAGE_FEATURES, "blank", lambda ims: torch.zeros(len(ims), 1))
+    h.novelty = _Reads("blank", ("blank",))
+    out = h.with_images(extract_many(ros, h.kappa), ["a", "b"])
+    assert calls == [2] and pixel.PIXEL_FEATURE not in out and "blank" in out
