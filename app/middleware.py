@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.deps import key_matches
-from app.errors import REQUEST_ID, error_response
+from app.errors import REQUEST_ID, RepeatedHeader, Unauthorized, error_response
 from app.metrics import Metrics
 
 log = logging.getLogger("dualread.access")
@@ -346,6 +346,9 @@ class RequestContext:
         t0 = time.perf_counter()
         status = 500
         started = False
+        length = headers.get("content-length")
+        declared = "transfer-encoding" in headers or \
+            (length is not None and length.strip("0") != "")
 
         async def send_with_ids(message: Message) -> None:
             nonlocal status, started
@@ -355,6 +358,11 @@ class RequestContext:
                 h[REQUEST_ID] = rid
                 if correlation:
                     h[CORRELATION_ID] = correlation
+                if declared and not body_done:
+                    # answered before the declared body was read (a refusal, a route that
+                    # takes none): the server would keep reading and discarding it for as
+                    # long as the client trickles it, so the connection closes instead
+                    h["Connection"] = "close"
             try:
                 await send(message)
             except (OSError, RuntimeError) as e:
@@ -426,9 +434,9 @@ class RequestContext:
             return replay
 
         try:
-            length = headers.get("content-length")
+            credentials = headers.getlist("authorization")
             authorized = not self.api_key or \
-                bearer_matches(headers.get("authorization", ""), self.api_key)
+                (len(credentials) == 1 and bearer_matches(credentials[0], self.api_key))
             # each header as parsed, "name: value" and CRLF (h11 has dropped the blanks
             # around a value): by name and value alone, 16,000 empty headers passed 16 KiB
             head = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
@@ -458,9 +466,11 @@ class RequestContext:
                 # every route that takes a body needs the key: refused before a byte of the
                 # body is read or its size is judged (the routes check the key again)
                 precheck = True
-                await error_response(401, "missing or invalid credentials", rid,
-                                     {"WWW-Authenticate": "Bearer"})(scope, receive,
-                                                                     send_with_ids)
+                # two copies: the routes' 400 (app.deps.one_header), whichever copy is right
+                refusal = RepeatedHeader("Authorization") if len(credentials) > 1 \
+                    else Unauthorized()
+                await error_response(refusal.status, refusal.detail, rid, dict(refusal.headers))(
+                    scope, receive, send_with_ids)
             elif length is not None and authorized and \
                     (not length.isdigit() or int(length) > max_body):
                 # refused before a byte of the body is read; without the key the router

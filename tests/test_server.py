@@ -294,3 +294,24 @@ def test_a_body_framed_two_ways_closes_the_connection(server):
     reply = data.decode("latin-1")
     assert reply.startswith("HTTP/1.1 400") and "not both" in reply, reply[:300]
     assert reply.count("HTTP/1.1") == 1, reply     # the pipelined GET was not answered
+
+
+def test_a_response_before_the_body_is_read_closes_the_connection(server):
+    """Answered before its declared body was read (the router's 404, a 413 on the declared
+    size), the connection stayed open and the server read and discarded a trickled body for
+    as long as it came: a worker held by one slow client. Now it closes after answering."""
+    heads = (b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n",
+             b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 999999999\r\n\r\n")
+    for head in heads:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head + b"{")
+            data = b""
+            try:
+                while chunk := sock.recv(65536):    # ends when the server closes
+                    data += chunk
+            except TimeoutError:
+                pytest.fail(f"still open 10 s after {data[:40]!r}")
+        reply = data.decode("latin-1")
+        assert reply.startswith(("HTTP/1.1 404", "HTTP/1.1 413")), reply[:300]
+        assert "connection: close" in reply.lower(), reply[:300]
