@@ -453,6 +453,7 @@ def serve(
     import uvicorn
 
     from app.heads_match import mismatch
+    from app.http11 import JsonH11Protocol
     from app.logs import UVICORN_LOG_CONFIG
     from app.main import create_app
     from app.settings import apply_threads
@@ -501,8 +502,10 @@ def serve(
     config = uvicorn.Config(api, host=settings.host, port=settings.port, log_level="warning",
                             log_config=UVICORN_LOG_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
-                            # h11: the one parser that bounds the headers (httptools: no limit)
-                            http="h11", h11_max_incomplete_event_size=settings.max_header_bytes)
+                            # h11: the one parser that bounds the headers (httptools: no limit);
+                            # its own 400s in the service's JSON shape
+                            http=JsonH11Protocol,
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
     Server(config).run()
 
 

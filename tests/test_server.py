@@ -4,6 +4,7 @@ conformance run is tests/test_openapi_conformance.py)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import socket
@@ -315,3 +316,28 @@ def test_a_response_before_the_body_is_read_closes_the_connection(server):
         reply = data.decode("latin-1")
         assert reply.startswith(("HTTP/1.1 404", "HTTP/1.1 413")), reply[:300]
         assert "connection: close" in reply.lower(), reply[:300]
+
+
+def test_the_parsers_own_400_is_the_json_error_shape(server):
+    """A request the HTTP parser refuses before the app (no Host, two Content-Lengths, a
+    NUL in the target) got uvicorn's plain-text `Invalid HTTP request received.`: now the
+    service's JSON shape with a request id, and the connection still closes."""
+    raws = (b"GET /health/live HTTP/1.1\r\n\r\n",
+            b"POST /feedback HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2"
+            b"\r\n\r\n{}",
+            b"GET /health/\x00live HTTP/1.1\r\nHost: x\r\n\r\n")
+    for raw in raws:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):    # ends when the server closes
+                data += chunk
+        head, _, payload = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").lower().split("\r\n")
+        assert lines[0].startswith("http/1.1 400"), data[:300]
+        assert "content-type: application/json" in lines and "connection: close" in lines
+        doc = json.loads(payload)
+        assert doc["detail"] == ("invalid HTTP request: a request line, header or framing "
+                                 "the HTTP parser refuses, or a request line and headers "
+                                 "over 16384 bytes")
+        assert f"x-request-id: {doc['request_id']}" in lines and len(doc["request_id"]) == 32
