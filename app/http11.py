@@ -1,13 +1,22 @@
-"""The HTTP/1.1 protocol `dualread serve` runs: uvicorn's h11 protocol, except that its own
-400, for a request the parser refuses before the app sees it (no `Host`, a malformed
-request line, two `Content-Length`s, headers over `--max-header-bytes` in pieces), is the
-service's JSON error shape with a request id, not plain text."""
+"""The HTTP/1.1 protocol `dualread serve` runs: uvicorn's h11 protocol, with two changes.
+
+- Its own 400, for a request the parser refuses before the app sees it (no `Host`, a
+  malformed request line, two `Content-Length`s, headers over `--max-header-bytes` in
+  pieces), is the service's JSON error shape with a request id, not plain text.
+- A connection closed while the client is still sending its body (the app answered before
+  reading it: a 401, a 413, a 404) closes gently: closing a socket with unread bytes makes
+  the kernel reset the connection, and a reset can destroy the answer before the client
+  reads it (RFC 9112 9.6). The server half-closes after the answer and reads and discards
+  what comes for `LINGER_S` at most (the client's own close ends it sooner).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -15,9 +24,48 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from app.errors import REQUEST_ID
 
 log = logging.getLogger("dualread.access")
+# Long enough for an answer to cross a slow link, short enough that a client trickling
+# its body cannot hold the connection (nginx's lingering_timeout is 5 s).
+LINGER_S = 2.0
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` lingers while the client is
+    mid-body; everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: JsonH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        # uvicorn must treat a lingering connection as closed: no next request on it
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        t = self._transport
+        if self.lingering or t.is_closing() or not t.can_write_eof() or \
+                self._protocol.conn.their_state is not h11.SEND_BODY:
+            t.close()
+            return
+        self.lingering = True
+        t.write_eof()              # after the buffered answer: the client sees it end
+        t.resume_reading()         # a paused socket would fill and reset all the same
+        self._protocol.loop.call_later(LINGER_S, t.close)
 
 
 class JsonH11Protocol(H11Protocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        if getattr(self.transport, "lingering", False):
+            return                 # the refused body's rest: read, never parsed
+        super().data_received(data)
+
     def send_400_response(self, msg: str) -> None:
         rid = uuid.uuid4().hex
         bound = self.config.h11_max_incomplete_event_size

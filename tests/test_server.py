@@ -341,3 +341,21 @@ def test_the_parsers_own_400_is_the_json_error_shape(server):
                                  "the HTTP parser refuses, or a request line and headers "
                                  "over 16384 bytes")
         assert f"x-request-id: {doc['request_id']}" in lines and len(doc["request_id"]) == 32
+
+
+def test_a_refused_upload_reads_its_answer_not_a_reset(server):
+    """Closing at once with the client's body bytes unread makes the kernel reset the
+    connection, which can destroy the refusal before the client reads it (RFC 9112 9.6):
+    the server half-closes and goes on reading for a short while instead."""
+    head = (b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 999999999\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b" " * 200_000)     # in the server's buffers, unread
+        time.sleep(0.5)                          # the 413 is sent, then the close
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pytest.fail(f"reset after {data[:60]!r}")
+    assert data.startswith(b"HTTP/1.1 413") and b"over the limit" in data, data[:300]
