@@ -78,3 +78,30 @@ def test_a_repeated_authorization_is_the_same_400_before_and_after_routing(clien
     r = client.post("/answer", json={"question": "q"}, headers={"Authorization": "Bearer x"})
     assert_error(r, 401, "missing or invalid credentials")
     assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_a_body_refused_part_way_or_sent_chunked_closes_too(client):
+    """A refusal after part of the body was read (the limit crossed by a later chunk) and a
+    chunked body the router never reads close as well: only a body read whole is done."""
+    json_type = {**API, "Content-Type": "application/json"}
+    r = client.post("/answer", content=iter([b"[" + b"1," * 15_000, b"1," * 15_000 + b"1]"]),
+                    headers=json_type)
+    assert_error(r, 413, "over the limit of 50000 bytes")
+    assert r.headers.get("connection") == "close"
+    r = client.post("/nope", content=iter([b"x"]), headers=API)       # chunked, unread
+    assert r.status_code == 404 and r.headers.get("connection") == "close"
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    # chunked and read whole: kept
+    r = client.post("/feedback", content=iter([b'{"request_id": "' + b"0" * 32,
+                                               b'", "correct": true}']), headers=json_type)
+    assert r.status_code == 200 and "connection" not in r.headers
+
+
+def test_two_authorizations_are_a_400_before_the_declared_size_is_judged(client):
+    """The first copy right and a body over the limit: the pre-check read that copy alone
+    and answered 413 (naming the limit), where the routes refuse the two copies."""
+    twice = [("Authorization", "Bearer api-secret"), ("Authorization", "Bearer x"),
+             ("Content-Type", "application/json")]
+    r = client.post("/answer", content=b"x" * 60_000, headers=twice)
+    assert_error(r, 400, "send one Authorization header, not several")
+    assert "limit" not in r.text
