@@ -505,7 +505,9 @@ def serve(
                             # h11: the one parser that bounds the headers (httptools: no limit);
                             # its own 400s in the service's JSON shape
                             http=JsonH11Protocol,
-                            h11_max_incomplete_event_size=settings.max_header_bytes)
+                            h11_max_incomplete_event_size=settings.max_header_bytes,
+                            # no WebSocket route: an upgrade with a body hung, never answered
+                            ws="none")
     Server(config).run()
 
 

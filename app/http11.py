@@ -47,8 +47,9 @@ class _LingeringTransport:
 
     def close(self) -> None:
         t = self._transport
+        # SEND_BODY: answered mid-body; ERROR: the parser's 400, with the rest unread
         if self.lingering or t.is_closing() or not t.can_write_eof() or \
-                self._protocol.conn.their_state is not h11.SEND_BODY:
+                self._protocol.conn.their_state not in (h11.SEND_BODY, h11.ERROR):
             t.close()
             return
         self.lingering = True
@@ -67,7 +68,22 @@ class JsonH11Protocol(H11Protocol):
         super().data_received(data)
 
     def send_400_response(self, msg: str) -> None:
-        rid = uuid.uuid4().hex
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.close()     # an answer is already out: no second one
+            return
+        cycle = self.cycle if self.cycle is not None and not self.cycle.response_started \
+            else None
+        if cycle is not None:
+            # the app holds this request already (its body broke the framing) and h11 will
+            # not let it answer now: it is told the client left, this 400 is the answer,
+            # and the request middleware logs it under the same id
+            cycle.disconnected = True
+            cycle.message_event.set()
+            state = cycle.scope.setdefault("state", {})  # type: ignore[typeddict-item]
+            rid = state.setdefault("request_id", uuid.uuid4().hex)
+            state["parser_answered"] = True
+        else:
+            rid = uuid.uuid4().hex
         bound = self.config.h11_max_incomplete_event_size
         detail = ("invalid HTTP request: a request line, header or framing the HTTP parser "
                   "refuses" + (f", or a request line and headers over {bound} bytes"
@@ -81,5 +97,6 @@ class JsonH11Protocol(H11Protocol):
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
-        # the parser read no route and no method it would vouch for: neither is logged
-        log.info(json.dumps({"request_id": rid, "route": "unparsed", "status": 400}))
+        if cycle is None:
+            # the parser read no route and no method it would vouch for: neither is logged
+            log.info(json.dumps({"request_id": rid, "route": "unparsed", "status": 400}))

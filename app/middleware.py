@@ -335,11 +335,12 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        # the HTTP protocol names the request when its own 400 answers it (app.http11)
+        rid = state.get("request_id") or uuid.uuid4().hex
         headers = Headers(scope=scope)
         client_id = headers.get(REQUEST_ID, "")
         correlation = client_id if CLIENT_ID.match(client_id) else None
-        state = scope.setdefault("state", {})
         # `arrived`: where the request's `timings_ms.read` starts (app.serving)
         state.update(request_id=rid, late=self.draining(), batch_size=None,
                      arrived=time.monotonic())
@@ -490,7 +491,8 @@ class RequestContext:
             # the client's own abort: not a server fault, so no 5xx in the metrics
             status = CLIENT_CLOSED
             precheck = True   # labelled by its route when it had one
-            log.info(json.dumps({"request_id": rid, "event": "client_disconnected"}))
+            if not state.get("parser_answered"):      # then it was the parser's 400
+                log.info(json.dumps({"request_id": rid, "event": "client_disconnected"}))
         except Exception as e:
             log.error(json.dumps({"request_id": rid, "event": "unhandled",
                                   "error": type(e).__name__}))
@@ -498,6 +500,9 @@ class RequestContext:
                 await error_response(500, "internal error", rid)(scope, receive,
                                                                  send_with_ids)
         finally:
+            if state.get("parser_answered"):
+                # the body broke the framing: the HTTP parser's 400 went out, not the app's
+                status, precheck = 400, True
             took = time.perf_counter() - t0
             route = getattr(scope.get("route"), "path",
                             "precheck" if precheck else "unmatched")

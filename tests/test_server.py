@@ -366,3 +366,42 @@ def test_a_refused_upload_reads_its_answer_not_a_reset(server):
         except ConnectionResetError:
             pytest.fail(f"reset after {data[:60]!r}")
     assert data.startswith(b"HTTP/1.1 413") and b"over the limit" in data, data[:300]
+
+
+def _log_text(server) -> str:
+    return os.pread(server.log.fileno(), 10_000_000, 0).decode("utf-8", "replace")
+
+
+def test_a_body_that_breaks_the_framing_is_one_json_400_and_no_error(server):
+    """A chunked body whose framing breaks after the app took the request: the parser's
+    400 answered it, then the app's own answer raised inside h11 (two ERROR lines a
+    request, on demand, and the request counted twice under two ids)."""
+    raw = (b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(raw)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data[:300]
+    rid = json.loads(payload)["request_id"]
+    time.sleep(0.5)
+    lines = [json.loads(x) for x in _log_text(server).splitlines() if rid in x]
+    assert [(x.get("route"), x.get("status")) for x in lines] == [("precheck", 400)], lines
+    assert '"level": "ERROR"' not in _log_text(server)
+
+
+def test_an_upgrade_is_not_served(server):
+    """No route takes a WebSocket: an upgrade request with a body was never answered and
+    held its connection until the client left."""
+    raw = (b"GET /answer HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+           b"Content-Length: 3\r\n\r\nabc")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(raw)
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            pytest.fail("no answer in 10 s")
+    assert data.startswith(b"HTTP/1.1 "), data[:200]
