@@ -11,6 +11,7 @@ collector returns fixed feature rows).
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import inspect
 import json
@@ -1186,3 +1187,42 @@ def test_a_state_file_without_rules_beside_heads_without_a_policy_is_set_aside(t
     assert store.active.version == SHIPPED and store.active.policy is None
     assert not (tmp_path / "state.json").exists()
     assert list(tmp_path.glob("state.json.stale-*"))
+
+
+# ------------------------------------------------------------------ the re-run's survivors
+def test_the_spending_scheme_and_the_attempt_refusal_word_for_word():
+    """`/calibration` and the state file show the scheme as written; the refusal names the
+    count's start."""
+    scheme = "delta_t = delta / (t (t + 1)), t = 1, 2, ...; sum <= delta"
+    assert spending_view(0.1, 0)["scheme"] == scheme
+    with pytest.raises(ValueError) as refused:
+        spent_delta(0.1, 0)
+    assert str(refused.value) == "attempts count from 1"
+
+
+def test_a_state_file_names_its_heads_and_other_heads_set_it_aside(tmp_path):
+    """The file records the heads it was written for, so a store of other heads (same
+    detectors, policy and temperatures) starts from the shipped rule: no hand-edited id."""
+    store = _store(tmp_path)
+    store.rules["r1-abc"] = DeferRule("r1-abc", {"psr": 2.0, "per": 1.0}, _policy(0.6))
+    store.chain.append("r1-abc")
+    store._save()
+    assert _saved(tmp_path)["heads_id"] == "heads-1"
+    other = RuleStore(tmp_path / "state.json", store.base, "heads-2", Settings(window=300))
+    assert other.active.version == SHIPPED and set(other.rules) == {SHIPPED}
+    assert list(tmp_path.glob("state.json.stale-*"))
+
+
+def test_audit_times_are_utc_on_a_server_in_another_time_zone(monkeypatch):
+    """The records' times end in Z: read off the UTC clock, not local time (UTC+14 here)."""
+    monkeypatch.setenv("TZ", "Etc/GMT-14")
+    time.tzset()
+    try:
+        stamp = recert._now()
+        now = time.time()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
+    at = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    assert abs(at - now) < 60
