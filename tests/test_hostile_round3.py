@@ -388,7 +388,11 @@ def test_serve_bounds_headers_with_h11_and_the_setting(monkeypatch):
     monkeypatch.setenv("DUALREAD_MAX_HEADER_BYTES", "4096")
     res = CliRunner().invoke(cli, ["serve", "--port", "1"])
     assert res.exit_code == 0, res.output
-    assert seen["http"] == "h11" and seen["h11_max_incomplete_event_size"] == 4096
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from app.http11 import JsonH11Protocol
+    assert seen["http"] is JsonH11Protocol and issubclass(JsonH11Protocol, H11Protocol)
+    assert seen["h11_max_incomplete_event_size"] == 4096 and seen["ws"] == "none"
 
 
 def test_headers_over_the_bound_in_one_piece_are_431(service):
