@@ -41,6 +41,10 @@ class _LingeringTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
+    def write(self, data: bytes) -> None:
+        if not self.lingering:     # an answer still streaming when the parser failed
+            self._transport.write(data)
+
     def is_closing(self) -> bool:
         # uvicorn must treat a lingering connection as closed: no next request on it
         return self.lingering or self._transport.is_closing()
@@ -67,9 +71,19 @@ class JsonH11Protocol(H11Protocol):
             return                 # the refused body's rest: read, never parsed
         super().data_received(data)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # no WebSocket route (`ws="none"`): an upgrade is answered as plain HTTP; uvicorn's
+        # warnings (one of them says to install a WebSocket library) would let any client
+        # write WARNING lines at will
+        pass
+
     def send_400_response(self, msg: str) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            self.transport.close()     # an answer is already out: no second one
+            # an answer is already out: no second one; the app's further writes are dropped
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.close()
             return
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_started \
             else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -306,6 +307,7 @@ def test_a_response_before_the_body_is_read_closes_the_connection(server):
              b"Content-Length: 999999999\r\n\r\n")
     for head in heads:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            t0 = time.monotonic()
             sock.sendall(head + b"{")
             data = b""
             try:
@@ -313,6 +315,8 @@ def test_a_response_before_the_body_is_read_closes_the_connection(server):
                     data += chunk
             except TimeoutError:
                 pytest.fail(f"still open 10 s after {data[:40]!r}")
+            # the half-close comes with the answer, not at the end of the lingering
+            assert time.monotonic() - t0 < 1.5
             # and the server stops reading soon after: a trickle is reset within seconds
             t0 = time.monotonic()
             with pytest.raises((BrokenPipeError, ConnectionResetError)):
@@ -405,3 +409,73 @@ def test_an_upgrade_is_not_served(server):
         except TimeoutError:
             pytest.fail("no answer in 10 s")
     assert data.startswith(b"HTTP/1.1 "), data[:200]
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pytest.fail(f"reset after {data[:60]!r}")
+    return data
+
+
+def test_the_parsers_400_lingers_and_parses_nothing_more(server):
+    """The parser's own 400 with the client's bytes unread: closed at once it reset the
+    connection (the answer then at the mercy of the network); and while it lingers, what
+    comes is discarded, not parsed again (each piece logged another warning)."""
+    before = _log_text(server).count("Invalid HTTP request received")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\n\r\n" + b"junk " * 40_000)
+        time.sleep(0.5)
+        for _ in range(3):
+            sock.sendall(b"GET /health/live HTTP/1.1\r\n\r\n")
+            time.sleep(0.1)
+        data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 400") and data.count(b"HTTP/1.1") == 1, data[:300]
+    time.sleep(0.3)
+    assert _log_text(server).count("Invalid HTTP request received") == before + 1
+
+
+def test_an_upload_to_a_refused_request_is_read_to_its_end(server):
+    """A client that writes its whole body before reading (most do): the server had paused
+    reading the unread body, so the upload stalled and broke off before the refusal was
+    read; the lingering close reads it to its end."""
+    body = b" " * 20_000_000
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        # head and body in one write: the body's first bytes reach the parser before the
+        # app answers, and past 64 KiB unread the server pauses reading
+        sock.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 999999999\r\n\r\n" + body)  # raises if it stalls
+        data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 413"), data[:300]
+
+
+def test_a_broken_body_after_a_wait_and_after_a_kept_request_is_logged_once(server):
+    """The bad chunk arriving after the app began reading the body: the log line and the
+    answer share one id. And a malformed request after an answered one on the same
+    connection: the first keeps its own line and status."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+        time.sleep(0.5)
+        sock.sendall(b"zz\r\n")
+        data = _read_all(sock)
+    rid = json.loads(data.partition(b"\r\n\r\n")[2])["request_id"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b"}"):                  # the whole first answer
+            first += sock.recv(65536)
+        sock.sendall(b"GET /health/live HTTP/1.1\r\n\r\n")       # no Host
+        second = _read_all(sock)
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 400")
+    live_id = re.search(rb"x-request-id: (\w+)", first).group(1).decode()
+    bad_id = json.loads(second.partition(b"\r\n\r\n")[2])["request_id"]
+    time.sleep(0.5)
+    lines = [json.loads(x) for x in _log_text(server).splitlines() if x.startswith("{")]
+    mine = {i: [(x.get("route"), x.get("status")) for x in lines if x.get("request_id") == i]
+            for i in (rid, live_id, bad_id)}
+    assert mine == {rid: [("precheck", 400)], live_id: [("/health/live", 200)],
+                    bad_id: [("unparsed", 400)]}, mine
