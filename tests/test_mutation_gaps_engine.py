@@ -1,6 +1,8 @@
 """Edges of the micro-batcher that mutation testing found untested: idleness, retries of
 small batches, jobs cancelled while their batch runs, what the hooks are told, the worker
-thread, and the error messages.
+thread (one, even for two dispatches at once), the error messages and the hook failure's
+log line, the sweep of gone jobs at a full queue, a deadline that is exactly now, and
+`stop()` after the loop was cancelled mid-batch.
 
 No timing thresholds: waits are ceilings the tests never reach (a full batch ends them),
 and durations are only checked against the elapsed time around them. Every wait on the
@@ -16,8 +18,8 @@ import time
 import pytest
 
 from app.engine import Batcher, BatcherHooks, queued_seconds
-from app.errors import DeadlineExceeded, EngineError
-from tests.test_engine import FAR, Recorder, run, until, within
+from app.errors import DeadlineExceeded, EngineError, QueueFull
+from tests.test_engine import FAR, GUARD_S, Recorder, run, until, within
 
 LONG_WAIT_MS = 600_000     # never reached: each batch below fills before it
 
@@ -154,6 +156,7 @@ def test_the_handler_runs_in_the_model_thread():
 @pytest.mark.parametrize("returned, says", [
     (lambda p: p[:-1], "handler returned 2 results for 3 jobs"),
     (lambda p: None, "handler returned NoneType results for 3 jobs"),
+    (lambda p: {"rows": p}, "handler returned dict results for 3 jobs"),   # not a Sequence
 ])
 def test_wrong_number_of_results_says_what_came_back(returned, says):
     b = Batcher({"x": lambda p, d: returned(list(p))}, max_batch=8, wait_ms=0, queue_limit=8)
@@ -177,3 +180,132 @@ def test_error_messages_name_the_cause():
     late = run(body())
     assert isinstance(late, DeadlineExceeded)
     assert str(late) == "deadline passed while queued"
+
+
+def test_gone_jobs_are_swept_only_for_a_request_that_would_not_fit():
+    """The sweep of gone callers' jobs runs when a request would overflow the queue (not
+    when it fits exactly), and reports the depth it leaves, whether the request is then
+    refused or fills the queue exactly."""
+    depths: list[int] = []
+
+    class Hooks(BatcherHooks):
+        def depth_changed(self, depth):
+            depths.append(depth)
+
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=3, hooks=Hooks())
+        try:
+            gone = b.submit_many("x", [1, 2], deadline())
+            gone[0].future.cancel()
+            b.submit("x", 3, deadline())            # 2 + 1 fits exactly: no sweep
+            assert b.depth == 3
+            with pytest.raises(QueueFull):
+                b.submit_many("x", [4, 5], deadline())  # swept to 2; 2 + 2 is too many
+            b.queue[0].future.cancel()
+            b.submit_many("x", [4, 5], deadline())  # swept to 1; 1 + 2 fits exactly
+            return b.depth
+        finally:
+            await within(b.stop())
+
+    assert run(body()) == 3
+    assert depths == [2, 3, 2, 1, 3]
+
+
+def test_a_failing_hook_is_logged_with_its_name_and_the_exception_type(caplog):
+    class Broken(BatcherHooks):
+        def depth_changed(self, depth):
+            raise KeyError("gauge")
+
+    async def body():
+        b = Batcher({"x": Recorder()}, max_batch=8, wait_ms=0, queue_limit=8, hooks=Broken())
+        b.submit("x", 1, deadline())
+        await within(b.stop())
+
+    with caplog.at_level("ERROR", logger="dualread.engine"):
+        run(body())
+    messages = [r.getMessage() for r in caplog.records if r.name == "dualread.engine"]
+    assert messages and set(messages) == {"batcher hook depth_changed failed: KeyError"}
+
+
+def test_a_job_at_exactly_its_deadline_still_runs(monkeypatch):
+    """Passed means strictly after, as for the actor's DeadlineCriteria (it stops a row
+    once now > deadline): with the module's clock frozen, a job whose deadline is now is
+    run, one a microsecond earlier is refused."""
+    from types import SimpleNamespace
+
+    import app.engine as engine
+
+    now = 1000.0
+    monkeypatch.setattr(engine, "time", SimpleNamespace(
+        monotonic=lambda: now, perf_counter=time.perf_counter))
+    h = Recorder()
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=0, queue_limit=8)
+        jobs = [b.submit("x", 1, now), b.submit("x", 2, now - 1e-6)]
+        b.start()
+        try:
+            return await within(asyncio.gather(*(j.future for j in jobs),
+                                               return_exceptions=True))
+        finally:
+            await within(b.stop())
+
+    at, before = run(body())
+    assert at == 2 and isinstance(before, DeadlineExceeded)
+    assert h.batches == [[1]]
+
+
+def test_model_calls_never_overlap_even_from_two_dispatches():
+    """One thread owns the model: a second `_dispatch` (two `@serve.batch` calls at once)
+    queues its call behind the running one, in the same thread, instead of starting it
+    beside it in another."""
+    gate = threading.Event()
+    names: list[str] = []
+    started: list[str] = []
+
+    def handler(payloads, deadlines):
+        gate.wait(GUARD_S)
+        names.append(threading.current_thread().name)
+        return payloads
+
+    class Hooks(BatcherHooks):
+        def batch_started(self, handler, jobs):
+            started.append(handler)
+
+    async def body():
+        b = Batcher({"x": handler}, max_batch=8, wait_ms=0, queue_limit=8, hooks=Hooks())
+        one, two = b.submit("x", 1, deadline()), b.submit("x", 2, deadline())
+        try:
+            first = asyncio.ensure_future(b._dispatch([one]))
+            second = asyncio.ensure_future(b._dispatch([two]))
+            await until(lambda: len(started) == 2)    # both calls handed to the pool
+            gate.set()
+            await within(asyncio.gather(first, second))
+            return [one.future.result(), two.future.result()]
+        finally:
+            gate.set()
+            await within(b.stop())
+
+    assert run(body()) == [1, 2]
+    assert len(names) == 2 and names[0] == names[1], names
+
+
+def test_stop_after_the_loop_was_cancelled_mid_batch_returns_at_once():
+    """A loop task cancelled while the model runs (its thread cannot be): `stop()` neither
+    raises the cancellation nor blocks the event loop until the model call ends."""
+    gate = threading.Event()
+    h = Recorder(gate=gate)
+
+    async def body():
+        b = Batcher({"x": h}, max_batch=8, wait_ms=0, queue_limit=8)
+        b.submit("x", 1, deadline())
+        b.start()
+        try:
+            await until(lambda: b.inflight)
+            b.task.cancel()
+            await within(b.stop())
+            return list(h.batches)                  # the model call is still at the gate
+        finally:
+            gate.set()
+
+    assert run(body()) == []
