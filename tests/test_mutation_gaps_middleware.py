@@ -889,3 +889,45 @@ def test_the_parsers_400_is_labelled_precheck_whatever_the_app_did(caplog):
     m = Metrics()
     _call(_mw(app=silent, metrics=m), state={"parser_answered": False})
     assert _count(m, "unmatched", 500) == 1
+
+
+# ------------------------------------------------------------------ two framings
+def test_two_framings_are_one_400_before_any_other_refusal():
+    """Content-Length beside Transfer-Encoding: refused unread, the connection closed, and
+    first (a 431 or a 401 beside them would have left the connection open)."""
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"hello", "more_body": False}
+
+    both = {"content-type": "application/json", "content-length": "5",
+            "transfer-encoding": "chunked"}
+    for kw in ({}, {"max_header_bytes": 10}, {"api_key": "k1"}):
+        m = Metrics()
+        r = _call(_mw(metrics=m, **kw), "POST", "/echo", both, receive=receive)
+        assert r["status"] == 400 and reads == [], kw
+        assert r["json"] == {"detail": "send Content-Length or Transfer-Encoding, not both",
+                             "request_id": r["headers"]["x-request-id"]}
+        # the close, and no header beside the usual ones
+        assert r["headers"] == {"content-length": r["headers"]["content-length"],
+                                "content-type": "application/json", "connection": "close",
+                                "x-request-id": r["headers"]["x-request-id"]}
+        assert _count(m, "precheck", 400) == 1 and _count(m, "unmatched", 400) is None
+    # either alone is one framing
+    for one in ({"content-length": "5"}, {"transfer-encoding": "chunked"}):
+        r = _call(_mw(), "POST", "/echo", {"content-type": "text/plain", **one}, [b"hello"])
+        assert r["status"] == 200 and r["json"]["n"] == 5
+
+
+def test_the_header_bound_when_line_and_headers_are_the_same_size():
+    """`x-a: ` + 20 bytes + CRLF = 27 bytes, and a 27-byte request line (a 12-byte path):
+    the larger part names the status, so equal parts are a 431, not a 414; headers of
+    exactly the bound are not "request headers over" it."""
+    h = {"x-a": "b" * 20}
+    r = _call(_mw(max_header_bytes=53), path="/" + "a" * 11, headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request line and headers over 53 bytes"
+    r = _call(_mw(max_header_bytes=27), headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request line and headers over 27 bytes"
