@@ -198,7 +198,8 @@ def _app() -> FastAPI:
 
 
 def _call(mw: RequestContext, method: str = "GET", path: str = "/ok",
-          headers: dict[str, str] | None = None, body: list[bytes] | None = None,
+          headers: dict[str, str] | list[tuple[str, str]] | None = None,
+          body: list[bytes] | None = None,
           receive=None, send_error: BaseException | None = None,
           state: dict | None = None) -> dict:
     chunks = list(body or [])
@@ -218,7 +219,8 @@ def _call(mw: RequestContext, method: str = "GET", path: str = "/ok",
     scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
              "server": ("t", 80), "client": ("c", 1),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+             "headers": [(k.lower().encode(), v.encode()) for k, v in
+                         (headers.items() if isinstance(headers, dict) else headers or [])]}
     if state is not None:
         scope["state"] = state
     asyncio.run(mw(scope, receive or default_receive, send))
@@ -735,3 +737,197 @@ def test_long_numbers_may_hold_exactly_the_bound_together():
     # short numbers never count, however many
     row = b"[" + b",".join([b"1" * 19] * 200) + b"]"
     assert json_problem(b"[" + b",".join([row] * 10) + b"]") is None     # 38,000 digits
+
+
+# ------------------------------------------------------------------ a body left unread
+def test_a_reply_before_the_declared_body_is_read_closes_the_connection():
+    """A declared body (a length above 0, or chunked) the app answers without reading:
+    the server would go on reading and discarding it, so the connection closes."""
+    for framing in ({"content-length": "5"}, {"content-length": "10"},
+                    {"content-length": "007"}, {"transfer-encoding": "chunked"}):
+        r = _call(_mw(), "GET", "/ok", framing, [b"hello"])
+        assert r["status"] == 200 and r["headers"]["connection"] == "close", framing
+        # a refusal before the body: the 404, the pre-check's 401 and 413
+        r = _call(_mw(), "POST", "/nowhere", framing, [b"hello"])
+        assert r["status"] == 404 and r["headers"]["connection"] == "close", framing
+        r = _call(_mw(api_key="k1"), "POST", "/echo", framing, [b"hello"])
+        assert r["status"] == 401 and r["headers"]["connection"] == "close", framing
+    r = _call(_mw(max_body_bytes=4), "POST", "/echo", {"content-length": "5"}, [b"hello"])
+    assert r["status"] == 413 and r["headers"]["connection"] == "close"
+    # a length that is not a number is a declared body too (refused unread)
+    for length in ("X", "x", "1e3"):
+        r = _call(_mw(), "POST", "/echo", {"content-length": length}, [b"hello"])
+        assert r["status"] == 413 and r["headers"]["connection"] == "close", length
+
+
+def test_no_body_or_a_body_read_whole_keeps_the_connection():
+    for framing in ({}, {"content-length": "0"}, {"content-length": "00"},
+                    {"content-length": "000"}):
+        r = _call(_mw(), "GET", "/ok", framing)
+        assert r["status"] == 200 and "connection" not in r["headers"], framing
+    r = _call(_mw(), "POST", "/nowhere", {"content-length": "00"})
+    assert r["status"] == 404 and "connection" not in r["headers"]
+    # read whole, by the route or by the JSON pre-check (then refused or not)
+    for ctype in ("text/plain", "application/json"):
+        for framing in ({"content-length": "6"}, {"transfer-encoding": "chunked"}):
+            r = _call(_mw(), "POST", "/echo", {"content-type": ctype, **framing},
+                      [b"[1,", b"22]"])
+            assert r["status"] == 200 and "connection" not in r["headers"], (ctype, framing)
+    bad = json.dumps({f"k{i}": 1 for i in range(33)}).encode()
+    r = _call(_mw(max_body_bytes=10_000), "POST", "/echo",
+              {"content-type": "application/json", "content-length": str(len(bad))},
+              [bad[:50], bad[50:]])
+    assert r["status"] == 422 and "connection" not in r["headers"]
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/json"])
+@pytest.mark.parametrize("framing", [{"content-length": "8"}, {"transfer-encoding": "chunked"}])
+def test_a_body_refused_part_way_closes_the_connection(ctype, framing):
+    """The limit crossed by a later chunk: the body's rest is unread."""
+    r = _call(_mw(max_body_bytes=10), "POST", "/echo", {"content-type": ctype, **framing},
+              [b"[1,2,", b"3,4,5,6]", b"[]"])
+    assert r["status"] == 413 and r["headers"]["connection"] == "close"
+    assert r["json"]["detail"] == "body over the limit of 10 bytes"
+
+
+# ------------------------------------------------------------------ two Authorization headers
+@pytest.mark.parametrize("first, second", [("Bearer k1", "Bearer x"), ("Bearer x", "Bearer k1"),
+                                           ("Bearer k1", "Bearer k1")])
+def test_two_authorizations_are_one_400_before_the_body_whichever_is_right(first, second):
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    m = Metrics()
+    mw = _mw(metrics=m, api_key="k1", body_paths=frozenset({"/echo"}))
+    twice = [("content-type", "application/json"), ("authorization", first),
+             ("authorization", second)]
+    r = _call(mw, "POST", "/echo", twice, receive=receive)
+    assert r["status"] == 400 and reads == []
+    assert r["json"] == {"detail": "send one Authorization header, not several",
+                         "request_id": r["headers"]["x-request-id"]}
+    assert "www-authenticate" not in r["headers"]
+    assert _count(m, "precheck", 400) == 1
+    # before the declared size is judged, too
+    r = _call(mw, "POST", "/echo", [*twice, ("content-length", "1000")], receive=receive)
+    assert r["status"] == 400 and reads == []
+    # without a key to check, two copies are the routes' to judge
+    assert _call(_mw(), "POST", "/echo", twice, receive=receive)["status"] == 200
+
+
+def test_one_wrong_authorization_is_the_401_with_its_challenge():
+    mw = _mw(api_key="k1", body_paths=frozenset({"/echo"}))
+    for auth in ([("authorization", "Bearer x")], []):
+        r = _call(mw, "POST", "/echo", [("content-type", "application/json"), *auth], [b"{}"])
+        assert r["status"] == 401 and r["headers"]["www-authenticate"] == "Bearer"
+        assert r["json"]["detail"] == "missing or invalid credentials"
+    r = _call(mw, "POST", "/echo", [("content-type", "application/json"),
+                                    ("authorization", "Bearer k1")], [b"{}"])
+    assert r["status"] == 200
+
+
+# ------------------------------------------------------------------ the HTTP parser's 400
+def test_the_request_id_the_http_protocol_set_is_kept(caplog):
+    caplog.set_level(logging.INFO, "dualread.access")
+    r = _call(_mw(), state={"request_id": "f" * 32})
+    assert r["headers"]["x-request-id"] == "f" * 32
+    assert json.loads(caplog.records[-1].getMessage())["request_id"] == "f" * 32
+    # none set (or an empty one): the middleware's own
+    for state in ({}, {"request_id": ""}, {"request_id": None}):
+        rid = _call(_mw(), state=state)["headers"]["x-request-id"]
+        assert len(rid) == 32 and int(rid, 16) >= 0
+
+
+def test_the_parsers_400_is_logged_and_counted_as_400_not_a_client_gone(caplog):
+    caplog.set_level(logging.INFO, "dualread.access")
+
+    async def gone(scope, receive, send):
+        scope["state"]["parser_answered"] = True
+        raise ClientDisconnect()
+
+    m = Metrics()
+    r = _call(_mw(app=gone, metrics=m), "POST", "/echo", {"content-type": "text/plain"},
+              state={"request_id": "e" * 32})
+    assert r["start"] is None
+    assert _count(m, "precheck", 400) == 1 and _count(m, "precheck", CLIENT_CLOSED) is None
+    events = [json.loads(x.getMessage()) for x in caplog.records]
+    assert events == [{"request_id": "e" * 32, "route": "precheck", "method": "POST",
+                       "status": 400, "latency_ms": events[0]["latency_ms"],
+                       "batch_size": None}]
+    # marked before the JSON pre-check read (the protocol's 400 while the body came)
+    caplog.clear()
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    m = Metrics()
+    r = _call(_mw(metrics=m), "POST", "/echo", {"content-type": "application/json"},
+              receive=receive, state={"parser_answered": True})
+    assert _count(m, "precheck", 400) == 1 and _count(m, "precheck", CLIENT_CLOSED) is None
+    assert [json.loads(x.getMessage())["status"] for x in caplog.records] == [400]
+
+
+def test_the_parsers_400_is_labelled_precheck_whatever_the_app_did(caplog):
+    """The app returned without a reply of its own (it saw the client gone): the parser's
+    400 went out, not a 500, and no route answered it."""
+    async def quiet(scope, receive, send):
+        scope["state"]["parser_answered"] = True
+
+    caplog.set_level(logging.INFO, "dualread.access")
+    m = Metrics()
+    _call(_mw(app=quiet, metrics=m))
+    assert _count(m, "precheck", 400) == 1
+    assert _count(m, "unmatched", 500) is None and _count(m, "unmatched", 400) is None
+    assert json.loads(caplog.records[-1].getMessage())["status"] == 400
+
+    # not marked: the 500 it always was
+    async def silent(scope, receive, send):
+        return None
+
+    m = Metrics()
+    _call(_mw(app=silent, metrics=m), state={"parser_answered": False})
+    assert _count(m, "unmatched", 500) == 1
+
+
+# ------------------------------------------------------------------ two framings
+def test_two_framings_are_one_400_before_any_other_refusal():
+    """Content-Length beside Transfer-Encoding: refused unread, the connection closed, and
+    first (a 431 or a 401 beside them would have left the connection open)."""
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"hello", "more_body": False}
+
+    both = {"content-type": "application/json", "content-length": "5",
+            "transfer-encoding": "chunked"}
+    for kw in ({}, {"max_header_bytes": 10}, {"api_key": "k1"}):
+        m = Metrics()
+        r = _call(_mw(metrics=m, **kw), "POST", "/echo", both, receive=receive)
+        assert r["status"] == 400 and reads == [], kw
+        assert r["json"] == {"detail": "send Content-Length or Transfer-Encoding, not both",
+                             "request_id": r["headers"]["x-request-id"]}
+        # the close, and no header beside the usual ones
+        assert r["headers"] == {"content-length": r["headers"]["content-length"],
+                                "content-type": "application/json", "connection": "close",
+                                "x-request-id": r["headers"]["x-request-id"]}
+        assert _count(m, "precheck", 400) == 1 and _count(m, "unmatched", 400) is None
+    # either alone is one framing
+    for one in ({"content-length": "5"}, {"transfer-encoding": "chunked"}):
+        r = _call(_mw(), "POST", "/echo", {"content-type": "text/plain", **one}, [b"hello"])
+        assert r["status"] == 200 and r["json"]["n"] == 5
+
+
+def test_the_header_bound_when_line_and_headers_are_the_same_size():
+    """`x-a: ` + 20 bytes + CRLF = 27 bytes, and a 27-byte request line (a 12-byte path):
+    the larger part names the status, so equal parts are a 431, not a 414; headers of
+    exactly the bound are not "request headers over" it."""
+    h = {"x-a": "b" * 20}
+    r = _call(_mw(max_header_bytes=53), path="/" + "a" * 11, headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request line and headers over 53 bytes"
+    r = _call(_mw(max_header_bytes=27), headers=h)
+    assert r["status"] == 431
+    assert r["json"]["detail"] == "request line and headers over 27 bytes"
