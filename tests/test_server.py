@@ -363,12 +363,7 @@ def test_a_refused_upload_reads_its_answer_not_a_reset(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(head + b" " * 200_000)     # in the server's buffers, unread
         time.sleep(0.5)                          # the 413 is sent, then the close
-        data = b""
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pytest.fail(f"reset after {data[:60]!r}")
+        data = _read_all(sock)
     assert data.startswith(b"HTTP/1.1 413") and b"over the limit" in data, data[:300]
 
 
