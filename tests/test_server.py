@@ -474,3 +474,25 @@ def test_a_broken_body_after_a_wait_and_after_a_kept_request_is_logged_once(serv
             for i in (rid, live_id, bad_id)}
     assert mine == {rid: [("precheck", 400)], live_id: [("/health/live", 200)],
                     bad_id: [("unparsed", 400)]}, mine
+
+
+def test_a_broken_body_refused_by_the_key_is_one_400_and_no_error(actor_dirs, heads_dir):
+    """With an API key, a keyless request whose chunked body breaks the framing in the same
+    read: the parser's 400 went out, then the key's pre-check answered too and raised
+    inside h11 (an ERROR line and an `unhandled` one for each such request, from any
+    client). The app is told the client left; its answer is dropped."""
+    s = Server(actor_dirs["qwen3_vl"], heads_dir, max_new_tokens=8, api_key="k1")
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            data = _read_all(sock)
+        assert data.startswith(b"HTTP/1.1 400") and data.count(b"HTTP/1.1") == 1, data[:300]
+        rid = json.loads(data.partition(b"\r\n\r\n")[2])["request_id"]
+        time.sleep(0.5)
+        text = _log_text(s)
+        lines = [json.loads(x) for x in text.splitlines() if rid in x]
+        assert [(x.get("route"), x.get("status")) for x in lines] == [("precheck", 400)], lines
+        assert '"level": "ERROR"' not in text
+    finally:
+        s.stop()
