@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from app.errors import REQUEST_ID
 
@@ -62,6 +62,13 @@ class _LingeringTransport:
         self._protocol.loop.call_later(LINGER_S, t.close)
 
 
+def _tell_gone(cycle: RequestResponseCycle) -> None:
+    """The app's request as if its client had left: its sends are dropped, a read waiting
+    for the body wakes to a disconnect."""
+    cycle.disconnected = True
+    cycle.message_event.set()
+
+
 class JsonH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -81,8 +88,7 @@ class JsonH11Protocol(H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             # an answer is already out: no second one; the app's further writes are dropped
             if self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.disconnected = True
-                self.cycle.message_event.set()
+                _tell_gone(self.cycle)
             self.transport.close()
             return
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_started \
@@ -91,8 +97,7 @@ class JsonH11Protocol(H11Protocol):
             # the app holds this request already (its body broke the framing) and h11 will
             # not let it answer now: it is told the client left, this 400 is the answer,
             # and the request middleware logs it under the same id
-            cycle.disconnected = True
-            cycle.message_event.set()
+            _tell_gone(cycle)
             state = cycle.scope.setdefault("state", {})  # type: ignore[typeddict-item]
             rid = state.setdefault("request_id", uuid.uuid4().hex)
             state["parser_answered"] = True

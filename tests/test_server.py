@@ -290,9 +290,7 @@ def test_a_body_framed_two_ways_closes_the_connection(server):
         sock.sendall(b"POST /feedback HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                      b"\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
                      b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(65536):       # the server closes: recv ends
-            data += chunk
+        data = _read_all(sock)                 # the server closes: recv ends
     reply = data.decode("latin-1")
     assert reply.startswith("HTTP/1.1 400") and "not both" in reply, reply[:300]
     assert reply.count("HTTP/1.1") == 1, reply     # the pipelined GET was not answered
@@ -340,9 +338,7 @@ def test_the_parsers_own_400_is_the_json_error_shape(server):
     for raw in raws:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(raw)
-            data = b""
-            while chunk := sock.recv(65536):    # ends when the server closes
-                data += chunk
+            data = _read_all(sock)              # ends when the server closes
         head, _, payload = data.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").lower().split("\r\n")
         assert lines[0].startswith("http/1.1 400"), data[:300]
@@ -379,9 +375,7 @@ def test_a_body_that_breaks_the_framing_is_one_json_400_and_no_error(server):
            b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(raw)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        data = _read_all(sock)
     head, _, payload = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), data[:300]
     rid = json.loads(payload)["request_id"]
