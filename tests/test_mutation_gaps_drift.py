@@ -54,3 +54,22 @@ def test_a_new_reference_restarts_the_window_and_every_change_counts():
     assert d.rows[0] == ({"s": 0.0}, False, "") and type(d.rows[0][0]["s"]) is float
     d.set_reference({"s": [0.5]})
     assert d.version == 27 and len(d.rows) == 0 and d.stats() == {}
+
+
+def test_the_window_counts_each_input_digest_once_and_forgets_it_on_eviction():
+    # the one-input rule's bookkeeping, exactly: a digest is held while its row is in the
+    # window (a replay is refused and says so), dropped when its row leaves (so the digest
+    # table stays the window's size and the input may come back), and "" is never held
+    d = DriftWindow(3)
+    assert [d.record({"s": k}, False, f"k{k}") for k in (1, 2, 3)] == [True] * 3
+    assert d.keys == {"k1": 1, "k2": 1, "k3": 1}
+    assert d.record({"s": 9.0}, True, "k2") is False           # a replay: nothing recorded
+    assert len(d.rows) == 3 and d.version == 3 and d.keys["k2"] == 1
+    assert d.record({"s": 4.0}, False, "k4") is True            # k1's row leaves
+    assert dict(d.keys) == {"k2": 1, "k3": 1, "k4": 1}
+    assert d.record({"s": 1.0}, False, "k1") is True            # so k1 may come back
+    assert dict(d.keys) == {"k3": 1, "k4": 1, "k1": 1}
+    assert [r[2] for r in d.rows] == ["k3", "k4", "k1"]
+    assert d.record({"s": 0.0}, False) is True and d.record({"s": 0.0}, False) is True
+    assert dict(d.keys) == {"k1": 1}                            # unkeyed rows push keys out
+    assert d.record({"s": 0.0}, False, "k3") is True            # k3 left with its row
