@@ -2,7 +2,9 @@
 
 - Its own 400, for a request the parser refuses before the app sees it (no `Host`, a
   malformed request line, two `Content-Length`s, headers over `--max-header-bytes` in
-  pieces), is the service's JSON error shape with a request id, not plain text.
+  pieces), is the service's JSON error shape with a request id, not plain text (OpenAI's
+  shape when the request was already routed to the OpenAI route), and logs one access
+  line, not uvicorn's WARNING as well.
 - A connection closed while the client is still sending its body (the app answered before
   reading it: a 401, a 413, a 404) closes gently: closing a socket with unread bytes makes
   the kernel reset the connection, and a reset can destroy the answer before the client
@@ -22,11 +24,22 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from app.errors import REQUEST_ID
+from app.routers.openai import PATH as OPENAI_PATH
+from app.routers.openai import openai_error
 
 log = logging.getLogger("dualread.access")
 # Long enough for an answer to cross a slow link, short enough that a client trickling
 # its body cannot hold the connection (nginx's lingering_timeout is 5 s).
 LINGER_S = 2.0
+PARSER_WARNING = "Invalid HTTP request received."
+
+
+class _NoParserWarning(logging.Filter):
+    """uvicorn's WARNING for each request its parser refuses: any client could write
+    WARNING lines at will; the 400's access line records the request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != PARSER_WARNING
 
 
 class _LingeringTransport:
@@ -70,6 +83,11 @@ def _tell_gone(cycle: RequestResponseCycle) -> None:
 
 
 class JsonH11Protocol(H11Protocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not any(isinstance(f, _NoParserWarning) for f in self.logger.filters):
+            self.logger.addFilter(_NoParserWarning())
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
 
@@ -108,6 +126,8 @@ class JsonH11Protocol(H11Protocol):
                   "refuses" + (f", or a request line and headers over {bound} bytes"
                                if bound else ""))
         body = json.dumps({"detail": detail, "request_id": rid}).encode()
+        if cycle is not None and cycle.scope.get("path") == OPENAI_PATH:
+            body = openai_error(400, body)     # as every error on that route
         headers = [(b"content-type", b"application/json"), (b"content-length",
                    str(len(body)).encode()), (b"connection", b"close"),
                    (REQUEST_ID.encode(), rid.encode())]

@@ -80,10 +80,15 @@ OPERATOR_OPTIONAL = {("post", "/feedback"), ("get", "/calibration")}
 OPERATOR_ERRORS = {401: "missing or wrong API key, or a wrong operator key",
                    403: "no operator key (X-Operator-Key) sent"}
 # what else an operator route answers
+NO_STORE = ("this service holds no rule store (answer-only heads, or its state file "
+            "unusable; the detail says which): retrying will not help")
 OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
-                         404: "no kept rule has that version (GET /calibration lists them)"},
+                         404: "no kept rule has that version (GET /calibration lists them)",
+                         409: NO_STORE},
+                     ("post", "/calibration/unpin"): {409: NO_STORE},
                      ("post", "/calibration/rollback"): {
-                         409: "nothing to roll back to: shipped is the only rule in the chain"}}
+                         409: "nothing to roll back to: shipped is the only rule in the "
+                              "chain; or " + NO_STORE}}
 
 
 REPEATED = "a credential header (Authorization, X-Operator-Key) is sent twice"

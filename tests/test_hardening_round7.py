@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from app.routers.openai import _openai_error, _openai_paths, error_body
+from app.routers.openai import _openai_paths, error_body, openai_error
 from tests.conftest import random_image
 from tests.helpers import assert_error, b64, png_bytes, small_limits_client
 
@@ -40,12 +40,12 @@ def test_a_message_names_fields_as_param_does(message, shown):
 
 
 def test_a_rewritten_error_is_compact_json_with_its_paths():
-    out = _openai_error(422, json.dumps({"detail": "messages.0.content: 40 fields, over "
+    out = openai_error(422, json.dumps({"detail": "messages.0.content: 40 fields, over "
                                                    "32", "request_id": "r"}).encode())
     assert out == (b'{"error":{"message":"messages[0].content: 40 fields, over 32",'
                    b'"type":"invalid_request_error","param":null,"code":"invalid_value"}}')
     # written as the route writes its own (no ASCII escapes either)
-    assert _openai_error(400, b'{"detail": "\xe2\x89\xa5 2"}') == \
+    assert openai_error(400, b'{"detail": "\xe2\x89\xa5 2"}') == \
         '{"error":{"message":"≥ 2","type":"invalid_request_error","param":null,' \
         '"code":"bad_request"}}'.encode()
 
@@ -200,7 +200,7 @@ def test_serve_writes_uvicorn_s_lines_as_json(monkeypatch, capsys):
              for lg in [logging.getLogger(n)]}
     try:
         logging.config.dictConfig(config)
-        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+        logging.getLogger("uvicorn.error").warning("Waiting for application shutdown.")
         logging.getLogger("uvicorn.access").warning("GET / 200")     # the service logs those
         err = capsys.readouterr().err.strip().splitlines()
     finally:
@@ -210,7 +210,8 @@ def test_serve_writes_uvicorn_s_lines_as_json(monkeypatch, capsys):
             lg.setLevel(level)
     assert len(err) == 1
     line = json.loads(err[0])
-    assert (line["logger"], line["message"]) == ("uvicorn.error", "Invalid HTTP request received.")
+    assert (line["logger"], line["message"]) == ("uvicorn.error",
+                                                 "Waiting for application shutdown.")
 
 
 # ------------------------------------------------------------------ the document's 401s

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import require_json, require_key
 from app.recertify import LOADING
-from app.routers.common import ERRORS
+from app.routers.common import BODY_ERRORS, error_responses
 from heads.recert import RecertError
 
 router = APIRouter(tags=["calibration"], dependencies=[Depends(require_key)])
@@ -23,6 +23,13 @@ async def require_operator(request: Request) -> str:
         raise HTTPException(403, "send the operator key in the X-Operator-Key header")
     return who
 
+
+# what each route can answer besides the key's statuses (`app.openapi` adds those, and the
+# operator routes' 404 and 409): GET reads no body and runs no model; an operator route
+# waits for the rule store while the model loads (503); pin reads a JSON body
+VIEW_ERRORS = error_responses(500)
+STORE_ERRORS = error_responses(500, 503)
+PIN_ERRORS = error_responses(*BODY_ERRORS, 503)
 
 operator = APIRouter(tags=["calibration"],
                      dependencies=[Depends(require_key), Depends(require_operator)])
@@ -44,7 +51,7 @@ def _store(request: Request):
     return recert.store
 
 
-@router.get("/calibration", responses=ERRORS)
+@router.get("/calibration", responses=VIEW_ERRORS)
 def calibration(request: Request) -> dict:
     """The active defer rule with its certificate, the open verdict window (its tallies
     with the operator key only), the last certification attempt, the kept rules and the
@@ -53,7 +60,7 @@ def calibration(request: Request) -> dict:
     return recert.view(operator=recert.operator(request) is not None)
 
 
-@operator.post("/calibration/pin", responses=ERRORS, dependencies=[Depends(require_json)])
+@operator.post("/calibration/pin", responses=PIN_ERRORS, dependencies=[Depends(require_json)])
 async def pin(request: Request, body: PinRequest, who: str = Depends(require_operator)
               ) -> dict:
     """Serve `version` (default: the active rule) and switch no more until unpinned."""
@@ -64,13 +71,13 @@ async def pin(request: Request, body: PinRequest, who: str = Depends(require_ope
     return {"active": rule.summary(), "pinned": True}
 
 
-@operator.post("/calibration/unpin", responses=ERRORS)
+@operator.post("/calibration/unpin", responses=STORE_ERRORS)
 async def unpin(request: Request, who: str = Depends(require_operator)) -> dict:
     await run_in_threadpool(_store(request).unpin, who)
     return {"pinned": False}
 
 
-@operator.post("/calibration/rollback", responses=ERRORS)
+@operator.post("/calibration/rollback", responses=STORE_ERRORS)
 async def rollback(request: Request, who: str = Depends(require_operator)) -> dict:
     """Serve the rule active before the current one, and pin it."""
     try:

@@ -11,9 +11,9 @@ from app.serving import Confidences
 # (`ErrorResponse`). 401 is not listed on routes: the document adds it to exactly the
 # operations that need the API key, when one is configured (`app.openapi`).
 ERROR_MEANINGS: dict[int, str] = {
-    400: "the body cannot be parsed (not UTF-8, or a malformed multipart body), its "
-         "content type is too long, or a credential header (Authorization, X-Operator-Key) "
-         "is sent twice",
+    400: "the body cannot be parsed (not UTF-8, or a malformed multipart body) or framed "
+         "(Content-Length with Transfer-Encoding, a broken chunked body), its content type "
+         "is too long, or a credential header (Authorization, X-Operator-Key) is sent twice",
     401: "missing or wrong API key",
     408: "the request body did not arrive within the body timeout (retry: Retry-After)",
     413: "the body, an image's bytes or its pixels are over the service's limits, or a "

@@ -235,9 +235,9 @@ def _errors(*codes: int) -> dict[int | str, dict]:
     return out
 
 
-# A JSON body read whole (no multipart parser: an unreadable body is a 422, never a 400)
-# and the model's statuses
-ERRORS = _errors(*(c for c in BODY_ERRORS if c != 400), *MODEL_ERRORS)
+# A JSON body read whole and the model's statuses; the 400 is the framing's (Content-Length
+# with Transfer-Encoding, a broken chunked body): an unreadable JSON body is a 422
+ERRORS = _errors(*BODY_ERRORS, *MODEL_ERRORS)
 
 
 # a request path in a message, as the service writes it (`messages.0.content.1.text`)
@@ -452,7 +452,7 @@ class OpenAIErrors:
             chunks.append(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            body = _openai_error(start["status"], b"".join(chunks))
+            body = openai_error(start["status"], b"".join(chunks))
             headers = MutableHeaders(scope=start)
             headers["content-length"] = str(len(body))
             headers["content-type"] = "application/json"
@@ -462,7 +462,8 @@ class OpenAIErrors:
         await self.app(scope, receive, rewrite)
 
 
-def _openai_error(status: int, body: bytes) -> bytes:
+def openai_error(status: int, body: bytes) -> bytes:
+    """An error body of the service's shape in OpenAI's (one already in it is kept)."""
     try:
         doc = json.loads(body)
     except ValueError:
