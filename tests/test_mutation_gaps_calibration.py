@@ -61,6 +61,15 @@ def test_one_class_either_way_and_a_constant_statistic_keep_the_defined_map():
     assert platt(0.5, ab_c) == pytest.approx(0.25, abs=1e-3)
 
 
+@pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_an_empty_split_gets_the_flat_map_not_an_error():
+    # no rows to fit on (an empty temperature split): p = ½, the defined orientation
+    ab, log = fit_oriented_platt(np.zeros(0), np.zeros(0))
+    assert ab == (0.0, 0.0)
+    assert log["orientation"] == "as defined" and log["fit_auroc_as_defined"] == 0.5
+
+
 def test_the_log_rounds_to_six_places():
     s = np.array([0.1, 0.2, 0.3, 0.4])
     ab, log = fit_oriented_platt(s, np.array([1.0, 0.0, 1.0, 1.0]))   # AUROC 2/3

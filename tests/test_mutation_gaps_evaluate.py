@@ -87,6 +87,17 @@ def test_response_problems_encode_without_special_tokens_and_need_a_tag_only_by_
     assert response_problems(no_tok, ["I think red"], 8) is None
 
 
+def test_response_problems_keep_a_finished_responses_trailing_tag_piece_as_text(tmp_path):
+    from heads.evaluate import response_problems
+
+    actor = type("A", (), {"folder": str(tmp_path), "tokenizer": _Tok()})()
+    # a plain response that ended on its own keeps "<c" as its answer text (usable); only a
+    # cut-off one loses a trailing piece of a tag, and is truncated either way
+    assert response_problems(actor, ["<c"], max_new_tokens=8) == [None]
+    assert response_problems(actor, ["a b c d e f g <c"], max_new_tokens=8) == [
+        "truncated (no end of response within max_new_tokens)"]
+
+
 def test_methods_left_out_when_the_tokenizer_cannot_read_p_true():
     from heads import evaluate as ev
 

@@ -52,6 +52,16 @@ def test_defer_on_risk_just_over_the_target_and_nothing_kept():
     assert math.isnan(e["coverage"]) and math.isnan(e["deferred_share"]["tau"])
 
 
+@pytest.mark.filterwarnings("error")
+def test_defer_on_with_nothing_kept_or_no_items_takes_no_empty_mean():
+    # NaN from the guards, without numpy's "Mean of empty slice" warning
+    d = grounding.defer_on(np.array([1, 0]), {"tau": np.ones(2, bool)}, 0.9, 0.5)
+    assert d["n_kept"] == 0 and math.isnan(d["risk"])
+    e = grounding.defer_on(np.zeros(0, int), {"tau": np.zeros(0, bool)}, 0.5, 0.1)
+    assert math.isnan(e["coverage"]) and math.isnan(e["coverage_tau_only"])
+    assert math.isnan(e["deferred_share"]["tau"]) and math.isnan(e["risk"])
+
+
 # ------------------------------------------------------------------ types
 def test_answer_types_by_canonical_gold():
     assert grounding.answer_type("Yes.") == "yes/no"

@@ -180,3 +180,23 @@ def test_token_spans_read_the_pieces_only_when_they_join_to_the_decoded_text():
     # a whole decode that differs from the joined pieces: the prefix loop's spans
     tok = _Tokenizer(["ab", "c", "de"], full="abcdeX")
     assert token_spans(tok, [0, 1, 2]) == [(0, 2), (2, 3), (3, 6)]
+
+
+def test_token_spans_take_the_prefix_loop_for_a_piece_holding_a_replacement_character():
+    """A token that decodes alone to U+FFFD may be part of a character split across tokens:
+    the spans come from decoding every prefix even when the pieces join to the text."""
+    from models.readout import token_spans
+
+    class Counting(_Tokenizer):
+        decodes = 0
+
+        def decode(self, ids, **kw) -> str:
+            self.decodes += 1
+            return super().decode(ids, **kw)
+
+    tok = Counting(["a", "\ufffd", "b"])
+    assert token_spans(tok, [0, 1, 2]) == [(0, 1), (1, 2), (2, 3)]
+    assert tok.decodes == 1 + 3                  # the whole text, then each prefix
+    plain = Counting(["a", "c", "b"])
+    assert token_spans(plain, [0, 1, 2]) == [(0, 1), (1, 2), (2, 3)]
+    assert plain.decodes == 1
