@@ -167,3 +167,15 @@ def test_statistics_are_recomputed_only_after_new_feedback():
     assert got["dualread_feedback_ece"][1:] == (0.25, {})
     assert got["dualread_feedback_defer_rate"][1] == 0.0
     assert got["dualread_feedback_window"][0] == "Answers with feedback in the window."
+
+
+def test_feedback_before_the_first_scrape_is_reported_by_it():
+    # the cache starts at a version no count of changes can reach: one verdict that
+    # arrives before /metrics is first read still shows on that first read
+    monitor = FeedbackMonitor(50)
+    m = Metrics(monitor)
+    hooks = MetricsHooks(m, monitor)
+    hooks.answered("a", _result(False, (), 0.9), 0.0)
+    assert hooks.feedback("a", True) is True
+    assert _value(m, "dualread_feedback_window") == 1
+    assert _value(m, "dualread_feedback_defer_rate") == 0.0
