@@ -24,6 +24,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from app.errors import REQUEST_ID
+from app.middleware import routed_path
 from app.routers.openai import PATH as OPENAI_PATH
 from app.routers.openai import openai_error
 
@@ -126,7 +127,7 @@ class JsonH11Protocol(H11Protocol):
                   "refuses" + (f", or a request line and headers over {bound} bytes"
                                if bound else ""))
         body = json.dumps({"detail": detail, "request_id": rid}).encode()
-        if cycle is not None and cycle.scope.get("path") == OPENAI_PATH:
+        if cycle is not None and routed_path(cycle.scope) == OPENAI_PATH:
             body = openai_error(400, body)     # as every error on that route
         headers = [(b"content-type", b"application/json"), (b"content-length",
                    str(len(body)).encode()), (b"connection", b"close"),

@@ -302,15 +302,24 @@ class OriginForm:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = scope.get("raw_path") or b""
-        if scope["type"] == "http" and raw[:8].lower().startswith((b"http://", b"https://")):
-            # by hand, not urlsplit: that raises on a bracketed host it cannot read
-            # (`http://[x/`), which was a plain-text 500 quoting the host in the log
-            rest = raw.split(b"://", 1)[1].split(b"#", 1)[0]
-            at = rest.find(b"/")
-            path = rest[at:] if at >= 0 else b"/"
-            scope = {**scope, "path": unquote(path.decode("ascii", "replace"))}
+        if scope["type"] == "http":
+            path = routed_path(scope)
+            if path != scope["path"]:
+                scope = {**scope, "path": path}
         await self.app(scope, receive, send)
+
+
+def routed_path(scope: Scope) -> str:
+    """The path an HTTP request is routed by: an absolute-form target's path, else the
+    scope's `path` (`OriginForm`; the HTTP parser's own 400 reads it too)."""
+    raw = scope.get("raw_path") or b""
+    if not raw[:8].lower().startswith((b"http://", b"https://")):
+        return scope["path"]
+    # by hand, not urlsplit: that raises on a bracketed host it cannot read (`http://[x/`),
+    # which was a plain-text 500 quoting the host in the log
+    rest = raw.split(b"://", 1)[1].split(b"#", 1)[0]
+    at = rest.find(b"/")
+    return unquote((rest[at:] if at >= 0 else b"/").decode("ascii", "replace"))
 
 
 class RequestContext:

@@ -117,6 +117,9 @@ def _operator_security(doc: dict, paths: set[str], keyed: bool) -> None:
             op = item.get(method)
             if op is None:
                 continue
+            if path in paths or (method, path) in OPERATOR_OPTIONAL:
+                # the operator key's header sent twice (app.deps.one_header)
+                op["responses"].setdefault("400", _error(op, 400, REPEATED))
             if path in paths:
                 op["security"] = [{**bearer, OPERATOR: []}]
                 for code, text in {**OPERATOR_ERRORS,

@@ -180,8 +180,9 @@ def test_other_broken_escapes_stay_plain_invalid_json(api):
 
 # ------------------------------------------------------------------ uvicorn's own lines
 def test_serve_writes_uvicorn_s_lines_as_json(monkeypatch, capsys):
-    """`dualread serve` gives uvicorn a logging config whose lines are JSON: its "Invalid
-    HTTP request received." (any client can cause it) was a plain line."""
+    """`dualread serve` gives uvicorn a logging config whose lines are JSON: its own lines
+    (its parser's WARNING, which any client could cause, is not written since) were plain
+    text."""
     import logging
     import logging.config
 

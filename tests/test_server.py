@@ -437,19 +437,20 @@ def test_a_broken_body_on_the_openai_route_is_refused_in_openai_s_shape(server):
     """The parser's 400 for a body whose framing broke after the app took the request was
     the service's `{"detail", "request_id"}` on /v1/chat/completions too, where every
     error is OpenAI's shape."""
-    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-           b"\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\nZZ\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(raw)
-        data = _read_all(sock)
-    head, _, payload = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").lower().split("\r\n")
-    assert lines[0].startswith("http/1.1 400") and "connection: close" in lines, data[:300]
-    assert json.loads(payload) == {"error": {
-        "message": "invalid HTTP request: a request line, header or framing the HTTP parser "
-                   "refuses, or a request line and headers over 16384 bytes",
-        "type": "invalid_request_error", "param": None, "code": "bad_request"}}
-    assert any(x.startswith("x-request-id: ") and len(x) == 46 for x in lines)
+    for target in (b"/v1/chat/completions", b"http://x/v1/chat/completions"):
+        raw = (b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+               b"\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\nZZ\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(raw)
+            data = _read_all(sock)
+        head, _, payload = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").lower().split("\r\n")
+        assert lines[0].startswith("http/1.1 400") and "connection: close" in lines, data
+        assert json.loads(payload) == {"error": {
+            "message": "invalid HTTP request: a request line, header or framing the HTTP "
+                       "parser refuses, or a request line and headers over 16384 bytes",
+            "type": "invalid_request_error", "param": None, "code": "bad_request"}}, target
+        assert any(x.startswith("x-request-id: ") and len(x) == 46 for x in lines)
 
 
 def test_an_upload_to_a_refused_request_is_read_to_its_end(server):

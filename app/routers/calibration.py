@@ -24,11 +24,13 @@ async def require_operator(request: Request) -> str:
     return who
 
 
-# what each route can answer besides the key's statuses (`app.openapi` adds those, and the
+# what each route can answer besides the keys' statuses (`app.openapi` adds those, and the
 # operator routes' 404 and 409): GET reads no body and runs no model; an operator route
-# waits for the rule store while the model loads (503); pin reads a JSON body
+# waits for the rule store while the model loads (503); a POST's body, which unpin and
+# rollback do not use, is still bounded and checked before routing (400, 408, 413, 422);
+# pin reads its JSON body (415 too)
 VIEW_ERRORS = error_responses(500)
-STORE_ERRORS = error_responses(500, 503)
+STORE_ERRORS = error_responses(400, 408, 413, 422, 500, 503)
 PIN_ERRORS = error_responses(*BODY_ERRORS, 503)
 
 operator = APIRouter(tags=["calibration"],

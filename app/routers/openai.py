@@ -238,6 +238,9 @@ def _errors(*codes: int) -> dict[int | str, dict]:
 # A JSON body read whole and the model's statuses; the 400 is the framing's (Content-Length
 # with Transfer-Encoding, a broken chunked body): an unreadable JSON body is a 422
 ERRORS = _errors(*BODY_ERRORS, *MODEL_ERRORS)
+ERRORS[400]["description"] = ("the body is framed two ways (Content-Length with "
+                              "Transfer-Encoding) or its chunked framing is broken, or a "
+                              "credential header (Authorization) is sent twice")
 
 
 # a request path in a message, as the service writes it (`messages.0.content.1.text`)
