@@ -220,3 +220,33 @@ def test_equal_areas_fill_the_slots_in_reading_order():
     first = [k for k, a in enumerate(sizes) if a == 16][:3]      # 8, 10, 13
     for slot, k in enumerate(first):
         assert _slot(d, slot)[3] == pytest.approx(k * 9 / 255, abs=1e-6)
+
+
+def test_the_outline_rows_are_built_once_per_bank_and_again_after_an_extension():
+    # the cache is the point of `_outline_bank` (building the rows cost more than a score)
+    x = _x(6, 3)
+    part = ln.NearLayoutNovelty().fit(x[:4])
+    cols, rows = part._outline_bank()
+    again = part._outline_bank()
+    assert again[0] is cols and again[1] is rows                          # reused, not rebuilt
+    assert torch.equal(rows, part.t["bank"][:, cols].float())
+    part.extend_bank(x[4:])
+    cols2, rows2 = part._outline_bank()
+    assert rows2 is not rows and torch.equal(rows2, part.t["bank"][:, cols2].float())
+    assert part._outline_bank()[1] is rows2
+
+
+def test_the_ray_profile_averages_zero_for_an_object_whose_rays_average_under_a_pixel():
+    # a bright 1 × 2 px core in a faint 4 × 3 px box (12 px, an object): the soft mask is
+    # ½ or more only on the core, so its rays average about 0.96 px; the profile is the
+    # rays over their mean, whatever that mean (the floor only guards an empty mask)
+    im = Image.new("RGB", (64, 64), (0, 0, 0))
+    draw = ImageDraw.Draw(im)
+    draw.rectangle([(30, 30), (33, 32)], fill=(54, 54, 54))              # 54/255 > 0.2
+    draw.rectangle([(31, 31), (32, 31)], fill=(255, 255, 255))
+    v = ln.scene_descriptor(im, outline=ln.Outline(rays=8))
+    assert v[0] == ln.COUNT_WEIGHT
+    prof = v[ln.DIM: ln.DIM + 8]
+    assert abs(float(prof.mean())) < 1e-6
+    assert np.isclose(prof[0], prof[4]) and np.isclose(prof[2], prof[6])
+    assert prof[0] > 0 > prof[2]                                          # wider than tall
