@@ -480,3 +480,24 @@ def test_a_pixel_part_gets_the_pixel_descriptors_of_the_images(monkeypatch):
     h.novelty = _Reads("blank", ("blank",))
     out = h.with_images(extract_many(ros, h.kappa), ["a", "b"])
     assert calls == [2] and pixel.PIXEL_FEATURE not in out and "blank" in out
+
+
+def test_load_prepares_the_detector_unless_told_not_to(tmp_path, monkeypatch):
+    """The detector's scoring caches are built at load by default, so the first request
+    costs what later ones do; `prepare=False` leaves them to the first score."""
+    import heads.dualread as dualread
+    from tests.helpers import edit_card
+
+    class Detector:
+        prepared = 0
+
+        def prepare(self) -> Detector:
+            Detector.prepared += 1
+            return self
+
+    monkeypatch.setattr(dualread, "load_detector", lambda folder: Detector())
+    _heads().save(tmp_path, {})
+    edit_card(tmp_path / "heads_card.json", "novelty", {"alpha": 0.02})
+    assert isinstance(Heads.load(tmp_path).novelty, Detector) and Detector.prepared == 1
+    assert Heads.load(tmp_path, prepare=False).novelty_alpha == 0.02
+    assert Detector.prepared == 1

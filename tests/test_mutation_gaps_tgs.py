@@ -434,3 +434,29 @@ def test_digit_jsd_skips_an_item_without_its_own_digit_distribution():
     both = {"digits": {"good": alt, "alt:answer:0": alt}}
     assert tgs_probe._digit_jsd([only_alts], "answer") == []
     assert tgs_probe._digit_jsd([only_alts, both], "answer") == [0.0]
+
+
+def test_alternatives_draw_at_most_four_picks_per_alternative(monkeypatch):
+    """The picks are keyed `{key}:alt0` … `{key}:alt19` (4·K_ALTERNATIVES): an axis whose
+    rule gives fewer than K distinct alternatives stops there, so a stored run's
+    alternatives are the same picks when re-run."""
+    keys: list[str] = []
+
+    def few(response: str, question: str, key: str) -> str:
+        keys.append(key)
+        j = int(key.rsplit("alt", 1)[1])
+        return f"v{j % 4}" if j < 20 else f"late{j}"   # four distinct, then a fifth
+
+    monkeypatch.setattr(tgs_probe.text, "vision_variant", few)
+    got = tgs_probe.alternatives("own", "q?", "k", "vision")
+    assert got == ["v0", "v1", "v2", "v3"]
+    assert keys == [f"k:alt{j}" for j in range(4 * tgs_probe.K_ALTERNATIVES)]
+
+
+def test_paper_jsd_share_counts_a_pair_at_exactly_one_tenth(recs, monkeypatch):
+    """The paper's P(JSD ≤ 0.1) is inclusive: a pair at exactly 0.1 counts as close."""
+    monkeypatch.setattr(tgs_probe, "_digit_jsd", lambda records, axis: [0.1, 0.05, 0.2])
+    v = tgs_probe.summarise(recs, CFG)["verbalized"]
+    for a in AXES:
+        assert v[f"p_jsd11_le_0.1_{a}"] == pytest.approx(2 / 3)
+        assert v[f"n_jsd11_pairs_{a}"] == 3
