@@ -14,7 +14,7 @@ from tests.helpers import assert_error, small_limits_client
 OPERATOR = {"X-Operator-Key": "op-secret"}
 
 
-def _doc(service, tmp_path, **settings) -> dict:
+def _doc(service, **settings) -> dict:
     with small_limits_client(service, **settings) as c:
         return c.get("/openapi.json").json()
 
@@ -40,7 +40,7 @@ def test_the_operator_routes_answer_409_without_a_rule_store_as_documented(servi
 def test_each_calibration_route_lists_only_what_it_can_answer(service, tmp_path):
     """GET /calibration listed 415, 422, 429 and 504 (a body route's and the model's
     statuses); unpin and rollback read no body and run no model either."""
-    paths = _doc(service, tmp_path, operator_key="op-secret",
+    paths = _doc(service, operator_key="op-secret",
                  recert_state=str(tmp_path / "state.json"))["paths"]
     codes = {(m, p): set(paths[p][m]["responses"]) for p, m in (
         ("/calibration", "get"), ("/calibration/pin", "post"),
@@ -70,10 +70,10 @@ def test_a_repeated_operator_key_is_a_documented_400_without_an_api_key(service,
         assert "sent twice" in paths[path][method]["responses"]["400"]["description"], path
 
 
-def test_the_openai_route_lists_its_framing_400_without_a_key(service, tmp_path):
+def test_the_openai_route_lists_its_framing_400_without_a_key(service):
     """Without an API key the document gave /v1/chat/completions no 400, yet a body framed
     two ways or a broken chunked body is one (in OpenAI's shape)."""
-    op = _doc(service, tmp_path)["paths"]["/v1/chat/completions"]["post"]
+    op = _doc(service)["paths"]["/v1/chat/completions"]["post"]
     assert op["responses"]["400"]["description"].startswith(
         "the body is framed two ways (Content-Length with Transfer-Encoding) or its chunked "
         "framing is broken")
