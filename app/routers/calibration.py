@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import require_json, require_key
 from app.recertify import LOADING
-from app.routers.common import BODY_ERRORS, error_responses
+from app.routers.common import BODY_ERRORS, PRE_ROUTING_ERRORS, error_responses
 from heads.recert import RecertError
 
 router = APIRouter(tags=["calibration"], dependencies=[Depends(require_key)])
@@ -30,7 +30,7 @@ async def require_operator(request: Request) -> str:
 # rollback do not use, is still bounded and checked before routing (400, 408, 413, 422);
 # pin reads its JSON body (415 too)
 VIEW_ERRORS = error_responses(500)
-STORE_ERRORS = error_responses(400, 408, 413, 422, 500, 503)
+STORE_ERRORS = error_responses(*PRE_ROUTING_ERRORS, 500, 503)
 PIN_ERRORS = error_responses(*BODY_ERRORS, 503)
 
 operator = APIRouter(tags=["calibration"],
