@@ -1,7 +1,9 @@
 """Tests for mutants of heads/novelty.py that the module's own tests did not see: what a
 recalibrated copy keeps, the clean reference drift reads, a twice-extended reference, saving
 and loading (a new folder, an unsorted calibration, default prefixes, a stale clean sample),
-and the message refusing an image part fitted with other descriptors.
+the message refusing an image part fitted with other descriptors, the float32 token
+distances of features far from zero, the scoring caches kept between scores, and what an
+image part's artefact records.
 
 No actor is built; expectations are conformal p-values counted by hand.
 """
@@ -449,3 +451,77 @@ def test_the_logistic_kind_is_l2_regularised_at_its_stated_strength():
         torch.cat([z, zs]).numpy(), np.r_[np.zeros(60), np.ones(40)])
     assert n.t["coef"].numpy() == pytest.approx(want.coef_[0], rel=1e-6)
     assert n.t["intercept"].numpy() == pytest.approx(want.intercept_, rel=1e-6)
+
+
+def test_token_distances_stay_exact_for_features_far_from_zero():
+    """`token_knn` reads distances in float32 as |a|² + |b|² − 2a·b: the standardisation's
+    per-feature centring keeps |a|² small, so a token 0.03 off a fitting one scores 0.03 /
+    scale even when the features sit near 1000 (centred elsewhere, the float32 sums of
+    millions cancel to 0 or 1)."""
+    g = np.random.default_rng(0)
+    x = torch.from_numpy(g.normal(size=(6, 4, 3)) + np.array([1000.0, -500.0, 30.0]))
+    nov = Novelty("token_knn", "img_token_set").fit(x)
+    assert nov.t["mean"].shape == (3,)                         # one mean per feature
+    q = x[:2] + torch.tensor([0.03, 0.0, 0.0], dtype=torch.float64)
+    want = 0.03 / nov.t["scale"][0].item()
+    assert nov.score(q) == pytest.approx([want, want], rel=1e-3)
+
+
+@pytest.mark.parametrize("kind,cache", [("knn", "_b2"), ("token_knn", "_b32")])
+def test_scoring_a_prepared_detector_builds_nothing_again(kind, cache, monkeypatch):
+    """`prepare` builds what scoring reads from the bank so that the first score costs
+    what later ones do: scores read that cache and leave it as it is until the bank
+    changes (a cache rebuilt on each score gives the same numbers, slower)."""
+    import heads.novelty as hn
+
+    x = torch.from_numpy(np.random.default_rng(1).normal(size=(24, 3)))
+    nov = Novelty(kind, "x", k=1).fit(x if kind == "knn" else x.reshape(6, 4, 3)).prepare()
+    kept = getattr(nov, cache)
+    seen = []
+    real = hn.kth_distance
+    monkeypatch.setattr(hn, "kth_distance", lambda z, bank, k, b2=None:
+                        seen.append(b2) or real(z, bank, k, b2))
+    q = _x(2, 2) if kind == "knn" else _x(8, 2).reshape(2, 4, 3)
+    first = nov.score(q)
+    assert getattr(nov, cache) is kept and np.array_equal(nov.score(q), first)
+    assert getattr(nov, cache) is kept
+    if kind == "knn":                               # the kept norms, not recomputed
+        assert len(seen) == 2 and all(b2 is kept[1] for b2 in seen)
+
+
+def test_a_composite_read_before_calibration_says_what_to_do():
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0))})
+    with pytest.raises(RuntimeError) as e:
+        det.read({"h_pre": _x(2, 1)})
+    assert str(e.value) == "calibrate on a clean split before asking for p-values"
+
+
+def test_combined_p_values_of_float32_scores_are_read_in_double_precision():
+    """Scores stored in float32 give the p-values of the same numbers as float64: the
+    powers of ten are taken in double precision, as `Novelty.p_values_of` does."""
+    from heads.novelty import CompositeNovelty
+
+    det = CompositeNovelty({"q": Novelty("knn", "h_pre", k=1).fit(_x(10, 0))})
+    s32 = np.array([2.5, 0.5], dtype=np.float32)              # exact in float32
+    p = det.p_values_of(s32)
+    assert p.dtype == np.float64 and p.tolist() == det.p_values_of(s32.astype(float)).tolist()
+    assert p.tolist() == [10.0 ** -2.5, 10.0 ** -0.5]
+
+
+def test_an_image_part_records_mean_0_scale_1_and_its_defaults(tmp_path):
+    """An image part's inputs are not standardised: its artefact records mean 0 and scale
+    1 (float64, one per descriptor value, not per patch or image), and its card k = 1 and,
+    unfitted, n_fit = 0."""
+    from heads.pixel_novelty import DIM, PixelNovelty
+
+    bare = PixelNovelty().to_dict()
+    assert (bare["k"], bare["n_fit"], bare["bank"]) == (1, 0, 0)
+    x = torch.from_numpy(np.random.default_rng(0).random((2, 5, DIM)))   # N, P ≠ DIM
+    PixelNovelty().fit(x).save(tmp_path, "p")
+    back = PixelNovelty.load(tmp_path, "p")
+    assert back.k == 1 and back.n_fit == 2
+    for key, value in (("mean", 0.0), ("scale", 1.0)):
+        t = back.t[key]
+        assert t.dtype == torch.float64 and t.tolist() == [value] * DIM
