@@ -1,5 +1,5 @@
-"""The kill rate per module and overall from `mutmut results --all true`, and whether the
-run meets its target, as `make mutation` prints it.
+"""The mutants not killed, the kill rate per module and overall from `mutmut results --all
+true`, and whether the run meets its target, as `make mutation` prints it.
 
     mutmut results --all true | python tests/mutation_report.py [--modules "a.b c.d"]
 
@@ -18,6 +18,17 @@ from collections.abc import Iterable
 
 LINE = re.compile(r"^\s*(?P<name>\S+?)\.x[_ǁ]\S*: (?P<status>.+?)\s*$")
 SHOWN = ("killed", "timeout", "survived", "no tests", "not checked")
+
+
+def not_killed(lines: Iterable[str], modules: set[str] | None = None) -> list[str]:
+    """The lines of the mutants a run did not kill, in the modules asked for (mutmut's own
+    listing shows every module's unchecked mutants too: thousands after a split run)."""
+    out = []
+    for line in lines:
+        m = LINE.match(line)
+        if m and m["status"] != "killed" and (not modules or m["name"] in modules):
+            out.append(line.strip())
+    return out
 
 
 def tally(lines: Iterable[str], modules: set[str] | None = None) -> dict[str, Counter]:
@@ -58,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modules", default="", help="space-separated modules (default all)")
     ap.add_argument("--target", type=float, default=85.0)
     a = ap.parse_args(argv)
-    text, ok = report(tally(sys.stdin, set(a.modules.split()) or None), a.target)
+    lines, modules = sys.stdin.readlines(), set(a.modules.split()) or None
+    left = not_killed(lines, modules)
+    if left:
+        print("not killed:\n" + "\n".join(f"    {line}" for line in left))
+    text, ok = report(tally(lines, modules), a.target)
     print(text)
     return 0 if ok else 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import sys
 
-from tests.mutation_report import main, report, tally
+from tests.mutation_report import main, not_killed, report, tally
 
 RESULTS = """\
     heads.defer.x_min_kept__mutmut_1: killed
@@ -55,3 +55,18 @@ def test_exit_status(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(RESULTS))
     assert main(["--target", "70"]) == 1            # heads.recert is short
     assert "UNDER TARGET" in capsys.readouterr().out
+
+
+def test_the_mutants_not_killed_are_listed_for_the_modules_asked_only(monkeypatch, capsys):
+    assert not_killed(RESULTS.splitlines(), {"heads.defer"}) == [
+        "heads.defer.x_min_kept__mutmut_4: survived"]
+    assert not_killed(RESULTS.splitlines()) == [
+        "heads.defer.x_min_kept__mutmut_4: survived",
+        "heads.recert.xǁRuleStoreǁ_close__mutmut_2: timeout",
+        "heads.recert.x_certify__mutmut_7: no tests",
+        "heads.recert.x_certify__mutmut_8: not checked"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(RESULTS))
+    main(["--modules", "heads.defer", "--target", "70"])
+    out = capsys.readouterr().out
+    assert out.startswith("not killed:\n    heads.defer.x_min_kept__mutmut_4: survived\n")
+    assert "recert" not in out
