@@ -1,7 +1,8 @@
 """The request middleware driven as plain ASGI, no model (mutation gaps of app/middleware.py):
-the JSON pre-check's bounds, the refusals before routing and their order, the ids on a
-response, the body limit and deadline, a client gone, an unexpected error, and what the
-metrics and the access log record."""
+the JSON pre-check's bounds and its scan's cost, the refusals before routing and their
+order, the ids on a response, the body limit and deadline, a client gone, an unexpected
+error, what the metrics and the access log record, and the path an absolute-form request
+target is routed by."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import re
 import sys
 import time
 from types import SimpleNamespace
+from urllib.parse import unquote
 
 import pytest
 from fastapi import FastAPI, Request
@@ -24,11 +26,13 @@ from app.metrics import Metrics
 from app.middleware import (
     CLIENT_CLOSED,
     MAX_JSON_NODES,
+    OriginForm,
     RequestContext,
     bearer_matches,
     body_paths,
     json_problem,
     long_number,
+    routed_path,
 )
 
 LIMIT = sys.get_int_max_str_digits()
@@ -58,6 +62,69 @@ def test_the_windowed_token_scan_reads_what_one_regex_reads(monkeypatch, window)
     for _ in range(3000):
         body = bytes(rng.choice(b'"\\[]{}:, a1') for _ in range(rng.randint(0, 40)))
         assert list(middleware._tokens(body)) == _reference_tokens(body), body
+
+
+# The scan's cost: a string's end is a search for its closing quote, and the escape regex
+# (which holds the GIL for a whole call) runs only from a backslash, a window at a time.
+_ESCAPED = middleware._ESCAPED
+
+
+class _RecordedRegex:
+    """`_ESCAPED` with each call's span recorded: (where it started, where it stopped)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []
+
+    def match(self, body: bytes, pos: int, *endpos: int) -> re.Match:
+        m = _ESCAPED.match(body, pos, *endpos)
+        self.spans.append((pos, m.end()))
+        return m
+
+
+def test_only_strings_with_an_escape_go_through_the_regex(monkeypatch):
+    regex = _RecordedRegex()
+    monkeypatch.setattr(middleware, "_ESCAPED", regex)
+    # (body, strings with a backslash before their closing quote)
+    for body, escaped in ((b'"plain"', 0),                       # a string at the very start
+                          (b'{"a": "b", "c": ["d"]}', 0),         # no backslash anywhere
+                          (b'["\\n", "plain", "x"]', 1),        # one before the plain strings
+                          (b'["plain", "\\n"]', 1),             # one after a plain string
+                          (b'{"a\\"b": 1}', 1)):
+        regex.spans.clear()
+        assert list(middleware._tokens(body)) == _reference_tokens(body), body
+        assert len(regex.spans) == escaped, (body, regex.spans)
+
+
+def test_no_one_regex_call_scans_more_than_a_window(monkeypatch):
+    monkeypatch.setattr(middleware, "WINDOW", 8)
+    regex = _RecordedRegex()
+    monkeypatch.setattr(middleware, "_ESCAPED", regex)
+    body = b'["' + b"\\n" * 40 + b'x", 1]'
+    assert list(middleware._tokens(body)) == _reference_tokens(body)
+    assert len(regex.spans) >= 10
+    assert all(stop - start <= 8 for start, stop in regex.spans), regex.spans
+
+
+class _CountedSlices(bytes):
+    """A body that counts the bytes its slices copy: the scan marks a copy of each window."""
+
+    copied = 0
+
+    def __getitem__(self, key):
+        part = super().__getitem__(key)
+        if isinstance(key, slice):
+            type(self).copied += len(part)
+        return part
+
+
+@pytest.mark.parametrize("window", [16, 1 << 18])
+def test_the_token_scan_marks_each_byte_at_most_once(monkeypatch, window):
+    monkeypatch.setattr(middleware, "WINDOW", window)
+    raw = b"[" + b'"ab", 1, ' * 300 + b'"\\u0071", {"k": [2]}]'
+    body = _CountedSlices(raw)
+    _CountedSlices.copied = 0
+    assert list(middleware._tokens(body)) == _reference_tokens(raw)
+    assert 0 < _CountedSlices.copied <= len(raw)
 
 
 def test_a_long_number_across_a_window_edge_is_found(monkeypatch):
@@ -931,3 +998,87 @@ def test_the_header_bound_when_line_and_headers_are_the_same_size():
     r = _call(_mw(max_header_bytes=27), headers=h)
     assert r["status"] == 431
     assert r["json"]["detail"] == "request line and headers over 27 bytes"
+
+
+# ------------------------------------------------------------------ absolute-form targets
+def _target(raw: bytes, **kw) -> dict:
+    """A scope as uvicorn's h11 server builds it for `GET raw`: `path` is the target
+    unquoted (an absolute-form target's whole URL), `raw_path` what was sent."""
+    return {"type": "http", "method": "GET", "path": unquote(raw.decode("latin-1")),
+            "raw_path": raw, "query_string": b"", **kw}
+
+
+@pytest.mark.parametrize("raw, path", [
+    (b"http://example.org/answer", "/answer"),
+    (b"https://example.org/answer", "/answer"),
+    (b"HTTPS://Example.org:8443/calibration/pin", "/calibration/pin"),
+    (b"hTtP://example.org/a/b/c", "/a/b/c"),          # the path from the first slash on
+    (b"http://example.org", "/"),                     # no path: the root
+    (b"http://example.org?x=1", "/"),
+    (b"http:///answer", "/answer"),                   # an empty authority
+    (b"http://user@example.org/a%20b%2Fc", "/a b/c"),  # unquoted, as uvicorn does
+    (b"http://example.org/x://y/z", "/x://y/z"),      # only the first `://` ends the scheme
+    (b"http://example.org/a#b", "/a"),                # a fragment is not the path
+    (b"http://example.org/a#b#c/d", "/a"),
+    (b"http://example.org#frag/x", "/"),
+    (b"http://[::1/health/live", "/health/live"),     # a host no URL parser reads
+    # an ASGI server may pass any bytes: one outside ASCII is a replacement character,
+    # never an error (h11 lets only visible ASCII through)
+    (b"http://example.org/\xffa%41", "/\ufffdaA"),
+])
+def test_an_absolute_target_routes_by_its_path(raw, path):
+    assert routed_path(_target(raw)) == path
+
+
+@pytest.mark.parametrize("raw", [b"/answer", b"/http://example.org/answer",
+                                 b"ftp://example.org/answer", b"http:/example.org/answer",
+                                 b"http//example.org/answer", b"*", b""])
+def test_other_targets_route_by_the_scopes_own_path(raw):
+    # the scope's `path`, not one read again from `raw_path`
+    assert routed_path(_target(raw, path="/the/scopes")) == "/the/scopes"
+
+
+def test_a_scope_without_a_raw_path_routes_by_its_path():
+    # `raw_path` is optional in ASGI
+    scope = _target(b"http://example.org/answer")
+    del scope["raw_path"]
+    assert routed_path(scope) == "http://example.org/answer"
+    assert routed_path({**scope, "raw_path": None}) == "http://example.org/answer"
+
+
+def test_origin_form_passes_on_a_copy_with_the_routed_path():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope, receive, send))
+
+    async def receive() -> dict:
+        return {}
+
+    async def send(message: dict) -> None:
+        return None
+
+    mw = OriginForm(app)
+    scope = _target(b"http://example.org/answer")
+    asyncio.run(mw(scope, receive, send))
+    passed, r, s = seen[-1]
+    assert passed["path"] == "/answer" and (r, s) == (receive, send)
+    # every other key kept; the server's own scope not changed in place
+    assert {**passed, "path": scope["path"]} == scope
+    assert scope["path"] == "http://example.org/answer"
+    # an origin-form target, or another kind of scope: the very scope, untouched
+    for other in (_target(b"/answer"), {**_target(b"http://example.org/ws"), "type": "websocket"},
+                  {"type": "lifespan"}):
+        asyncio.run(mw(other, receive, send))
+        assert seen[-1][0] is other and seen[-1][0] == dict(other)
+
+
+def test_an_absolute_target_reaches_its_route_through_the_middleware():
+    m = Metrics()
+    app = OriginForm(_mw(metrics=m))
+    r = _call(app, "GET", "http://example.org/ok")
+    assert r["status"] == 200 and r["json"] == {"ok": True}
+    assert _count(m, "/ok", 200) == 1
+    r = _call(app, "POST", "HTTPS://example.org:8443/echo", {"content-type": "text/plain"},
+              [b"hello"])
+    assert r["status"] == 200 and r["json"]["n"] == 5
