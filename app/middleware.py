@@ -110,7 +110,9 @@ _BEFORE_VALUE = frozenset(b"[{,:") | {0}
 def _string_end(body: bytes, j: int) -> int:
     """Where the string whose text starts at `j` ends (past its closing quote), -1 when it
     never closes. The next quote and backslash are looked up once each and kept while
-    the scan has not passed them (looking them up again each window was quadratic)."""
+    the scan has not passed them (looking them up again each window was quadratic); a
+    backslash only up to that quote (searched further, every short string before one
+    distant backslash read to it: quadratic in the body again)."""
     n = len(body)
     quote = slash = -1
     while j < n:
@@ -119,7 +121,7 @@ def _string_end(body: bytes, j: int) -> int:
             if quote < 0:
                 return -1
         if slash < j:
-            slash = body.find(b"\\", j)
+            slash = body.find(b"\\", j, quote)
             slash = n if slash < 0 else slash
         if slash > quote:
             return quote + 1
