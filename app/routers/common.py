@@ -34,7 +34,8 @@ ERROR_HEADERS: dict[int, dict[str, str]] = {
 }
 
 # What the middleware refuses before routing, on any POST (framing, a slow or oversized body,
-# a number too long to parse); a route that reads a body; a route that runs the model.
+# a JSON body over the pre-check's bounds); a route that reads a body; a route that runs
+# the model.
 PRE_ROUTING_ERRORS = (400, 408, 413, 422)
 BODY_ERRORS = (*PRE_ROUTING_ERRORS, 415, 500)
 MODEL_ERRORS = (429, 500, 503, 504)
