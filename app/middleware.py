@@ -46,7 +46,7 @@ CLIENT_CLOSED = 499   # nginx's code for a client that went away before the repl
 # at this size, before it is read when its length is sent.
 SMALL_BODY_BYTES = 16384
 SMALL_BODY_PATHS = frozenset({"/feedback", "/calibration/pin", "/calibration/unpin",
-                              "/calibration/rollback"})
+                              "/calibration/rollback", "/calibration/window/reset"})
 # Digits in all the body's numbers of more than 19 (an int64's most), together: no request
 # field takes one, and each costs a conversion that grows with the square of its length
 # and holds the GIL, in a worker thread too (4,096 numbers of 4,300 digits, 17.5 MB within

@@ -70,7 +70,8 @@ def _unauthorized(op: dict) -> dict:
 OPERATOR = "OperatorKey"
 OPERATOR_SCHEME = {"type": "apiKey", "in": "header", "name": "X-Operator-Key",
                    "description": "the operator key, when the service has one: required by "
-                                  "/calibration/pin, /unpin and /rollback (403 without it, "
+                                  "/calibration/pin, /unpin, /rollback and /window/reset "
+                                  "(403 without it, "
                                   "401 when wrong); optional on /feedback, where an "
                                   "operator's verdict also counts toward re-certifying the "
                                   "defer rule (401 when wrong), and on GET /calibration, "
@@ -86,6 +87,7 @@ OPERATOR_OUTCOMES = {("post", "/calibration/pin"): {
                          404: "no kept rule has that version (GET /calibration lists them)",
                          409: NO_STORE},
                      ("post", "/calibration/unpin"): {409: NO_STORE},
+                     ("post", "/calibration/window/reset"): {409: NO_STORE},
                      ("post", "/calibration/rollback"): {
                          409: "nothing to roll back to: shipped is the only rule in the "
                               "chain; or " + NO_STORE}}

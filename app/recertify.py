@@ -72,7 +72,8 @@ class Recertification:
                 if not self._lock(path):
                     return
                 self.store = RuleStore(path, base, service.heads_id, RecertSettings(
-                    window=s.recert_window, min_per_class=s.recert_min_per_class),
+                    window=s.recert_window, max_window=s.recert_max_window,
+                    min_per_class=s.recert_min_per_class),
                     on_switch=self._switched)
             except OSError as e:
                 # a state file this process cannot write (read-only heads folder, say)
@@ -160,7 +161,7 @@ class Recertification:
         if self.store is not None:
             out.update(self.store.view())
             if not operator:
-                out["window"] = {"needed": out["window"]["needed"]}
+                out["window"] = {k: out["window"][k] for k in ("needed", "max")}
         else:
             svc = self.service
             base = getattr(svc, "base_heads", None)

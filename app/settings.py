@@ -59,7 +59,12 @@ class Settings(BaseSettings):
         None, description="key (header X-Operator-Key) whose verdicts count toward "
                           "re-certifying the defer rule; none: verdicts never count")
     recert_window: int = Field(1000, ge=20, le=100_000,
-                               description="operator verdicts in a re-certification window")
+                               description="new operator verdicts between two "
+                                           "re-certification tests")
+    recert_max_window: int = Field(
+        3000, ge=20, le=100_000,
+        description="operator verdicts a re-certification test reads at most: the last ones, "
+                    "kept across tests (at least recert_window)")
     recert_min_per_class: int = Field(
         10, ge=1, description="correct and wrong verdicts each needed in a window")
     recert_state: str | None = Field(

@@ -16,10 +16,13 @@ window's detector scores become a second conformal reference of each detector th
 take one (`extend_reference`: an input then passes when it looks like the fitting data or
 like the window); the τ-part items are judged with leave-one-out p-values against the
 window, so the certificate is on the rule that would be served. The guarantee is for items
-exchangeable with the window's. A store runs window after window, so it spends its δ
-across them (`spent_delta`: the t-th test at δ/(t(t+1)), all of them together at most δ),
-and counts one verdict per input (`Served.key`): repeats of one input are not independent
-evidence.
+exchangeable with the window's. A store tests every `Settings.window` new verdicts, so it
+spends its δ across its tests (`spent_delta`: the t-th test at δ/(t(t+1)), all of them
+together at most δ), and counts one verdict per input (`Served.key`): repeats of one input
+are not independent evidence. A test reads the last `Settings.max_window` verdicts at most,
+not only those since the previous test: evidence is not thrown away, so a stream that needs
+more verdicts than one window holds still certifies (the union bound does not need the
+tests' samples to be disjoint: each is the verdicts between two counts fixed in advance).
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
 branch log-odds, its detector scores and p-values, whether its response parsed, and the
@@ -424,7 +427,10 @@ def atomic_write(path: Path, text: str) -> None:
 
 @dataclass
 class Settings:
-    window: int = 1000                 # verdicts that close a window
+    window: int = 1000                 # new verdicts between two certificate tests
+    # verdicts a test reads at most: the last ones (None: `window`, so each test reads only
+    # the verdicts since the one before)
+    max_window: int | None = None
     min_per_class: int = 10            # each label at least this often in a window
     temperature_share: float = 0.3
     target_risk: float | None = None   # None: the shipped policy's r
@@ -472,6 +478,7 @@ class RuleStore:
         self.counted: set[str] = set()
         self.events: list[dict] = []
         self.keys: set[str] = set()                # inputs (Served.key) in the window
+        self.since_test = 0                        # verdicts counted since the last test
         self.attempts = 0
         # certificate tests run in this history: the α-spending index (`spent_delta`)
         self.tests = 0
@@ -505,6 +512,8 @@ class RuleStore:
         self.window = [Verdict.from_dict(v) for v in state.get("window", [])]
         self.counted = {v.request_id for v in self.window}
         self.keys = {v.served.key for v in self.window if v.served.key}
+        # a file from before carried-over windows held only verdicts since the last test
+        self.since_test = int(state.get("since_test", len(self.window)))
         self.events = list(state.get("events", []))
         self.attempts = int(state.get("attempts", 0))
         # an older file spent δ on every attempt: count them all as spent
@@ -515,7 +524,7 @@ class RuleStore:
         state = {"heads_id": self.heads_id, "detectors": detectors_digest(self.base),
                  "chain": self.chain, "pinned": self.pinned,
                  "rules": {k: r.to_dict() for k, r in self.rules.items()},
-                 "window": [v.to_dict() for v in self.window],
+                 "window": [v.to_dict() for v in self.window], "since_test": self.since_test,
                  "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,
                  "tests": self.tests, "alpha_spending": self.spending(),
                  "last_attempt": self.last_attempt}
@@ -537,12 +546,19 @@ class RuleStore:
     def spending(self) -> dict:
         return spending_view(self.levels()[1], self.tests)
 
+    @property
+    def max_window(self) -> int:
+        """Verdicts a test reads at most (never fewer than a test's new ones)."""
+        s = self.settings
+        return max(s.window, s.max_window or s.window)
+
     def view(self) -> dict:
         """What `/calibration` shows (no request content: ids stay out of it)."""
         with self.lock:
             w = self.window
             return {"active": self.active.summary(), "pinned": self.pinned,
                     "window": {"counted": len(w), "needed": self.settings.window,
+                               "max": self.max_window, "since_test": self.since_test,
                                "correct": sum(v.correct for v in w),
                                "wrong": sum(not v.correct for v in w),
                                "opened_at": _iso(w[0].at) if w else None},
@@ -552,8 +568,9 @@ class RuleStore:
 
     # ---------------------------------------------------------------- verdicts
     def add(self, request_id: str, served: Served, correct: bool, who: str) -> dict:
-        """Count one operator verdict (once per request id); closes the window and tries
-        a certificate when it is full. Returns what happened."""
+        """Count one operator verdict (once per request id); tries a certificate on the
+        window when `Settings.window` verdicts have come since the last try. Returns what
+        happened."""
         with self.lock:
             if request_id in self.counted:
                 return {"counted": False, "reason": "already_counted"}
@@ -564,15 +581,38 @@ class RuleStore:
             self.counted.add(request_id)
             if served.key:
                 self.keys.add(served.key)
-            if len(self.window) < self.settings.window:
+            self.since_test += 1
+            if self.since_test < self.settings.window:
                 self._save()
                 return {"counted": True, "window": len(self.window)}
             return {"counted": True, "window": len(self.window), **self._close(who)}
 
+    def _keep_last(self, n: int) -> None:
+        """Keep the window's last `n` verdicts (and forget the others' ids and inputs)."""
+        self.window = self.window[max(0, len(self.window) - n):] if n > 0 else []
+        self.counted = {v.request_id for v in self.window}
+        self.keys = {v.served.key for v in self.window if v.served.key}
+
+    def reset_window(self, who: str) -> dict:
+        """Drop the window's verdicts (an operator's call when the input stream changes:
+        the next test then reads the new stream's verdicts only)."""
+        with self.lock:
+            dropped = len(self.window)
+            self._keep_last(0)
+            self.since_test = 0
+            self._event("window_reset", who, old=self.active, dropped=dropped)
+            self._save()
+            return {"dropped": dropped}
+
     def _close(self, who: str) -> dict:
-        """Certify the full window, switch when the certificate holds and no rule is
-        pinned, open a new window; one save for all of it."""
-        rows, self.window, self.counted, self.keys = self.window, [], set(), set()
+        """Certify the window (its last `max_window` verdicts), switch when the
+        certificate holds and no rule is pinned, keep the last `max_window − window`
+        verdicts for the next test; one save for all of it."""
+        # a state file written under a larger max_window can hold more
+        rows = self.window[-self.max_window:]
+        # the next test reads at most max_window: the kept ones and `window` new ones
+        self._keep_last(self.max_window - self.settings.window)
+        self.since_test = 0
         self.attempts += 1
         s = self.settings
         r, d = self.levels()

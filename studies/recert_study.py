@@ -65,6 +65,12 @@ def collect(spec: str, n: int, seed: int, batch: int = 16, done: list[dict] | No
     return rows
 
 
+def cache_file(folder: Path, stream: str, spec: str) -> Path:
+    """Where a stream's served rows are kept: one file per data spec, so a stream given
+    another spec is served again."""
+    return folder / f"{stream}-{re.sub(r'[^A-Za-z0-9.-]+', '_', spec)}.json"
+
+
 def rule_on(heads, rule, rows: list[dict]) -> tuple[float, float, int]:
     """(released share, risk among released, released) of `rows` under `rule`."""
     h = rule.apply(heads)
@@ -346,8 +352,7 @@ def main() -> None:
         STREAMS[name] = (spec, STREAMS[name][1])
     for name, (spec, n) in STREAMS.items():
         n = sizes.get(name, n)
-        # one cache file per data spec: a stream given another spec is served again
-        cache = cache_dir / f"{name}-{re.sub(r'[^A-Za-z0-9.-]+', '_', spec)}.json"
+        cache = cache_file(cache_dir, name, spec)
         have = json.loads(cache.read_text()) if cache.exists() else []
         if len(have) < n:
             cache.write_text(json.dumps(collect(spec, n, a.seed, done=have)))

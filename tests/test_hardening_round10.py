@@ -26,12 +26,13 @@ def test_the_operator_routes_answer_409_without_a_rule_store_as_documented(servi
     with small_limits_client(service, **settings) as c:
         assert c.get("/calibration").json()["counting"] is False
         for path, body in (("/calibration/pin", {}), ("/calibration/unpin", None),
-                           ("/calibration/rollback", None)):
+                           ("/calibration/rollback", None), ("/calibration/window/reset", None)):
             r = c.post(path, json=body, headers=OPERATOR) if body is not None else \
                 c.post(path, headers=OPERATOR)
             assert_error(r, 409, "state file")
         doc = c.get("/openapi.json").json()["paths"]
-    for path in ("/calibration/pin", "/calibration/unpin", "/calibration/rollback"):
+    for path in ("/calibration/pin", "/calibration/unpin", "/calibration/rollback",
+                 "/calibration/window/reset"):
         assert "holds no rule store" in doc[path]["post"]["responses"]["409"]["description"]
     assert "nothing to roll back to" in \
         doc["/calibration/rollback"]["post"]["responses"]["409"]["description"]
@@ -44,11 +45,12 @@ def test_each_calibration_route_lists_only_what_it_can_answer(service, tmp_path)
                  recert_state=str(tmp_path / "state.json"))["paths"]
     codes = {(m, p): set(paths[p][m]["responses"]) for p, m in (
         ("/calibration", "get"), ("/calibration/pin", "post"),
-        ("/calibration/unpin", "post"), ("/calibration/rollback", "post"))}
+        ("/calibration/unpin", "post"), ("/calibration/rollback", "post"),
+        ("/calibration/window/reset", "post"))}
     # 400: the operator key's header sent twice (with or without an API key); the POSTs'
     # bodies are bounded and checked before routing even where the route reads none
     assert codes[("get", "/calibration")] == {"200", "400", "401", "500"}
-    for p in ("/calibration/unpin", "/calibration/rollback"):
+    for p in ("/calibration/unpin", "/calibration/rollback", "/calibration/window/reset"):
         assert codes[("post", p)] == \
             {"200", "400", "401", "403", "408", "409", "413", "422", "500", "503"}, p
     assert codes[("post", "/calibration/pin")] == \

@@ -190,8 +190,8 @@ def _store(tmp_path) -> RuleStore:
 def test_the_view_counts_the_open_window_and_shows_the_last_50_events(tmp_path):
     store = _store(tmp_path)
     empty = store.view()
-    assert empty["window"] == {"counted": 0, "needed": 300, "correct": 0, "wrong": 0,
-                               "opened_at": None}
+    assert empty["window"] == {"counted": 0, "needed": 300, "max": 300, "since_test": 0,
+                               "correct": 0, "wrong": 0, "opened_at": None}
     assert empty["active"]["version"] == SHIPPED and empty["chain"] == [SHIPPED]
     # a switched, pinned store with an open window of 3 correct and 1 wrong
     rule = DeferRule("r1-abc", {"psr": 2.0, "per": 1.0}, _policy(0.6), created_by="op")
@@ -202,13 +202,15 @@ def test_the_view_counts_the_open_window_and_shows_the_last_50_events(tmp_path):
     store.window = [Verdict(f"req-{i}", Served("r1-abc", (0.0, 0.0, 0.0)), z,
                             1_700_000_000.0 + 60 * i, "op")
                     for i, z in enumerate([True, False, True, True])]
+    store.since_test = 3
     store.events = [{"event": "unpin", "n": i} for i in range(60)]
     store.last_attempt = {"event": "refused", "version": "r2-def"}
     got = store.view()
     assert list(got) == ["active", "pinned", "window", "last_attempt", "alpha_spending",
                          "rules", "chain", "history"]
     assert got["active"] == rule.summary() and got["pinned"] is True
-    assert got["window"] == {"counted": 4, "needed": 300, "correct": 3, "wrong": 1,
+    assert got["window"] == {"counted": 4, "needed": 300, "max": 300, "since_test": 3,
+                             "correct": 3, "wrong": 1,
                              "opened_at": "2023-11-14T22:13:20Z"}       # the first verdict
     assert got["last_attempt"] == {"event": "refused", "version": "r2-def"}
     # two tests at δ = 0.1: 0.1 (1 − 1/3) spent, the next at 0.1 / 12
@@ -337,6 +339,7 @@ def _certifying(tmp_path, monkeypatch, pinned: bool = False):
     # filled by hand but for its last verdict (a save per verdict is slow)
     store.window = [Verdict(f"w-{i}", Served("r0-old" if i % 2 else SHIPPED, logits[i]),
                             labels[i], T0 + 60 * i, "op") for i in range(119)]
+    store.since_test = 119
     # the last verdict is counted at T0 + 119 minutes
     monkeypatch.setattr(recert, "time", SimpleNamespace(
         time=lambda: T0 + 60 * 119, strftime=time.strftime, gmtime=time.gmtime))

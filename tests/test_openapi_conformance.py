@@ -444,7 +444,8 @@ def test_operator_routes_declare_the_operator_key():
         **doc["components"]["securitySchemes"]["OperatorKey"], "type": "apiKey",
         "in": "header", "name": "X-Operator-Key"}}
     ops = _operations(doc)
-    for path in ("/calibration/pin", "/calibration/unpin", "/calibration/rollback"):
+    for path in ("/calibration/pin", "/calibration/unpin", "/calibration/rollback",
+                 "/calibration/window/reset"):
         op = ops[("post", path)]
         assert op["security"] == [{"OperatorKey": []}]
         assert {"401", "403"} <= set(op["responses"])

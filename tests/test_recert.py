@@ -4,11 +4,7 @@ certificate, the guards, persistence, and what the rule serves."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,20 +223,6 @@ def test_extend_reference_only_raises_p_values():
 
 
 # ------------------------------------------------------------------ the store
-@pytest.fixture
-def state_dir(tmp_path) -> Iterator[Path]:
-    """A folder for a store's state file, in memory (/dev/shm) where the machine has one:
-    the store writes, fsyncs and renames the file on every verdict, which on a disk took
-    10-15 ms a verdict (4-5 s a 300-verdict window); the file is written and read back the
-    same way on either."""
-    shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        yield tmp_path
-        return
-    with tempfile.TemporaryDirectory(dir=shm, prefix="recert-test-") as d:
-        yield Path(d)
-
-
 def _store(tmp_path, base=None, window=300, **kw) -> RuleStore:
     base = base or _base()
     return RuleStore(tmp_path / "state.json", base, "heads-1",

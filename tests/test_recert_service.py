@@ -142,9 +142,16 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert cal["last_attempt"]["event"] == "refused"
         assert cal["last_attempt"]["window"]["n"] == WINDOW
         assert "Clopper-Pearson" in cal["last_attempt"]["certificate"]["reason"]
-        assert cal["active"]["version"] == "shipped" and cal["window"]["counted"] == 0
+        # the refused window is kept for the next test (it reads the last 3000 verdicts)
+        assert cal["active"]["version"] == "shipped" and cal["window"]["counted"] == WINDOW
         after = _answers(c, [harmful(WINDOW + k) for k in range(8)])
         assert all(b["defer"] and b["defer_rule_version"] == "shipped" for b in after)
+        # a new stream comes: the operator starts its window afresh (operator only)
+        assert c.post("/calibration/window/reset").status_code == 403
+        r = c.post("/calibration/window/reset", headers=OP)
+        assert r.status_code == 200 and r.json()["dropped"] == WINDOW
+        assert r.json()["window"]["counted"] == 0
+        assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 0
 
         # ---- benign stream (another colour balance), right 9 times in 10
         bodies = _answers(c, [benign(k) for k in range(60)])
@@ -193,7 +200,8 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
     # the heads' own files were never written
     assert _files(heads_dir) == shipped_files
     audit = json.loads(state.read_text())["events"]
-    assert [e["event"] for e in audit] == ["refused", "switch", "rollback", "pin"]
+    assert [e["event"] for e in audit] == ["refused", "window_reset", "switch", "rollback",
+                                           "pin"]
 
 
 # ------------------------------------------------------------------ a real server
@@ -369,7 +377,7 @@ def test_an_api_client_cannot_move_what_operators_alert_on(actor_dirs, heads_dir
         assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 1
         # the open window's tallies are the operator's: an API client sees its size only
         plain = c.get("/calibration").json()
-        assert plain["window"] == {"needed": WINDOW}
+        assert plain["window"] == {"needed": WINDOW, "max": 3000}
         assert plain["active"]["version"] == "shipped" and "certificate" in plain["active"]
         assert c.get("/calibration", headers={**api, "X-Operator-Key": "guess"}
                      ).status_code == 401

@@ -1,7 +1,7 @@
 """GET /calibration: the defer rule being served, its certificate, the open window of
 operator verdicts, the history of switches and the live drift statistics. POST
-/calibration/pin, /unpin and /rollback: operator only, and served only when an operator key
-is configured (heads.recert, app.recertify)."""
+/calibration/pin, /unpin, /rollback and /window/reset: operator only, and served only when
+an operator key is configured (heads.recert, app.recertify)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ async def require_operator(request: Request) -> str:
 
 # what each route can answer besides the keys' statuses (`app.openapi` adds those, and the
 # operator routes' 404 and 409): GET reads no body and runs no model; an operator route
-# waits for the rule store while the model loads (503); a POST's body, which unpin and
-# rollback do not use, is still bounded and checked before routing (400, 408, 413, 422);
-# pin reads its JSON body (415 too)
+# waits for the rule store while the model loads (503); a POST's body, which unpin,
+# rollback and the window reset do not use, is still bounded and checked before routing
+# (400, 408, 413, 422); pin reads its JSON body (415 too)
 VIEW_ERRORS = error_responses(500)
 STORE_ERRORS = error_responses(*PRE_ROUTING_ERRORS, 500, 503)
 PIN_ERRORS = error_responses(*BODY_ERRORS, 503)
@@ -87,3 +87,11 @@ async def rollback(request: Request, who: str = Depends(require_operator)) -> di
     except RecertError as e:
         raise HTTPException(409, str(e)) from None
     return {"active": rule.summary(), "pinned": True}
+
+
+@operator.post("/calibration/window/reset", responses=STORE_ERRORS)
+async def reset_window(request: Request, who: str = Depends(require_operator)) -> dict:
+    """Drop the verdicts of the open window (the input stream changed: the next
+    certificate test then reads only verdicts given after this). The active rule stays."""
+    out = await run_in_threadpool(_store(request).reset_window, who)
+    return {"dropped": out["dropped"], "window": _store(request).view()["window"]}

@@ -1,0 +1,178 @@
+"""Re-certification as the service runs it, window after window: separate windows against
+windows carried across tests (`recert_max_window`), on the served rows of
+`studies.recert_study` (its cache).
+
+For each stream and each of `--splits` seeded orders of it (the same orders as the
+window study), the verdicts are fed one by one to a `heads.recert.RuleStore` (the
+service's store, its state file left out: the study measures its decisions, not its
+disk), which tests every `--window` verdicts at δ_t = δ/(t(t+1)) and switches when a
+certificate holds. After `c` verdicts (each checkpoint), the rule then active is applied to
+the next `--next` items of the order: released share and risk among released, as a user
+would see them. Poisoned runs mark a share of the wrong answers correct.
+
+    python -m studies.recert_carry --cache CACHE --out docs/recert/carry
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from heads.recert import SHIPPED, RuleStore, Served, Settings
+from studies import command_line
+from studies.recert_study import STREAMS, cache_file, rule_on
+
+# (name, recert_window, recert_max_window): the service's defaults against separate
+# windows of the same size, and one window of 3000 (a test only at the 3000th verdict)
+DESIGNS = (("separate 1000", 1000, None), ("carried 1000 up to 3000", 1000, 3000),
+           ("one window of 3000", 3000, None))
+
+
+class QuietStore(RuleStore):
+    """The service's store without its state file: the same decisions, no disk writes."""
+
+    def _save(self) -> None:
+        pass
+
+
+def run(heads, stream: list[dict], window: int, max_window: int | None, checkpoints: list[int],
+        nxt: int, seed: int, flip: float, state: Path) -> dict:
+    """One seeded order of `stream` through a store; the active rule at each checkpoint
+    applied to the next items."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(stream))
+    store = QuietStore(state, heads, "study", Settings(window=window, max_window=max_window,
+                                                       min_per_class=10))
+    out: dict = {"switches": [], "at": {}}
+    last = max(checkpoints)
+    for n, i in enumerate(order[:last], start=1):
+        x = stream[i]
+        said = x["correct"] or bool(flip and rng.uniform() < flip)
+        got = store.add(x["id"], Served.from_dict(x["served"]), said, "study")
+        if got.get("attempt") == "switch":
+            out["switches"].append(n)
+        if n in checkpoints:
+            after = [stream[j] for j in order[n: n + nxt]]
+            rule = store.active
+            released, risk, _ = rule_on(heads, rule, after) if after else (None, None, 0)
+            out["at"][n] = {"switched": rule.version != SHIPPED, "released": released,
+                            "risk": risk, "tau": rule.tau}
+    return out
+
+
+def summary(runs: list[dict], checkpoint: int, floor: float | None, r: float) -> dict:
+    rows = [x["at"][checkpoint] for x in runs if checkpoint in x["at"]]
+    rel = [x["released"] for x in rows if x["released"] is not None]
+    risk = [x["risk"] for x in rows if x["released"]]
+    return {"runs": len(rows), "switched": sum(x["switched"] for x in rows),
+            "released_mean": round(float(np.mean(rel)), 4) if rel else None,
+            "released_min": round(float(np.min(rel)), 4) if rel else None,
+            "risk_mean": round(float(np.mean(risk)), 4) if risk else None,
+            "risk_max": round(float(np.max(risk)), 4) if risk else None,
+            "risk_above_r": sum(x > r for x in risk),
+            "at_floor": None if floor is None else sum(x >= floor for x in rel)}
+
+
+def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits: int,
+          poison: float) -> dict:
+    from heads.dualread import Heads
+    from heads.recert import shipped_rule
+
+    heads = Heads.load(None)
+    shipped = shipped_rule(heads)
+    r, d = shipped.policy["target_risk"], shipped.policy["delta"]
+    clean = rows.get("clean")
+    floor = None if clean is None else round(rule_on(heads, shipped, clean)[0] - 0.05, 4)
+    out: dict = {"target_risk": r, "delta": d, "floor": floor, "checkpoints": checkpoints,
+                 "next": nxt, "splits": splits, "shipped_tau": shipped.tau, "streams": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, stream in rows.items():
+            marks = [c for c in checkpoints if c <= len(stream)]
+            entry = out["streams"][name] = {"n": len(stream)}
+            for design, window, max_window in DESIGNS:
+                for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
+                    runs = [run(heads, stream, window, max_window, marks, nxt, k, flip,
+                                Path(tmp) / "state.json") for k in range(splits)]
+                    entry[f"{design} | {label}"] = {
+                        "window": window, "max_window": max_window,
+                        "first_switch": [x["switches"][0] if x["switches"] else None
+                                         for x in runs],
+                        **{str(c): summary(runs, c, floor if name == "benign" else None, r)
+                           for c in marks if c >= window}}
+                    print(name, design, label, flush=True)
+    return out
+
+
+def markdown(report: dict, command: str) -> str:
+    r, floor = report["target_risk"], report["floor"]
+    lines = ["# Re-certification window after window: separate or carried windows", "",
+             "Produced by one command (the served rows are the window study's cache):", "",
+             f"    {command}", "",
+             f"r = {r}, δ = {report['delta']} over the whole history (the t-th test at "
+             f"δ/(t(t+1))); {report['splits']} seeded orders of each stream; after each "
+             f"checkpoint the rule then active is applied to the next {report['next']} "
+             f"items. Benign floor (the shipped rule's clean released share − 0.05): {floor}.",
+             "", "Released and risk: means over the orders (a rule that has not switched "
+             "yet is the shipped one, and counts with what it releases); in brackets the "
+             "least released and the highest risk of one order; at floor: orders whose next "
+             "items are released at ≥ the floor.", "",
+             "| stream | design | verdicts | after | switched | released (min) | risk (max) | "
+             "orders with risk > r | at floor |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in report["streams"].items():
+        for key, v in entry.items():
+            if not isinstance(v, dict):
+                continue
+            for c, s in v.items():
+                if not isinstance(s, dict):
+                    continue
+                rel = "—" if s["released_mean"] is None else \
+                    f"{s['released_mean']} ({s['released_min']})"
+                risk = "—" if s["risk_mean"] is None else f"{s['risk_mean']} ({s['risk_max']})"
+                lines.append(f"| {name} | {key} | {c} | {s['switched']}/{s['runs']} | {rel} | "
+                             f"{risk} | {s['risk_above_r']} | "
+                             f"{'—' if s['at_floor'] is None else s['at_floor']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="report.json and study.md")
+    ap.add_argument("--cache", type=Path, required=True,
+                    help="the served rows of `studies.recert_study` (run it first)")
+    ap.add_argument("--streams", default="", help="another data spec for a stream, as in "
+                    "studies.recert_study")
+    ap.add_argument("--sizes", default="", help="items per stream, as in studies.recert_study")
+    ap.add_argument("--checkpoints", default="1000,2000,3000")
+    ap.add_argument("--next", type=int, default=500)
+    ap.add_argument("--splits", type=int, default=20)
+    ap.add_argument("--poison", type=float, default=0.2)
+    a = ap.parse_args()
+    specs = {name: spec for name, (spec, _) in STREAMS.items()}
+    specs.update(kv.split("=", 1) for kv in a.streams.split(",") if kv)
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in a.sizes.split(",") if kv)}
+    rows = {}
+    for name, spec in specs.items():
+        path = cache_file(a.cache, name, spec)
+        if not path.exists():
+            raise SystemExit(f"no served rows for {name} ({spec}) in {a.cache}: run "
+                             "studies.recert_study with this cache first")
+        rows[name] = json.loads(path.read_text())[:sizes.get(name, STREAMS[name][1])]
+    report = study(rows, [int(c) for c in a.checkpoints.split(",")], a.next, a.splits,
+                   a.poison)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    argv = sys.argv[1:]
+    # the cache's path is this machine's: the command names it CACHE
+    argv = [("CACHE" if k and argv[k - 1] == "--cache" else x) for k, x in enumerate(argv)]
+    (a.out / "study.md").write_text(markdown(report, command_line("studies.recert_carry",
+                                                                  argv)))
+    print((a.out / "study.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
