@@ -19,11 +19,12 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-from heads.recert import SHIPPED, RuleStore, Served, Settings
+from heads.recert import SHIPPED, RuleStore, Served, Settings, Verdict
 from studies import command_line
 from studies.recert_study import STREAMS, cache_file, rule_on
 
@@ -78,6 +79,21 @@ def summary(runs: list[dict], checkpoint: int, floor: float | None, r: float) ->
             "at_floor": None if floor is None else sum(x >= floor for x in rel)}
 
 
+def save_cost(heads, stream: list[dict], n: int, folder: Path, rounds: int = 10) -> dict:
+    """What writing the state file costs with a full window of `n` of `stream`'s verdicts
+    (the service writes it on every counted verdict): median seconds and its size."""
+    store = RuleStore(folder / "cost.json", heads, "study", Settings(window=n))
+    store.window = [Verdict(f"{i:032x}", Served.from_dict(x["served"]), x["correct"],
+                            time.time(), "operator") for i, x in enumerate(stream[:n])]
+    took = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        store._save()
+        took.append(time.perf_counter() - t)
+    return {"verdicts": len(store.window), "median_ms": round(float(np.median(took)) * 1e3, 1),
+            "bytes": (folder / "cost.json").stat().st_size, "rounds": rounds}
+
+
 def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits: int,
           poison: float) -> dict:
     from heads.dualread import Heads
@@ -105,13 +121,19 @@ def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits:
                         **{str(c): summary(runs, c, floor if name == "benign" else None, r)
                            for c in marks if c >= window}}
                     print(name, design, label, flush=True)
+        longest = max(rows.values(), key=len)
+        out["state_file_write"] = save_cost(heads, longest, max(m or w for _, w, m in DESIGNS),
+                                            Path(tmp))
     return out
 
 
 def markdown(report: dict, command: str) -> str:
     r, floor = report["target_risk"], report["floor"]
     lines = ["# Re-certification window after window: separate or carried windows", "",
-             "Produced by one command (the served rows are the window study's cache):", "",
+             "Produced by one command, on the served rows that `python -m "
+             "studies.recert_study --cache CACHE` cached for the same `--streams` and "
+             "`--sizes` (for the test-image streams, the command that heads "
+             "docs/recert/study.md):", "",
              f"    {command}", "",
              f"r = {r}, δ = {report['delta']} over the whole history (the t-th test at "
              f"δ/(t(t+1))); {report['splits']} seeded orders of each stream; after each "
@@ -120,7 +142,8 @@ def markdown(report: dict, command: str) -> str:
              "", "Released and risk: means over the orders (a rule that has not switched "
              "yet is the shipped one, and counts with what it releases); in brackets the "
              "least released and the highest risk of one order; at floor: orders whose next "
-             "items are released at ≥ the floor.", "",
+             "items are released at ≥ the floor; —: no next items (the stream ends there) "
+             "or none released.", "",
              "| stream | design | verdicts | after | switched | released (min) | risk (max) | "
              "orders with risk > r | at floor |", "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["streams"].items():
@@ -136,6 +159,11 @@ def markdown(report: dict, command: str) -> str:
                 lines.append(f"| {name} | {key} | {c} | {s['switched']}/{s['runs']} | {rel} | "
                              f"{risk} | {s['risk_above_r']} | "
                              f"{'—' if s['at_floor'] is None else s['at_floor']} |")
+    w = report.get("state_file_write")
+    if w:
+        lines += ["", f"Writing the state file with a full window of {w['verdicts']} verdicts "
+                  f"(the service writes it on every counted verdict): {w['median_ms']} ms "
+                  f"(median of {w['rounds']}), {w['bytes']:,} bytes."]
     return "\n".join(lines) + "\n"
 
 
