@@ -519,12 +519,25 @@ class RuleStore:
         # an older file spent δ on every attempt: count them all as spent
         self.tests = int(state.get("tests", self.attempts))
         self.last_attempt = state.get("last_attempt")
+        counted_under = state.get("window_settings")
+        changed = counted_under != self._window_settings() if counted_under is not None \
+            else len(self.window) > self.max_window         # a file from before: too many
+        if self.window and changed:
+            # a test reads only verdicts counted under its own window settings: a lower
+            # max_window kept after the labels are known would choose which of them it reads
+            dropped = len(self.window)
+            self._keep_last(0)
+            self.since_test = 0
+            self._event("window_reset", "service", old=self.active, dropped=dropped,
+                        reason=f"window settings changed from {counted_under or 'unknown'}")
+            self._save()
 
     def _save(self) -> None:
         state = {"heads_id": self.heads_id, "detectors": detectors_digest(self.base),
                  "chain": self.chain, "pinned": self.pinned,
                  "rules": {k: r.to_dict() for k, r in self.rules.items()},
                  "window": [v.to_dict() for v in self.window], "since_test": self.since_test,
+                 "window_settings": self._window_settings(),
                  "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,
                  "tests": self.tests, "alpha_spending": self.spending(),
                  "last_attempt": self.last_attempt}
@@ -545,6 +558,9 @@ class RuleStore:
 
     def spending(self) -> dict:
         return spending_view(self.levels()[1], self.tests)
+
+    def _window_settings(self) -> dict:
+        return {"window": self.settings.window, "max_window": self.max_window}
 
     @property
     def max_window(self) -> int:
@@ -598,18 +614,30 @@ class RuleStore:
         the next test then reads the new stream's verdicts only)."""
         with self.lock:
             dropped = len(self.window)
+            if not dropped:
+                return {"dropped": 0}          # nothing to drop: no event (history stays)
+            kept = (self.window, self.counted, self.keys, self.since_test, len(self.events))
             self._keep_last(0)
             self.since_test = 0
-            self._event("window_reset", who, old=self.active, dropped=dropped)
-            self._save()
+            event = self._event("window_reset", who, old=self.active, dropped=dropped,
+                                emit=False)
+            try:
+                self._save()
+            except BaseException:
+                # not on disk: not done (the window stays, and no audit line says otherwise)
+                self.window, self.counted, self.keys, self.since_test, n = kept
+                del self.events[n:]
+                raise
+            self._emit(event)
             return {"dropped": dropped}
 
     def _close(self, who: str) -> dict:
         """Certify the window (its last `max_window` verdicts), switch when the
         certificate holds and no rule is pinned, keep the last `max_window − window`
         verdicts for the next test; one save for all of it."""
-        # a state file written under a larger max_window can hold more
-        rows = self.window[-self.max_window:]
+        # never more than max_window: each test keeps max_window − window, and a state file
+        # counted under other window settings is dropped at load
+        rows = self.window
         # the next test reads at most max_window: the kept ones and `window` new ones
         self._keep_last(self.max_window - self.settings.window)
         self.since_test = 0
@@ -705,13 +733,20 @@ class RuleStore:
         self.rules = {k: r for k, r in self.rules.items() if k in keep}
 
     def _event(self, event: str, who: str, old: DeferRule, new: DeferRule | None = None,
-               **extra: Any) -> None:
-        """Audit record: who, when, what, old/new τ; never a request's content."""
+               emit: bool = True, **extra: Any) -> dict:
+        """Audit record: who, when, what, old/new τ; never a request's content. `emit`:
+        also the audit log line now (else the caller's `_emit`, once it is saved)."""
         e = {"event": event, "who": who, "at": _now(),
              "old": {"version": old.version, "tau": old.tau},
              "new": None if new is None else {"version": new.version, "tau": new.tau},
              **extra}
         self.events.append(e)
+        if emit:
+            self._emit(e)
+        return e
+
+    @staticmethod
+    def _emit(e: dict) -> None:
         log.info(json.dumps({"audit": "defer_rule", **e}, default=str))
 
 

@@ -142,3 +142,77 @@ def test_a_reset_drops_the_window_and_is_audited(state_dir, tests_run):
     assert again.add("again-1", rows[200][1], True, "op") == \
         {"counted": False, "reason": "duplicate_input"}
     assert again.add("again-2", rows[0][1], True, "op")["counted"]
+
+
+def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
+    """A lower max_window kept after the labels are known would choose which verdicts the
+    next test reads (and a lower window when it runs): verdicts counted under other window
+    settings are dropped at load, and that is audited."""
+    base = _base()
+    rows = _refused_stream(base, 160)
+    for window, max_window in ((100, 120), (50, 300)):
+        path = state_dir / f"{window}-{max_window}"
+        path.mkdir()
+        store = _store(path, base, window=100, max_window=300)
+        for rid, s, z in rows[:130]:
+            store.add(rid, s, z, "op")
+        same = _store(path, base, window=100, max_window=300)       # a plain restart
+        assert len(same.window) == 130 and same.since_test == 30
+        lowered = _store(path, base, window=window, max_window=max_window)
+        assert lowered.window == [] and lowered.since_test == 0 and lowered.counted == set()
+        [event] = [e for e in lowered.events if e["event"] == "window_reset"]
+        assert event["who"] == "service" and event["dropped"] == 130
+        assert "window settings changed" in event["reason"]
+        # on disk: a second restart under the new settings finds nothing more to drop
+        again = _store(path, base, window=window, max_window=max_window)
+        assert again.window == [] and again.events == lowered.events
+        # the verdicts after the drop are the next test's only ones
+        for rid, s, z in rows[130:160]:
+            again.add(rid, s, z, "op")
+        assert again.since_test == 30
+        assert [v.request_id for v in again.window] == [r[0] for r in rows[130:160]]
+
+
+def test_a_reset_of_an_empty_window_records_nothing(state_dir):
+    store = _store(state_dir, _base(), window=100, max_window=300)
+    assert store.reset_window("operator") == {"dropped": 0}
+    assert store.events == [] and not (state_dir / "state.json").exists()
+
+
+def test_a_reset_that_cannot_be_saved_is_not_done(state_dir, monkeypatch, caplog):
+    base = _base()
+    rows = _refused_stream(base, 30)
+    store = _store(state_dir, base, window=100, max_window=300)
+    for rid, s, z in rows:
+        store.add(rid, s, z, "op")
+    events = list(store.events)
+
+    def full_disk() -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(store, "_save", full_disk)
+    with caplog.at_level("INFO", logger="dualread.audit"), pytest.raises(OSError):
+        store.reset_window("operator")
+    assert [v.request_id for v in store.window] == [r[0] for r in rows]
+    assert store.since_test == 30 and store.counted == {r[0] for r in rows}
+    assert store.events == events and "window_reset" not in caplog.text
+    monkeypatch.undo()
+    with caplog.at_level("INFO", logger="dualread.audit"):
+        assert store.reset_window("operator") == {"dropped": 30}
+    assert "window_reset" in caplog.text
+
+
+def test_a_state_file_from_before_holding_more_than_max_window_is_dropped(state_dir):
+    base = _base()
+    rows = _refused_stream(base, 60)
+    store = _store(state_dir, base, window=100, max_window=300)
+    for rid, s, z in rows:
+        store.add(rid, s, z, "op")
+    path = state_dir / "state.json"
+    state = json.loads(path.read_text())
+    del state["window_settings"], state["since_test"]
+    path.write_text(json.dumps(state))
+    assert len(_store(state_dir, base, window=100, max_window=300).window) == 60
+    path.write_text(json.dumps(state))
+    small = _store(state_dir, base, window=40, max_window=40)
+    assert small.window == [] and small.events[-1]["reason"].endswith("from unknown")
