@@ -34,6 +34,13 @@ def tests_run(monkeypatch) -> list[tuple[list[str], float]]:
     return seen
 
 
+def _fed(store: RuleStore, rows) -> RuleStore:
+    """`store` after an operator's verdicts on `rows`."""
+    for rid, s, z in rows:
+        store.add(rid, s, z, "op")
+    return store
+
+
 def _refused_stream(base, n: int):
     """A stream the detector flags and the actor answers half the time: never certified;
     each answer on its own input (`Served.key`)."""
@@ -63,9 +70,7 @@ def test_each_test_reads_the_last_max_window_verdicts(state_dir, tests_run):
 def test_without_max_window_each_test_reads_its_own_verdicts_only(state_dir, tests_run):
     base = _base()
     rows = _refused_stream(base, 300)
-    store = _store(state_dir, base, window=100, max_window=None)
-    for rid, s, z in rows:
-        store.add(rid, s, z, "op")
+    store = _fed(_store(state_dir, base, window=100, max_window=None), rows)
     ids = [r[0] for r in rows]
     assert [got for got, _ in tests_run] == [ids[:100], ids[100:200], ids[200:300]]
     assert store.window == [] and store.counted == set()
@@ -93,9 +98,7 @@ def test_a_carried_window_certifies_where_separate_windows_do_not(state_dir):
 def test_the_carried_window_and_its_count_survive_a_restart(state_dir, tests_run):
     base = _base()
     rows = _refused_stream(base, 230)
-    store = _store(state_dir, base, window=100, max_window=300)
-    for rid, s, z in rows[:130]:
-        store.add(rid, s, z, "op")
+    _fed(_store(state_dir, base, window=100, max_window=300), rows[:130])
     again = _store(state_dir, base, window=100, max_window=300)     # a restart
     assert len(again.window) == 130 and again.since_test == 30
     for rid, s, z in rows[130:230]:
@@ -106,26 +109,27 @@ def test_the_carried_window_and_its_count_survive_a_restart(state_dir, tests_run
     assert again.since_test == 30 and len(again.window) == 230
 
 
+def _older_file(state_dir, base, n: int, *keys: str) -> str:
+    """A state file of `n` verdicts as written before `keys` were kept; its text."""
+    _fed(_store(state_dir, base, window=100, max_window=300), _refused_stream(base, n))
+    state = json.loads((state_dir / "state.json").read_text())
+    for key in keys:
+        del state[key]
+    (state_dir / "state.json").write_text(json.dumps(state))
+    return json.dumps(state)
+
+
 def test_a_state_file_from_before_counts_its_window_as_new(state_dir):
     """Files written before carried windows held only the verdicts since the last test."""
     base = _base()
-    rows = _refused_stream(base, 40)
-    store = _store(state_dir, base, window=100, max_window=300)
-    for rid, s, z in rows:
-        store.add(rid, s, z, "op")
-    path = state_dir / "state.json"
-    state = json.loads(path.read_text())
-    del state["since_test"]
-    path.write_text(json.dumps(state))
+    _older_file(state_dir, base, 40, "since_test")
     assert _store(state_dir, base, window=100, max_window=300).since_test == 40
 
 
 def test_a_reset_drops_the_window_and_is_audited(state_dir, tests_run):
     base = _base()
     rows = _refused_stream(base, 260)
-    store = _store(state_dir, base, window=100, max_window=300)
-    for rid, s, z in rows[:130]:
-        store.add(rid, s, z, "op")
+    store = _fed(_store(state_dir, base, window=100, max_window=300), rows[:130])
     assert store.reset_window("operator") == {"dropped": 130}
     assert store.window == [] and store.since_test == 0 and store.counted == set()
     [event] = [e for e in store.events if e["event"] == "window_reset"]
@@ -153,9 +157,7 @@ def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
     for window, max_window in ((100, 120), (50, 300)):
         path = state_dir / f"{window}-{max_window}"
         path.mkdir()
-        store = _store(path, base, window=100, max_window=300)
-        for rid, s, z in rows[:130]:
-            store.add(rid, s, z, "op")
+        _fed(_store(path, base, window=100, max_window=300), rows[:130])
         same = _store(path, base, window=100, max_window=300)       # a plain restart
         assert len(same.window) == 130 and same.since_test == 30
         lowered = _store(path, base, window=window, max_window=max_window)
@@ -182,9 +184,7 @@ def test_a_reset_of_an_empty_window_records_nothing(state_dir):
 def test_a_reset_that_cannot_be_saved_is_not_done(state_dir, monkeypatch, caplog):
     base = _base()
     rows = _refused_stream(base, 30)
-    store = _store(state_dir, base, window=100, max_window=300)
-    for rid, s, z in rows:
-        store.add(rid, s, z, "op")
+    store = _fed(_store(state_dir, base, window=100, max_window=300), rows)
     events = list(store.events)
 
     def full_disk() -> None:
@@ -204,15 +204,8 @@ def test_a_reset_that_cannot_be_saved_is_not_done(state_dir, monkeypatch, caplog
 
 def test_a_state_file_from_before_holding_more_than_max_window_is_dropped(state_dir):
     base = _base()
-    rows = _refused_stream(base, 60)
-    store = _store(state_dir, base, window=100, max_window=300)
-    for rid, s, z in rows:
-        store.add(rid, s, z, "op")
-    path = state_dir / "state.json"
-    state = json.loads(path.read_text())
-    del state["window_settings"], state["since_test"]
-    path.write_text(json.dumps(state))
+    text = _older_file(state_dir, base, 60, "window_settings", "since_test")
     assert len(_store(state_dir, base, window=100, max_window=300).window) == 60
-    path.write_text(json.dumps(state))
+    (state_dir / "state.json").write_text(text)
     small = _store(state_dir, base, window=40, max_window=40)
     assert small.window == [] and small.events[-1]["reason"].endswith("from unknown")
