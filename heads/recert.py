@@ -21,8 +21,12 @@ spends its δ across its tests (`spent_delta`: the t-th test at δ/(t(t+1)), all
 together at most δ), and counts one verdict per input (`Served.key`): repeats of one input
 are not independent evidence. A test reads the last `Settings.max_window` verdicts at most,
 not only those since the previous test: evidence is not thrown away, so a stream that needs
-more verdicts than one window holds still certifies (the union bound does not need the
-tests' samples to be disjoint: each is the verdicts between two counts fixed in advance).
+more verdicts than one window holds still certifies. The union bound does not need the
+tests' samples to be disjoint, only each sample's start fixed before its verdicts arrive.
+An operator's reset (`reset_window`) can come at a time chosen after seeing the labels, so
+it spends a test's share of δ like a refused test, and once a history holds a reset, each
+test runs at δ_t / ⌈max_window / window⌉: its verdicts may then start after any of the
+last ⌈max_window / window⌉ tests or resets (a union bound over those starts).
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
 branch log-odds, its detector scores and p-values, whether its response parsed, and the
@@ -479,6 +483,8 @@ class RuleStore:
         self.events: list[dict] = []
         self.keys: set[str] = set()                # inputs (Served.key) in the window
         self.since_test = 0                        # verdicts counted since the last test
+        self.resets = 0                            # windows dropped by a reset (not a test)
+        self._rules_json: tuple[tuple, str] | None = None   # the rules, as last written
         self.attempts = 0
         # certificate tests run in this history: the α-spending index (`spent_delta`)
         self.tests = 0
@@ -518,30 +524,33 @@ class RuleStore:
         self.attempts = int(state.get("attempts", 0))
         # an older file spent δ on every attempt: count them all as spent
         self.tests = int(state.get("tests", self.attempts))
+        self.resets = int(state.get("resets", 0))
         self.last_attempt = state.get("last_attempt")
         counted_under = state.get("window_settings")
+        # a file from before carried windows: more than the next test may read
         changed = counted_under != self._window_settings() if counted_under is not None \
-            else len(self.window) > self.max_window         # a file from before: too many
+            else len(self.window) + max(0, self.settings.window - self.since_test) \
+            > self.max_window
         if self.window and changed:
             # a test reads only verdicts counted under its own window settings: a lower
             # max_window kept after the labels are known would choose which of them it reads
-            dropped = len(self.window)
-            self._keep_last(0)
-            self.since_test = 0
-            self._event("window_reset", "service", old=self.active, dropped=dropped,
-                        reason=f"window settings changed from {counted_under or 'unknown'}")
-            self._save()
+            self._drop("service", f"window settings changed from {counted_under or 'unknown'}")
 
     def _save(self) -> None:
         state = {"heads_id": self.heads_id, "detectors": detectors_digest(self.base),
                  "chain": self.chain, "pinned": self.pinned,
-                 "rules": {k: r.to_dict() for k, r in self.rules.items()},
                  "window": [v.to_dict() for v in self.window], "since_test": self.since_test,
                  "window_settings": self._window_settings(),
                  "events": self.events[-KEEP_EVENTS:], "attempts": self.attempts,
-                 "tests": self.tests, "alpha_spending": self.spending(),
-                 "last_attempt": self.last_attempt}
-        atomic_write(self.path, json.dumps(state))
+                 "tests": self.tests, "resets": self.resets,
+                 "alpha_spending": self.spending(), "last_attempt": self.last_attempt}
+        # the kept rules (each with its references: most of the file once 20 are kept)
+        # change only at a switch, a pin or a trim: serialised again only then, not at
+        # every verdict
+        key = tuple((k, id(r)) for k, r in self.rules.items())
+        if self._rules_json is None or self._rules_json[0] != key:
+            self._rules_json = (key, json.dumps({k: r.to_dict() for k, r in self.rules.items()}))
+        atomic_write(self.path, json.dumps(state)[:-1] + ', "rules": ' + self._rules_json[1] + "}")
 
     # ---------------------------------------------------------------- reading
     @property
@@ -557,7 +566,17 @@ class RuleStore:
         return float(r), float(d)
 
     def spending(self) -> dict:
-        return spending_view(self.levels()[1], self.tests)
+        out = spending_view(self.levels()[1], self.tests)
+        if self.carried_union > 1:
+            out["next_delta"] = round(out["next_delta"] / self.carried_union, 8)
+            out["carried_union"] = self.carried_union
+        return out
+
+    @property
+    def carried_union(self) -> int:
+        """What each test's δ_t is divided by: after a reset, the starts its verdicts may
+        have (the last ⌈max_window / window⌉ tests or resets); 1 before any reset."""
+        return -(-self.max_window // self.settings.window) if self.resets else 1
 
     def _window_settings(self) -> dict:
         return {"window": self.settings.window, "max_window": self.max_window}
@@ -610,34 +629,61 @@ class RuleStore:
         self.keys = {v.served.key for v in self.window if v.served.key}
 
     def reset_window(self, who: str) -> dict:
-        """Drop the window's verdicts (an operator's call when the input stream changes:
-        the next test then reads the new stream's verdicts only)."""
+        """A new input stream: drop the window's verdicts (the next test reads the new
+        stream's only) and serve the shipped rule again unless one is pinned (a rule
+        certified on the old stream says nothing of the new). Spends a test's share of δ."""
         with self.lock:
-            dropped = len(self.window)
-            if not dropped:
-                return {"dropped": 0}          # nothing to drop: no event (history stays)
-            kept = (self.window, self.counted, self.keys, self.since_test, len(self.events))
-            self._keep_last(0)
-            self.since_test = 0
-            event = self._event("window_reset", who, old=self.active, dropped=dropped,
-                                emit=False)
+            if not self.window and (self.active.version == SHIPPED or self.pinned):
+                return {"dropped": 0, "active": self.active.version}   # nothing to do
+            kept = (self.window, self.counted, self.keys, self.since_test, self.tests,
+                    self.resets, list(self.chain), len(self.events))
+            old = self.active
+            event = self._drop(who, "window reset", save=False,
+                               new=None if self.pinned else self.rules[SHIPPED])
+            if not self.pinned:
+                self.chain = [SHIPPED]   # the other rules stay known, to pin again
             try:
                 self._save()
             except BaseException:
                 # not on disk: not done (the window stays, and no audit line says otherwise)
-                self.window, self.counted, self.keys, self.since_test, n = kept
+                (self.window, self.counted, self.keys, self.since_test, self.tests,
+                 self.resets, self.chain, n) = kept
                 del self.events[n:]
                 raise
             self._emit(event)
-            return {"dropped": dropped}
+            if self.active is not old:
+                self.on_switch(self.active)
+            return {"dropped": event["dropped"], "active": self.active.version}
+
+    def _drop(self, who: str, reason: str, new: DeferRule | None = None, save: bool = True
+              ) -> dict:
+        """Empty the window as a test would not: at a time someone chose, perhaps after
+        seeing the labels, so dropping verdicts spends a test's share of δ (`spent_delta`)
+        and from then on tests divide theirs by `carried_union`. `new`: the rule served
+        after it, for the audit record."""
+        dropped = len(self.window)
+        self._keep_last(0)
+        self.since_test = 0
+        extra: dict[str, Any] = {}
+        if dropped:
+            self.tests += 1
+            self.resets += 1
+            extra["alpha_spending"] = {
+                "test": self.tests, "delta_this_test": spent_delta(self.levels()[1], self.tests),
+                "note": "dropping verdicts spends a test's share of delta"}
+        event = self._event("window_reset", who, old=self.active, new=new, emit=save,
+                            dropped=dropped, reason=reason, **extra)
+        if save:
+            self._save()
+        return event
 
     def _close(self, who: str) -> dict:
         """Certify the window (its last `max_window` verdicts), switch when the
         certificate holds and no rule is pinned, keep the last `max_window − window`
         verdicts for the next test; one save for all of it."""
-        # never more than max_window: each test keeps max_window − window, and a state file
-        # counted under other window settings is dropped at load
-        rows = self.window
+        # never more than max_window by construction (each test keeps max_window − window;
+        # verdicts counted under other window settings are dropped at load): kept as a guard
+        rows = self.window[-self.max_window:]
         # the next test reads at most max_window: the kept ones and `window` new ones
         self._keep_last(self.max_window - self.settings.window)
         self.since_test = 0
@@ -646,15 +692,18 @@ class RuleStore:
         r, d = self.levels()
         t = self.tests + 1
         version = f"r{self.attempts}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
+        union = self.carried_union
         rule, cert = certify(rows, self.base, version, target_risk=r,
-                             delta=spent_delta(d, t), min_per_class=s.min_per_class,
+                             delta=spent_delta(d, t) / union, min_per_class=s.min_per_class,
                              temperature_share=s.temperature_share, who=who)
         # every closed window spends its δ_t, a test run or not: the balance check reads
         # the window's labels, and spending on its refusals too keeps the union bound from
         # resting on the test being valid given that check passed
         self.tests = t
-        spend = {"test": t, "delta_total": d, "delta_this_test": spent_delta(d, t),
+        spend = {"test": t, "delta_total": d, "delta_this_test": spent_delta(d, t) / union,
                  "delta_spent": round(d * (1 - 1 / (t + 1)), 8)}
+        if union > 1:
+            spend["carried_union"] = union
         if "tau" not in cert:
             spend["note"] = "no test ran (label balance); its share is spent all the same"
         cert = {**cert, "alpha_spending": spend}

@@ -16,6 +16,7 @@ would see them. Poisoned runs mark a share of the wrong answers correct.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from heads.recert import SHIPPED, RuleStore, Served, Settings, Verdict
+from heads.recert import KEEP_RULES, SHIPPED, RuleStore, Served, Settings, Verdict
 from studies import command_line
 from studies.recert_study import STREAMS, cache_file, rule_on
 
@@ -55,6 +56,8 @@ def run(heads, stream: list[dict], window: int, max_window: int | None, checkpoi
         x = stream[i]
         said = x["correct"] or bool(flip and rng.uniform() < flip)
         got = store.add(x["id"], Served.from_dict(x["served"]), said, "study")
+        if not got["counted"]:       # checkpoints count counted verdicts, as the service
+            raise ValueError(f"{x['id']}: not counted ({got['reason']}): a repeated input")
         if got.get("attempt") == "switch":
             out["switches"].append(n)
         if n in checkpoints:
@@ -63,6 +66,7 @@ def run(heads, stream: list[dict], window: int, max_window: int | None, checkpoi
             released, risk, _ = rule_on(heads, rule, after) if after else (None, None, 0)
             out["at"][n] = {"switched": rule.version != SHIPPED, "released": released,
                             "risk": risk, "tau": rule.tau}
+    out["rule"] = store.active
     return out
 
 
@@ -70,27 +74,41 @@ def summary(runs: list[dict], checkpoint: int, floor: float | None, r: float) ->
     rows = [x["at"][checkpoint] for x in runs if checkpoint in x["at"]]
     rel = [x["released"] for x in rows if x["released"] is not None]
     risk = [x["risk"] for x in rows if x["released"]]
+    switched = [x["risk"] for x in rows if x["released"] and x["switched"]]
     return {"runs": len(rows), "switched": sum(x["switched"] for x in rows),
             "released_mean": round(float(np.mean(rel)), 4) if rel else None,
             "released_min": round(float(np.min(rel)), 4) if rel else None,
             "risk_mean": round(float(np.mean(risk)), 4) if risk else None,
             "risk_max": round(float(np.max(risk)), 4) if risk else None,
+            # the rules the service certified (a run not switched serves the shipped one)
+            "risk_max_switched": round(float(np.max(switched)), 4) if switched else None,
             "risk_above_r": sum(x > r for x in risk),
-            "at_floor": None if floor is None else sum(x >= floor for x in rel)}
+            "at_floor": None if floor is None else sum(x >= floor for x in rel),
+            # the issue's target run by run: released at the floor with risk ≤ r
+            "at_floor_within_r": None if floor is None else sum(
+                x["released"] is not None and x["released"] >= floor and x["risk"] <= r
+                for x in rows)}
 
 
-def save_cost(heads, stream: list[dict], n: int, folder: Path, rounds: int = 10) -> dict:
+def save_cost(heads, stream: list[dict], n: int, folder: Path, rule=None,
+              rounds: int = 10) -> dict:
     """What writing the state file costs with a full window of `n` of `stream`'s verdicts
-    (the service writes it on every counted verdict): median seconds and its size."""
+    (the service writes it on every counted verdict) and, with `rule`, the most rules a
+    store keeps (copies of it; a stream that keeps certifying switches at every test):
+    median milliseconds and its size."""
     store = RuleStore(folder / "cost.json", heads, "study", Settings(window=n))
     store.window = [Verdict(f"{i:032x}", Served.from_dict(x["served"]), x["correct"],
                             time.time(), "operator") for i, x in enumerate(stream[:n])]
+    for k in range(KEEP_RULES - 1 if rule is not None else 0):
+        store.rules[f"r{k}"] = copy.deepcopy(rule)
+        store.chain.append(f"r{k}")
     took = []
     for _ in range(rounds):
         t = time.perf_counter()
         store._save()
         took.append(time.perf_counter() - t)
-    return {"verdicts": len(store.window), "median_ms": round(float(np.median(took)) * 1e3, 1),
+    return {"verdicts": len(store.window), "rules": len(store.rules),
+            "median_ms": round(float(np.median(took)) * 1e3, 1),
             "bytes": (folder / "cost.json").stat().st_size, "rounds": rounds}
 
 
@@ -106,6 +124,7 @@ def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits:
     floor = None if clean is None else round(rule_on(heads, shipped, clean)[0] - 0.05, 4)
     out: dict = {"target_risk": r, "delta": d, "floor": floor, "checkpoints": checkpoints,
                  "next": nxt, "splits": splits, "shipped_tau": shipped.tau, "streams": {}}
+    kept = None      # a certified rule, to size the state file with the rules kept
     with tempfile.TemporaryDirectory() as tmp:
         for name, stream in rows.items():
             marks = [c for c in checkpoints if c <= len(stream)]
@@ -114,6 +133,8 @@ def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits:
                 for label, flip in (("honest", 0.0), (f"poisoned_{poison:g}", poison)):
                     runs = [run(heads, stream, window, max_window, marks, nxt, k, flip,
                                 Path(tmp) / "state.json") for k in range(splits)]
+                    kept = next((x["rule"] for x in runs if x["rule"].version != SHIPPED),
+                                kept)
                     entry[f"{design} | {label}"] = {
                         "window": window, "max_window": max_window,
                         "first_switch": [x["switches"][0] if x["switches"] else None
@@ -122,8 +143,9 @@ def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits:
                            for c in marks if c >= window}}
                     print(name, design, label, flush=True)
         longest = max(rows.values(), key=len)
-        out["state_file_write"] = save_cost(heads, longest, max(m or w for _, w, m in DESIGNS),
-                                            Path(tmp))
+        n = max(m or w for _, w, m in DESIGNS)
+        out["state_file_write"] = [save_cost(heads, longest, n, Path(tmp)),
+                                   save_cost(heads, longest, n, Path(tmp), kept)]
     return out
 
 
@@ -144,8 +166,9 @@ def markdown(report: dict, command: str) -> str:
              "least released and the highest risk of one order; at floor: orders whose next "
              "items are released at ≥ the floor; —: no next items (the stream ends there) "
              "or none released.", "",
-             "| stream | design | verdicts | after | switched | released (min) | risk (max) | "
-             "orders with risk > r | at floor |", "|---|---|---|---|---|---|---|---|---|"]
+             "| stream | design | labels | verdicts | switched | released (min) | risk (max) | "
+             "risk max, switched | orders with risk > r | at floor | at floor, risk ≤ r |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["streams"].items():
         for key, v in entry.items():
             if not isinstance(v, dict):
@@ -156,14 +179,16 @@ def markdown(report: dict, command: str) -> str:
                 rel = "—" if s["released_mean"] is None else \
                     f"{s['released_mean']} ({s['released_min']})"
                 risk = "—" if s["risk_mean"] is None else f"{s['risk_mean']} ({s['risk_max']})"
+                cells = [s["risk_max_switched"], s["risk_above_r"], s["at_floor"],
+                         s["at_floor_within_r"]]
                 lines.append(f"| {name} | {key} | {c} | {s['switched']}/{s['runs']} | {rel} | "
-                             f"{risk} | {s['risk_above_r']} | "
-                             f"{'—' if s['at_floor'] is None else s['at_floor']} |")
-    w = report.get("state_file_write")
-    if w:
+                             f"{risk} | " + " | ".join("—" if x is None else str(x)
+                                                       for x in cells) + " |")
+    for w in report.get("state_file_write", []):
         lines += ["", f"Writing the state file with a full window of {w['verdicts']} verdicts "
-                  f"(the service writes it on every counted verdict): {w['median_ms']} ms "
-                  f"(median of {w['rounds']}), {w['bytes']:,} bytes."]
+                  f"and {w['rules']} kept rule(s) (the service writes it on every counted "
+                  f"verdict): {w['median_ms']} ms (median of {w['rounds']}), "
+                  f"{w['bytes']:,} bytes."]
     return "\n".join(lines) + "\n"
 
 

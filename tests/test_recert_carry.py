@@ -62,6 +62,7 @@ def test_each_test_reads_the_last_max_window_verdicts(state_dir, tests_run):
     # what waits for the next test: the last 150, none of them since that test
     assert [v.request_id for v in store.window] == ids[250:400] and store.since_test == 0
     assert store.counted == set(ids[250:400])
+    assert store.keys == {s.key for _, s, _ in rows[250:400]}
     view = store.view()["window"]
     assert (view["counted"], view["needed"], view["max"], view["since_test"]) == \
         (150, 100, 250, 0)
@@ -126,26 +127,63 @@ def test_a_state_file_from_before_counts_its_window_as_new(state_dir):
     assert _store(state_dir, base, window=100, max_window=300).since_test == 40
 
 
-def test_a_reset_drops_the_window_and_is_audited(state_dir, tests_run):
+def test_a_reset_drops_the_window_spends_delta_and_is_audited(state_dir, tests_run):
     base = _base()
     rows = _refused_stream(base, 260)
     store = _fed(_store(state_dir, base, window=100, max_window=300), rows[:130])
-    assert store.reset_window("operator") == {"dropped": 130}
+    assert store.keys == {s.key for _, s, _ in rows[:130]}
+    assert store.reset_window("operator") == {"dropped": 130, "active": SHIPPED}
     assert store.window == [] and store.since_test == 0 and store.counted == set()
+    assert store.keys == set()
     [event] = [e for e in store.events if e["event"] == "window_reset"]
     assert event["who"] == "operator" and event["dropped"] == 130
-    assert event["old"]["version"] == store.active.version and event["new"] is None
+    assert event["old"]["version"] == SHIPPED and event["new"]["version"] == SHIPPED
+    # the reset is the history's second test slot (one test at 100 before it)
+    assert event["alpha_spending"]["test"] == 2 and (store.tests, store.resets) == (2, 1)
     again = _store(state_dir, base, window=100, max_window=300)     # persisted
     assert again.window == [] and again.since_test == 0
-    for rid, s, z in rows[130:260]:
-        again.add(rid, s, z, "op")
+    assert (again.tests, again.resets, again.carried_union) == (2, 1, 3)
+    assert again.spending()["next_delta"] == round(spent_delta(0.1, 3) / 3, 8)
+    _fed(again, rows[130:260])
     ids = [r[0] for r in rows]
-    # the test before the reset read 100; the one after it reads only what followed it
+    # the test before the reset read 100; the one after it reads only what followed it,
+    # at its δ_t shared by the three starts its verdicts could have had
     assert [got for got, _ in tests_run] == [ids[:100], ids[130:230]]
+    assert [d for _, d in tests_run] == [spent_delta(0.1, 1), spent_delta(0.1, 3) / 3]
+    assert again.events[-1]["certificate"]["alpha_spending"]["carried_union"] == 3
     # an input still in the window is refused; one the reset dropped counts again
     assert again.add("again-1", rows[200][1], True, "op") == \
         {"counted": False, "reason": "duplicate_input"}
     assert again.add("again-2", rows[0][1], True, "op")["counted"]
+
+
+def test_without_a_reset_tests_keep_their_whole_share(state_dir, tests_run):
+    base = _base()
+    store = _fed(_store(state_dir, base, window=100, max_window=300), _refused_stream(base, 200))
+    assert store.carried_union == 1 and "carried_union" not in store.spending()
+    assert [d for _, d in tests_run] == [spent_delta(0.1, 1), spent_delta(0.1, 2)]
+
+
+def test_a_reset_serves_the_shipped_rule_again_unless_one_is_pinned(state_dir):
+    base = _base()
+    switched: list = []
+    rows = stream(np.random.default_rng(8), 300, base, shift=6.0)
+    store = _fed(_store(state_dir, base, window=300, max_window=300,
+                        on_switch=switched.append), rows)
+    certified = store.active
+    assert certified.version != SHIPPED and switched == [certified]
+    # an empty window with the shipped rule already served, or a pinned one: nothing to do
+    store.pin(None, "operator")
+    assert store.reset_window("operator") == {"dropped": 0, "active": certified.version}
+    assert store.active is certified and store.tests == 1
+    store.unpin("operator")
+    got = store.reset_window("operator")
+    assert got == {"dropped": 0, "active": SHIPPED} and switched[-1].version == SHIPPED
+    # no verdict dropped: no share of δ spent
+    assert (store.tests, store.resets) == (1, 0) and store.chain == [SHIPPED]
+    assert certified.version in store.rules                      # kept, to pin again
+    assert store.events[-1]["new"]["version"] == SHIPPED
+    assert store.reset_window("operator") == {"dropped": 0, "active": SHIPPED}
 
 
 def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
@@ -164,6 +202,7 @@ def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
         assert lowered.window == [] and lowered.since_test == 0 and lowered.counted == set()
         [event] = [e for e in lowered.events if e["event"] == "window_reset"]
         assert event["who"] == "service" and event["dropped"] == 130
+        assert (lowered.tests, lowered.resets) == (2, 1)         # one test, then the drop
         assert "window settings changed" in event["reason"]
         # on disk: a second restart under the new settings finds nothing more to drop
         again = _store(path, base, window=window, max_window=max_window)
@@ -177,7 +216,7 @@ def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
 
 def test_a_reset_of_an_empty_window_records_nothing(state_dir):
     store = _store(state_dir, _base(), window=100, max_window=300)
-    assert store.reset_window("operator") == {"dropped": 0}
+    assert store.reset_window("operator") == {"dropped": 0, "active": SHIPPED}
     assert store.events == [] and not (state_dir / "state.json").exists()
 
 
@@ -195,10 +234,12 @@ def test_a_reset_that_cannot_be_saved_is_not_done(state_dir, monkeypatch, caplog
         store.reset_window("operator")
     assert [v.request_id for v in store.window] == [r[0] for r in rows]
     assert store.since_test == 30 and store.counted == {r[0] for r in rows}
+    assert store.keys == {s.key for _, s, _ in rows}
+    assert (store.tests, store.resets) == (0, 0)
     assert store.events == events and "window_reset" not in caplog.text
     monkeypatch.undo()
     with caplog.at_level("INFO", logger="dualread.audit"):
-        assert store.reset_window("operator") == {"dropped": 30}
+        assert store.reset_window("operator") == {"dropped": 30, "active": SHIPPED}
     assert "window_reset" in caplog.text
 
 

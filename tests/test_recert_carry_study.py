@@ -3,6 +3,8 @@ stream, and the active rule at each checkpoint applied to the next items."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from studies.recert_carry import run, save_cost, summary
@@ -51,10 +53,13 @@ def test_a_stream_the_actor_gets_half_wrong_never_switches(tmp_path):
 def test_summary_counts_orders_at_the_floor_and_over_r():
     runs = [{"at": {10: {"switched": s, "released": rel, "risk": risk}}}
             for s, rel, risk in ((True, 0.8, 0.04), (True, 0.7, 0.06), (False, 0.1, 0.2),
-                                 (True, 0.0, 0.0))]
+                                 (True, 0.0, 0.0), (True, 0.9, 0.08))]
     got = summary(runs, 10, floor=0.75, r=0.05)
-    assert got == {"runs": 4, "switched": 3, "released_mean": 0.4, "released_min": 0.0,
-                   "risk_mean": 0.1, "risk_max": 0.2, "risk_above_r": 2, "at_floor": 1}
+    # the worst risk of a certified rule leaves out the run still on the shipped one; at
+    # the floor within r leaves out the run released at the floor with risk above r
+    assert got == {"runs": 5, "switched": 4, "released_mean": 0.5, "released_min": 0.0,
+                   "risk_mean": 0.095, "risk_max": 0.2, "risk_max_switched": 0.08,
+                   "risk_above_r": 3, "at_floor": 2, "at_floor_within_r": 1}
     # no floor (not the benign stream), and a checkpoint no run reached
     assert summary(runs, 10, floor=None, r=0.05)["at_floor"] is None
     assert summary(runs, 20, floor=0.75, r=0.05)["runs"] == 0
@@ -64,4 +69,10 @@ def test_the_state_file_write_is_timed_on_a_full_window(tmp_path):
     base = _base()
     got = save_cost(base, _rows(base, 50), 40, tmp_path, rounds=3)
     assert got["verdicts"] == 40 and got["rounds"] == 3 and got["median_ms"] > 0
-    assert got["bytes"] == (tmp_path / "cost.json").stat().st_size
+    assert got["bytes"] == (tmp_path / "cost.json").stat().st_size and got["rules"] == 1
+    rows = _rows(base, 400, accuracy_offset=5.0)
+    rule = run(base, rows, 100, 300, [300], 50, seed=2, flip=0.0, state=tmp_path / "s.json")["rule"]
+    kept = save_cost(base, rows, 40, tmp_path, rule, rounds=1)
+    assert kept["rules"] == 20 and kept["bytes"] > got["bytes"]
+    saved = json.loads((tmp_path / "cost.json").read_text())
+    assert len(saved["rules"]) == 20 and saved["rules"]["r3"] == rule.to_dict()

@@ -81,7 +81,8 @@ def _service(actor_dir: str, heads_dir: str, monkeypatch) -> Service:
 
 def _settings(heads_dir: str, state) -> Settings:
     return Settings(max_new_tokens=8, batch_wait_ms=20, heads=heads_dir,
-                    operator_key="op-secret", recert_window=WINDOW, recert_min_per_class=3,
+                    operator_key="op-secret", recert_window=WINDOW,
+                    recert_max_window=3 * WINDOW, recert_min_per_class=3,
                     recert_state=str(state), drift_window=60)
 
 
@@ -142,7 +143,7 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert cal["last_attempt"]["event"] == "refused"
         assert cal["last_attempt"]["window"]["n"] == WINDOW
         assert "Clopper-Pearson" in cal["last_attempt"]["certificate"]["reason"]
-        # the refused window is kept for the next test (it reads the last 3000 verdicts)
+        # the refused window is kept for the next test (it reads the last 3 × WINDOW)
         assert cal["active"]["version"] == "shipped" and cal["window"]["counted"] == WINDOW
         after = _answers(c, [harmful(WINDOW + k) for k in range(8)])
         assert all(b["defer"] and b["defer_rule_version"] == "shipped" for b in after)
@@ -150,7 +151,10 @@ def test_streams_through_the_service(actor_dirs, heads_dir, tmp_path, monkeypatc
         assert c.post("/calibration/window/reset").status_code == 403
         r = c.post("/calibration/window/reset", headers=OP)
         assert r.status_code == 200 and r.json()["dropped"] == WINDOW
-        assert r.json()["window"]["counted"] == 0
+        assert r.json()["window"]["counted"] == 0 and r.json()["active"] == "shipped"
+        # the dropped window spent a test's share of δ; later tests share theirs by 3
+        spending = c.get("/calibration").json()["alpha_spending"]
+        assert spending["tests"] == 2 and spending["carried_union"] == 3
         assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 0
 
         # ---- benign stream (another colour balance), right 9 times in 10
@@ -377,7 +381,7 @@ def test_an_api_client_cannot_move_what_operators_alert_on(actor_dirs, heads_dir
         assert c.get("/calibration", headers=OP).json()["window"]["counted"] == 1
         # the open window's tallies are the operator's: an API client sees its size only
         plain = c.get("/calibration").json()
-        assert plain["window"] == {"needed": WINDOW, "max": 3000}
+        assert plain["window"] == {"needed": WINDOW, "max": 3 * WINDOW}
         assert plain["active"]["version"] == "shipped" and "certificate" in plain["active"]
         assert c.get("/calibration", headers={**api, "X-Operator-Key": "guess"}
                      ).status_code == 401

@@ -91,7 +91,14 @@ async def rollback(request: Request, who: str = Depends(require_operator)) -> di
 
 @operator.post("/calibration/window/reset", responses=STORE_ERRORS)
 async def reset_window(request: Request, who: str = Depends(require_operator)) -> dict:
-    """Drop the verdicts of the open window (the input stream changed: the next
-    certificate test then reads only verdicts given after this). The active rule stays."""
-    out = await run_in_threadpool(_store(request).reset_window, who)
-    return {"dropped": out["dropped"], "window": _store(request).view()["window"]}
+    """A new input stream: drop the window's verdicts (the next certificate test reads
+    only verdicts given after this) and serve the shipped rule again unless one is
+    pinned. Dropping verdicts spends a test's share of δ."""
+    store = _store(request)
+
+    def reset() -> dict:
+        # the view takes the store's lock, which a verdict closing a window holds through
+        # its certificate: off the event loop too
+        return {**store.reset_window(who), "window": store.view()["window"]}
+
+    return await run_in_threadpool(reset)
