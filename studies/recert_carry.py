@@ -70,6 +70,31 @@ def run(heads, stream: list[dict], window: int, max_window: int | None, checkpoi
     return out
 
 
+def stream_change(heads, first: list[dict], second: list[dict], window: int,
+                  max_window: int | None, n_first: int, n_second: int, nxt: int, seed: int,
+                  reset: bool, state: Path) -> dict:
+    """`n_first` verdicts of one stream, then (after an operator's reset, or not)
+    `n_second` of another; the rule then active applied to the second stream's next items."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.permutation(len(first)), rng.permutation(len(second))
+    store = QuietStore(state, heads, "study", Settings(window=window, max_window=max_window,
+                                                       min_per_class=10))
+    for i in a[:n_first]:
+        store.add(first[i]["id"], Served.from_dict(first[i]["served"]), first[i]["correct"],
+                  "study")
+    before = store.active.version != SHIPPED
+    if reset:
+        store.reset_window("study")
+    for i in b[:n_second]:
+        # the streams' item ids may repeat across specs: the request ids must not
+        store.add("second-" + second[i]["id"], Served.from_dict(second[i]["served"]),
+                  second[i]["correct"], "study")
+    released, risk, _ = rule_on(heads, store.active, [second[j] for j in b[n_second:
+                                                                          n_second + nxt]])
+    return {"switched_on_first": before, "serving_shipped": store.active.version == SHIPPED,
+            "released": released, "risk": risk}
+
+
 def summary(runs: list[dict], checkpoint: int, floor: float | None, r: float) -> dict:
     rows = [x["at"][checkpoint] for x in runs if checkpoint in x["at"]]
     rel = [x["released"] for x in rows if x["released"] is not None]
@@ -142,6 +167,22 @@ def study(rows: dict[str, list[dict]], checkpoints: list[int], nxt: int, splits:
                         **{str(c): summary(runs, c, floor if name == "benign" else None, r)
                            for c in marks if c >= window}}
                     print(name, design, label, flush=True)
+        if {"benign", "harmful"} <= set(rows) and len(rows["benign"]) > 3000 \
+                and len(rows["harmful"]) >= 1000 + nxt:
+            # a benign stream certified, then a harmful one: with and without a reset
+            out["stream_change"] = {}
+            for design, window, max_window in DESIGNS[:2]:
+                for reset in (False, True):
+                    got = [stream_change(heads, rows["benign"], rows["harmful"], window,
+                                         max_window, 3000, 1000, nxt, k, reset,
+                                         Path(tmp) / "state.json") for k in range(splits)]
+                    rel = [x["released"] for x in got]
+                    risk = [x["risk"] for x in got if x["released"]]
+                    out["stream_change"][f"{design} | {'reset' if reset else 'no reset'}"] = {
+                        "switched_on_benign": sum(x["switched_on_first"] for x in got),
+                        "serving_shipped": sum(x["serving_shipped"] for x in got),
+                        "released_mean": round(float(np.mean(rel)), 4),
+                        "risk_mean": round(float(np.mean(risk)), 4) if risk else None}
         longest = max(rows.values(), key=len)
         n = max(m or w for _, w, m in DESIGNS)
         out["state_file_write"] = [save_cost(heads, longest, n, Path(tmp)),
@@ -184,6 +225,19 @@ def markdown(report: dict, command: str) -> str:
                 lines.append(f"| {name} | {key} | {c} | {s['switched']}/{s['runs']} | {rel} | "
                              f"{risk} | " + " | ".join("—" if x is None else str(x)
                                                        for x in cells) + " |")
+    change = report.get("stream_change")
+    if change:
+        lines += ["", "## A stream change", "", f"3000 honest verdicts of the benign stream, "
+                  "then (after an operator's reset, or not) 1000 of the harmful one; the rule "
+                  f"then active applied to the harmful stream's next {report['next']} items "
+                  "(means over the orders; risk over the orders that released any).", "",
+                  "| design | reset | switched on benign | serving the shipped rule after | "
+                  "released | risk |", "|---|---|---|---|---|---|"]
+        for key, v in change.items():
+            design, reset = key.split(" | ")
+            lines.append(f"| {design} | {reset} | {v['switched_on_benign']}/{report['splits']} "
+                         f"| {v['serving_shipped']}/{report['splits']} | {v['released_mean']} "
+                         f"| {'—' if v['risk_mean'] is None else v['risk_mean']} |")
     for w in report.get("state_file_write", []):
         lines += ["", f"Writing the state file with a full window of {w['verdicts']} verdicts "
                   f"and {w['rules']} kept rule(s) (the service writes it on every counted "

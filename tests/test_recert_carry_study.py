@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 
-from studies.recert_carry import run, save_cost, summary
+from heads.recert import shipped_rule
+from studies.recert_carry import run, save_cost, stream_change, summary
 from studies.recert_study import rule_on
 from tests.test_recert import _base, stream
 
@@ -76,3 +77,19 @@ def test_the_state_file_write_is_timed_on_a_full_window(tmp_path):
     assert kept["rules"] == 20 and kept["bytes"] > got["bytes"]
     saved = json.loads((tmp_path / "cost.json").read_text())
     assert len(saved["rules"]) == 20 and saved["rules"]["r3"] == rule.to_dict()
+
+
+def test_a_stream_change_keeps_the_old_streams_rule_unless_reset(tmp_path):
+    base = _base()
+    good = _rows(base, 400, accuracy_offset=5.0)
+    bad = [{**x, "id": "bad-" + x["id"]} for x in _rows(base, 300, accuracy_offset=0.0)]
+    kept = stream_change(base, good, bad, 100, 300, 300, 100, 100, 2, False,
+                         tmp_path / "a.json")
+    assert kept["switched_on_first"] and not kept["serving_shipped"]
+    fresh = stream_change(base, good, bad, 100, 300, 300, 100, 100, 2, True,
+                          tmp_path / "b.json")
+    assert fresh["switched_on_first"] and fresh["serving_shipped"]
+    # the figures are the served rule's on the second stream's next items
+    order = np.random.default_rng(2).permutation(len(bad))[100:200]
+    assert (fresh["released"], fresh["risk"]) == rule_on(
+        base, shipped_rule(base), [bad[j] for j in order])[:2]
