@@ -644,7 +644,8 @@ def test_a_body_without_a_content_type_is_passed_on_unchecked():
 
 
 # ------------------------------------------------------------------ RequestContext.__call__
-SMALL = ["/feedback", "/calibration/pin", "/calibration/unpin", "/calibration/rollback"]
+SMALL = ["/feedback", "/calibration/pin", "/calibration/unpin", "/calibration/rollback",
+         "/calibration/window/reset"]
 
 
 def _sink() -> FastAPI:
