@@ -22,11 +22,12 @@ together at most δ), and counts one verdict per input (`Served.key`): repeats o
 are not independent evidence. A test reads the last `Settings.max_window` verdicts at most,
 not only those since the previous test: evidence is not thrown away, so a stream that needs
 more verdicts than one window holds still certifies. The union bound does not need the
-tests' samples to be disjoint, only each sample's start fixed before its verdicts arrive.
-An operator's reset (`reset_window`) can come at a time chosen after seeing the labels, so
-it spends a test's share of δ like a refused test, and once a history holds a reset, each
-test runs at δ_t / ⌈max_window / window⌉: its verdicts may then start after any of the
-last ⌈max_window / window⌉ tests or resets (a union bound over those starts).
+tests' samples to be disjoint, only each sample's start fixed before its own verdicts
+arrive. An operator's reset (`reset_window`) can come at a time chosen after seeing the
+labels, so it spends a test's share of δ like a refused test, and each test runs at
+δ_t / ⌈max_window / window⌉: its verdicts start after one of that many earlier slots
+(tests or resets, the history's start included), whichever the operator's resets made
+it, and the union bound covers each of those starts.
 
 Nothing here keeps an image, a question or an answer: a served answer leaves its three
 branch log-odds, its detector scores and p-values, whether its response parsed, and the
@@ -160,7 +161,8 @@ def spent_delta(delta: float, attempt: int) -> float:
 def spending_view(delta: float, attempts: int) -> dict:
     """Where a history stands: δ spent by its `attempts` tests (δ (1 − 1/(t+1))) and the
     level of the next one."""
-    return {"scheme": "delta_t = delta / (t (t + 1)), t = 1, 2, ...; sum <= delta",
+    return {"scheme": "delta_t = delta / (t (t + 1)), t = 1, 2, ... (tests and resets); "
+                      "sum <= delta; a carried test runs at delta_t / carried_union",
             "delta_total": delta, "tests": attempts,
             "delta_spent": round(delta * (1 - 1 / (attempts + 1)), 8),
             "next_delta": round(spent_delta(delta, attempts + 1), 8)}
@@ -527,11 +529,9 @@ class RuleStore:
         self.resets = int(state.get("resets", 0))
         self.last_attempt = state.get("last_attempt")
         counted_under = state.get("window_settings")
-        # a file from before carried windows: more than the next test may read
-        changed = counted_under != self._window_settings() if counted_under is not None \
-            else len(self.window) + max(0, self.settings.window - self.since_test) \
-            > self.max_window
-        if self.window and changed:
+        # a file from before window settings were kept: under which it was counted is
+        # unknown, so its window is dropped too
+        if self.window and counted_under != self._window_settings():
             # a test reads only verdicts counted under its own window settings: a lower
             # max_window kept after the labels are known would choose which of them it reads
             self._drop("service", f"window settings changed from {counted_under or 'unknown'}")
@@ -546,7 +546,7 @@ class RuleStore:
                  "alpha_spending": self.spending(), "last_attempt": self.last_attempt}
         # the kept rules (each with its references: most of the file once 20 are kept)
         # change only at a switch, a pin or a trim: serialised again only then, not at
-        # every verdict
+        # every verdict (a kept rule is never changed in place: the key is its identity)
         key = tuple((k, id(r)) for k, r in self.rules.items())
         if self._rules_json is None or self._rules_json[0] != key:
             self._rules_json = (key, json.dumps({k: r.to_dict() for k, r in self.rules.items()}))
@@ -574,9 +574,11 @@ class RuleStore:
 
     @property
     def carried_union(self) -> int:
-        """What each test's δ_t is divided by: after a reset, the starts its verdicts may
-        have (the last ⌈max_window / window⌉ tests or resets); 1 before any reset."""
-        return -(-self.max_window // self.settings.window) if self.resets else 1
+        """What each test's δ_t is divided by: the starts its verdicts may have (after one
+        of the last ⌈max_window / window⌉ tests or resets). From the first test on: whether
+        a reset comes, and when, may be decided on the labels seen so far, so "no reset
+        yet" is one of the starts, not a case apart."""
+        return -(-self.max_window // self.settings.window)
 
     def _window_settings(self) -> dict:
         return {"window": self.settings.window, "max_window": self.max_window}
@@ -671,10 +673,11 @@ class RuleStore:
             extra["alpha_spending"] = {
                 "test": self.tests, "delta_this_test": spent_delta(self.levels()[1], self.tests),
                 "note": "dropping verdicts spends a test's share of delta"}
-        event = self._event("window_reset", who, old=self.active, new=new, emit=save,
+        event = self._event("window_reset", who, old=self.active, new=new, emit=False,
                             dropped=dropped, reason=reason, **extra)
         if save:
             self._save()
+            self._emit(event)          # the audit line once the file holds it
         return event
 
     def _close(self, who: str) -> dict:
@@ -684,18 +687,21 @@ class RuleStore:
         # never more than max_window by construction (each test keeps max_window − window;
         # verdicts counted under other window settings are dropped at load): kept as a guard
         rows = self.window[-self.max_window:]
+        s = self.settings
+        r, d = self.levels()
+        t = self.tests + 1
+        version = f"r{self.attempts + 1}-" \
+                  f"{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
+        union = self.carried_union
+        # the test first: should it fail, the window and the counts are as they were, and
+        # the next verdict tries again
+        rule, cert = certify(rows, self.base, version, target_risk=r,
+                             delta=spent_delta(d, t) / union, min_per_class=s.min_per_class,
+                             temperature_share=s.temperature_share, who=who)
         # the next test reads at most max_window: the kept ones and `window` new ones
         self._keep_last(self.max_window - self.settings.window)
         self.since_test = 0
         self.attempts += 1
-        s = self.settings
-        r, d = self.levels()
-        t = self.tests + 1
-        version = f"r{self.attempts}-{hashlib.sha256(str(time.time()).encode()).hexdigest()[:6]}"
-        union = self.carried_union
-        rule, cert = certify(rows, self.base, version, target_risk=r,
-                             delta=spent_delta(d, t) / union, min_per_class=s.min_per_class,
-                             temperature_share=s.temperature_share, who=who)
         # every closed window spends its δ_t, a test run or not: the balance check reads
         # the window's labels, and spending on its refusals too keeps the union bound from
         # resting on the test being valid given that check passed

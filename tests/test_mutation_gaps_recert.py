@@ -1196,7 +1196,8 @@ def test_a_state_file_without_rules_beside_heads_without_a_policy_is_set_aside(t
 def test_the_spending_scheme_and_the_attempt_refusal_word_for_word():
     """`/calibration` and the state file show the scheme as written; the refusal names the
     count's start."""
-    scheme = "delta_t = delta / (t (t + 1)), t = 1, 2, ...; sum <= delta"
+    scheme = ("delta_t = delta / (t (t + 1)), t = 1, 2, ... (tests and resets); sum <= delta; "
+              "a carried test runs at delta_t / carried_union")
     assert spending_view(0.1, 0)["scheme"] == scheme
     with pytest.raises(ValueError) as refused:
         spent_delta(0.1, 0)
