@@ -20,7 +20,7 @@ def _rows(base, n: int, **kw) -> list[dict]:
 
 def test_each_checkpoint_applies_the_rule_then_active_to_the_next_items(tmp_path):
     base = _base()
-    rows = _rows(base, 700, accuracy_offset=5.0)
+    rows = _rows(base, 700, accuracy_offset=6.0)
     got = run(base, rows, 100, 300, [100, 300, 600], 100, seed=2, flip=0.0,
               state=tmp_path / "s.json")
     assert got["switches"] and got["switches"][0] % 100 == 0     # only at a test
@@ -71,8 +71,9 @@ def test_the_state_file_write_is_timed_on_a_full_window(tmp_path):
     got = save_cost(base, _rows(base, 50), 40, tmp_path, rounds=3)
     assert got["verdicts"] == 40 and got["rounds"] == 3 and got["median_ms"] > 0
     assert got["bytes"] == (tmp_path / "cost.json").stat().st_size and got["rules"] == 1
-    rows = _rows(base, 400, accuracy_offset=5.0)
-    rule = run(base, rows, 100, 300, [300], 50, seed=2, flip=0.0, state=tmp_path / "s.json")["rule"]
+    rows = _rows(base, 700, accuracy_offset=6.0)
+    rule = run(base, rows, 100, 300, [600], 50, seed=2, flip=0.0, state=tmp_path / "s.json")["rule"]
+    assert rule.version.startswith("r")                          # certified
     kept = save_cost(base, rows, 40, tmp_path, rule, rounds=1)
     assert kept["rules"] == 20 and kept["bytes"] > got["bytes"]
     saved = json.loads((tmp_path / "cost.json").read_text())
