@@ -62,9 +62,10 @@ class Settings(BaseSettings):
                                description="new operator verdicts between two "
                                            "re-certification tests")
     recert_max_window: int = Field(
-        3000, ge=20, le=100_000,
+        1000, ge=20, le=100_000,
         description="operator verdicts a re-certification test reads at most: the last ones, "
-                    "kept across tests (at least recert_window)")
+                    "kept across tests when above recert_window (read as recert_window when "
+                    "below it)")
     recert_min_per_class: int = Field(
         10, ge=1, description="correct and wrong verdicts each needed in a window")
     recert_state: str | None = Field(
