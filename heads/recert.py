@@ -19,9 +19,9 @@ window, so the certificate is on the rule that would be served. The guarantee is
 exchangeable with the window's. A store tests every `Settings.window` new verdicts, so it
 spends its δ across its tests (`spent_delta`: the t-th test at δ/(t(t+1)), all of them
 together at most δ), and counts one verdict per input (`Served.key`): repeats of one input
-are not independent evidence. A test reads the last `Settings.max_window` verdicts at most,
-not only those since the previous test: evidence is not thrown away, so a stream that needs
-more verdicts than one window holds still certifies. The union bound does not need the
+are not independent evidence. With `Settings.max_window` above `window` (default: equal, so
+off) a test reads the last `max_window` verdicts, not only those since the previous test.
+The union bound does not need the
 tests' samples to be disjoint, only each sample's start fixed before its own verdicts
 arrive. An operator's reset (`reset_window`) can come at a time chosen after seeing the
 labels, so it spends a test's share of δ like a refused test, and each test runs at
@@ -660,8 +660,8 @@ class RuleStore:
     def _drop(self, who: str, reason: str, new: DeferRule | None = None, save: bool = True
               ) -> dict:
         """Empty the window as a test would not: at a time someone chose, perhaps after
-        seeing the labels, so dropping verdicts spends a test's share of δ (`spent_delta`)
-        and from then on tests divide theirs by `carried_union`. `new`: the rule served
+        seeing the labels, so dropping verdicts spends a test's share of δ (`spent_delta`);
+        every test divides its share by `carried_union`, from the first on. `new`: the rule served
         after it, for the audit record."""
         dropped = len(self.window)
         self._keep_last(0)

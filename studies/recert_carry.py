@@ -5,8 +5,9 @@ windows carried across tests (`recert_max_window`), on the served rows of
 For each stream and each of `--splits` seeded orders of it (the same orders as the
 window study), the verdicts are fed one by one to a `heads.recert.RuleStore` (the
 service's store, its state file left out: the study measures its decisions, not its
-disk), which tests every `--window` verdicts at δ_t = δ/(t(t+1)) and switches when a
-certificate holds. After `c` verdicts (each checkpoint), the rule then active is applied to
+disk), which tests every `recert_window` verdicts of each design (`DESIGNS`) at
+δ_t = δ/(t(t+1)), divided by ⌈max_window / window⌉ (3) for carried windows, and switches
+when a certificate holds. After `c` verdicts (each checkpoint), the rule then active is applied to
 the next `--next` items of the order: released share and risk among released, as a user
 would see them. Poisoned runs mark a share of the wrong answers correct.
 
@@ -29,8 +30,9 @@ from heads.recert import KEEP_RULES, SHIPPED, RuleStore, Served, Settings, Verdi
 from studies import command_line
 from studies.recert_study import STREAMS, cache_file, rule_on
 
-# (name, recert_window, recert_max_window): the service's defaults against separate
-# windows of the same size, and one window of 3000 (a test only at the 3000th verdict)
+# (name, recert_window, recert_max_window): separate windows of 1000 (the service's
+# defaults), windows of 1000 carried up to 3000, and one window of 3000 (a test only at
+# the 3000th verdict)
 DESIGNS = (("separate 1000", 1000, None), ("carried 1000 up to 3000", 1000, 3000),
            ("one window of 3000", 3000, None))
 
@@ -199,7 +201,8 @@ def markdown(report: dict, command: str) -> str:
              "docs/recert/study.md):", "",
              f"    {command}", "",
              f"r = {r}, δ = {report['delta']} over the whole history (the t-th test at "
-             f"δ/(t(t+1))); {report['splits']} seeded orders of each stream; after each "
+             f"δ/(t(t+1)), divided by ⌈max_window / window⌉ for carried windows); "
+             f"{report['splits']} seeded orders of each stream; after each "
              f"checkpoint the rule then active is applied to the next {report['next']} "
              f"items. Benign floor (the shipped rule's clean released share − 0.05): {floor}.",
              "", "Released and risk: means over the orders (a rule that has not switched "
