@@ -112,6 +112,73 @@ def test_the_carried_window_and_its_count_survive_a_restart(state_dir, tests_run
     assert again.since_test == 30 and len(again.window) == 230
 
 
+def test_a_reset_drops_the_window_spends_delta_and_is_audited(state_dir, tests_run):
+    base = _base()
+    rows = _refused_stream(base, 260)
+    store = _fed(_store(state_dir, base, window=100, max_window=300), rows[:130])
+    assert store.keys == {s.key for _, s, _ in rows[:130]}
+    assert store.reset_window("operator") == {"dropped": 130, "active": SHIPPED}
+    assert store.window == [] and store.since_test == 0 and store.counted == set()
+    assert store.keys == set()
+    [event] = [e for e in store.events if e["event"] == "window_reset"]
+    assert event["who"] == "operator" and event["dropped"] == 130
+    assert event["old"]["version"] == SHIPPED and event["new"]["version"] == SHIPPED
+    # the reset is the history's second test slot (one test at 100 before it)
+    assert event["alpha_spending"]["test"] == 2 and (store.tests, store.resets) == (2, 1)
+    again = _store(state_dir, base, window=100, max_window=300)     # persisted
+    assert again.window == [] and again.since_test == 0
+    assert (again.tests, again.resets, again.carried_union) == (2, 1, 3)
+    assert again.spending()["next_delta"] == round(spent_delta(0.1, 3) / 3, 8)
+    _fed(again, rows[130:260])
+    ids = [r[0] for r in rows]
+    # the test before the reset read 100; the one after it reads only what followed it
+    # (the reset took slot 2); each at its δ_t shared by the three starts it could have
+    assert [got for got, _ in tests_run] == [ids[:100], ids[130:230]]
+    assert [d for _, d in tests_run] == [spent_delta(0.1, 1) / 3, spent_delta(0.1, 3) / 3]
+    assert again.events[-1]["certificate"]["alpha_spending"]["carried_union"] == 3
+    # an input still in the window is refused; one the reset dropped counts again
+    assert again.add("again-1", rows[200][1], True, "op") == \
+        {"counted": False, "reason": "duplicate_input"}
+    assert again.add("again-2", rows[0][1], True, "op")["counted"]
+
+
+def test_each_test_shares_its_delta_among_its_starts_from_the_first(state_dir, tests_run):
+    """Whether and when a reset comes may be decided on the labels seen so far: "no reset
+    yet" is one of a test's starts, so the division holds from the first test; separate
+    windows have one start and keep δ_t whole."""
+    base = _base()
+    store = _fed(_store(state_dir, base, window=100, max_window=300), _refused_stream(base, 200))
+    assert store.resets == 0 and store.carried_union == 3
+    assert store.spending()["carried_union"] == 3
+    assert [d for _, d in tests_run] == [spent_delta(0.1, 1) / 3, spent_delta(0.1, 2) / 3]
+    (state_dir / "apart").mkdir()
+    _fed(_store(state_dir / "apart", base, window=100, max_window=None),
+         _refused_stream(base, 100))
+    assert tests_run[-1][1] == spent_delta(0.1, 1)
+
+
+def test_a_reset_serves_the_shipped_rule_again_unless_one_is_pinned(state_dir):
+    base = _base()
+    switched: list = []
+    rows = stream(np.random.default_rng(8), 300, base, shift=6.0)
+    store = _fed(_store(state_dir, base, window=300, max_window=300,
+                        on_switch=switched.append), rows)
+    certified = store.active
+    assert certified.version != SHIPPED and switched == [certified]
+    # an empty window with the shipped rule already served, or a pinned one: nothing to do
+    store.pin(None, "operator")
+    assert store.reset_window("operator") == {"dropped": 0, "active": certified.version}
+    assert store.active is certified and store.tests == 1
+    store.unpin("operator")
+    got = store.reset_window("operator")
+    assert got == {"dropped": 0, "active": SHIPPED} and switched[-1].version == SHIPPED
+    # no verdict dropped: no share of δ spent
+    assert (store.tests, store.resets) == (1, 0) and store.chain == [SHIPPED]
+    assert certified.version in store.rules                      # kept, to pin again
+    assert store.events[-1]["new"]["version"] == SHIPPED
+    assert store.reset_window("operator") == {"dropped": 0, "active": SHIPPED}
+
+
 def test_changed_window_settings_drop_the_window_at_a_restart(state_dir):
     """A lower max_window kept after the labels are known would choose which verdicts the
     next test reads (and a lower window when it runs): verdicts counted under other window
