@@ -1,18 +1,26 @@
-"""Where the shipped heads spend their time an item, part by part, in process CPU time.
+"""Where the shipped heads spend their time an item, part by part, in wall and CPU time.
 
     python -m studies.heads_cost --out docs/defer/bench/heads-cost.md
+    python -m studies.heads_cost --bench docs/bench/bench.json \
+        --out docs/defer/bench/heads-budget.md
 
 Captures readouts of easy-VQA test items with the embedded actor, then times (median of
 repeated calls, torch threads 1) the features, each part of the composite novelty
 detector (the parts that read the image split into what they compute from it and
 the score) and the whole `Heads.assess`,
 at batch 1 and in batches of 8. CPU time leaves out waiting for a core, not the slowdown
-a loaded machine's shared caches cause: compare parts within one run.
+a loaded machine's shared caches cause: compare parts within one run; it also counts
+every BLAS thread, so it can exceed the wall time.
+
+`--bench`: a `dualread bench` run's bench.json. Its answer alone (the service's decoding,
+no DualRead) and readout assembly, per item at each batch, give the budget the cost
+target (capture ≤ 1.03 × the answer alone) leaves for everything after the readout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
@@ -28,15 +36,31 @@ from heads.pixel_novelty import pixel_descriptors
 from models.data import load, sample
 from models.loading import load_actor
 
+TARGET = 1.03      # issue 27: capture / answer alone at batch 1 and 8
 
-def cpu_ms(f: Callable[[], object], rounds: int) -> float:
+
+def timed_ms(f: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Median wall and process CPU milliseconds of one call of `f`."""
     f()
-    out = []
+    wall, cpu = [], []
     for _ in range(rounds):
-        t = time.process_time()
+        t, c = time.perf_counter(), time.process_time()
         f()
-        out.append(time.process_time() - t)
-    return float(np.median(out)) * 1e3
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return float(np.median(wall)) * 1e3, float(np.median(cpu)) * 1e3
+
+
+def budgets(bench: dict) -> dict[int, tuple[float, float, float]]:
+    """Per batch size: the answer alone and the readout (ms an item) of a bench run, and
+    what the target leaves after them, TARGET × answer − answer − readout (decoding with
+    the state capture taken as costing what the answer alone's decoding does)."""
+    out = {}
+    for run in bench["in_process"].values():
+        answer = run["seconds_per_item"]["answer"] * 1e3
+        readout = run["readout_seconds_per_item"] * 1e3
+        out[run["batch"]] = (answer, readout, (TARGET - 1) * answer - readout)
+    return out
 
 
 def main() -> None:
@@ -44,6 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/heads-cost.md")
     ap.add_argument("--items", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--bench", help="a `dualread bench` bench.json: add the budget rows")
     a = ap.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -74,20 +99,45 @@ def main() -> None:
                       for r, i in groups]
                 timed[f"novelty part `{name}` ({part.kind}), score"] = \
                     lambda part=part, xs=xs: [part.score(x) for x in xs]
+            timed["the readers alone (`Heads.assess` without the detector)"] = \
+                each(lambda r, i: heads.assess(r, i, novelty=False))
             timed["whole `Heads.assess` (with the image)"] = each(heads.assess)
             for name, fn in timed.items():
-                rows.append((b, name, cpu_ms(fn, a.rounds) / n))
+                wall, cpu = timed_ms(fn, a.rounds)
+                rows.append((b, name, wall / n, cpu / n))
     load_after = os.getloadavg()
-    lines = ["Command: `python -m studies.heads_cost --out " + a.out + "`  ",
+    flags = f" --items {a.items} --rounds {a.rounds}" + (f" --bench {a.bench}" if a.bench else "")
+    lines = [f"Command: `python -m studies.heads_cost{flags} --out {a.out}`  ",
              f"Load average (1/5/15 min) before {[round(v, 2) for v in load_before]}, after "
              f"{[round(v, 2) for v in load_after]}; {a.items} easy-VQA test items, torch "
-             "threads 1, process CPU time (median of "
-             f"{a.rounds} rounds).", "",
-             "| batch | what | CPU ms an item |", "|---|---|---|"]
-    lines += [f"| {b} | {name} | {ms:.2f} |" for b, name, ms in rows]
+             f"threads 1, median of {a.rounds} rounds, wall and process CPU time (all "
+             "threads).", "",
+             "| batch | what | wall ms an item | CPU ms an item |", "|---|---|---|---|"]
+    lines += [f"| {b} | {name} | {wall:.2f} | {cpu:.2f} |" for b, name, wall, cpu in rows]
+    if a.bench:
+        lines += budget_lines(a.bench, rows)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def budget_lines(path: str, rows: list[tuple[int, str, float, float]]) -> list[str]:
+    """The budget rows: what the cost target leaves an item after decoding and the
+    readout, against the whole heads' wall time measured here."""
+    bench = json.loads(Path(path).read_text())
+    whole = {b: wall for b, name, wall, _ in rows if name.startswith("whole")}
+    lines = ["", f"Budget from `{path}` (commit {str(bench.get('git_commit'))[:8]}): "
+             f"capture ≤ {TARGET} × the answer alone leaves, an item, "
+             f"{TARGET - 1:.2f} × the answer alone − the readout for everything after it "
+             "(heads, detector, defer, results).", "",
+             "| batch | answer alone ms | readout ms | budget ms | whole `Heads.assess` "
+             "wall ms (here) | × budget |", "|---|---|---|---|---|---|"]
+    for b, (answer, readout, left) in sorted(budgets(bench).items()):
+        if b in whole:
+            ratio = f"{whole[b] / left:.1f}" if left > 0 else "budget ≤ 0"
+            lines.append(f"| {b} | {answer:.1f} | {readout:.2f} | {left:.2f} | "
+                         f"{whole[b]:.2f} | {ratio} |")
+    return lines
 
 
 if __name__ == "__main__":
