@@ -258,14 +258,24 @@ HeadsOpt = Annotated[Path | None, typer.Option(
     "--heads", help="Heads folder. Default: the heads shipped for the embedded actor.")]
 
 
+def _open_unit(value: float) -> float:
+    """A risk or a δ strictly inside (0, 1), refused before any work: r ≥ 1 certifies a
+    threshold that keeps nothing, δ ≥ 1 certifies without evidence, 0 never certifies."""
+    if not 0.0 < value < 1.0:
+        raise typer.BadParameter(f"{value:g} is not strictly between 0 and 1")
+    return value
+
+
 @app.command("fit-heads")
 def fit_heads(
     out: Annotated[Path, typer.Option("--out", help="where to write the heads folder")],
     actor: ActorOpt = None,
     data: Annotated[str, typer.Option("--data", help="data spec to fit on")] = "easyvqa:heldout",
     limit: Annotated[int | None, typer.Option("--limit")] = None,
-    target_risk: Annotated[float, typer.Option("--risk", help="target selective risk r")] = 0.05,
-    delta: Annotated[float, typer.Option("--delta", help="1 - confidence of the bound")] = 0.1,
+    target_risk: Annotated[float, typer.Option(
+        "--risk", callback=_open_unit, help="target selective risk r, in (0, 1)")] = 0.05,
+    delta: Annotated[float, typer.Option(
+        "--delta", callback=_open_unit, help="1 - confidence of the bound, in (0, 1)")] = 0.1,
     cache: Annotated[Path | None, typer.Option(
         "--cache", "--cache-dir", help="readout cache folder")] = None,
     device: DeviceOpt = "cpu",

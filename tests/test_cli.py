@@ -145,3 +145,16 @@ def test_fit_heads_has_no_image_check_options(flag, tmp_path):
     res = CliRunner().invoke(app, ["fit-heads", "--out", str(tmp_path / "h"), flag, "x"])
     assert res.exit_code == 2 and "No such option" in res.output
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--risk", "1"), ("--risk", "0"), ("--risk", "1.5"),
+                                        ("--delta", "0"), ("--delta", "1"),
+                                        ("--delta", "nan"), ("--risk", "-0.1")])
+def test_fit_heads_refuses_a_risk_or_delta_outside_the_open_unit_interval(flag, value,
+                                                                          tmp_path):
+    """r ≥ 1 would certify a threshold that keeps nothing, δ ≥ 1 one without evidence:
+    refused as a usage error before the actor is loaded or anything is written."""
+    res = CliRunner().invoke(app, ["fit-heads", "--out", str(tmp_path / "h"), flag, value])
+    assert res.exit_code == 2, res.output
+    assert "strictly between 0 and 1" in res.output
+    assert not (tmp_path / "h").exists()
