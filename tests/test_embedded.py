@@ -1,5 +1,6 @@
 """The shipped actor and heads load by default, belong together, and behave."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -88,3 +89,32 @@ def test_prepared_heads_score_as_lazily_built_ones_bit_for_bit(embedded):
         assert np.array_equal(part.score(x), lazy.parts[name].score(x)), name
     got = [a.novelty for a in heads.assess(ros, ims)]
     assert got == lazy.read(feats, heads.novelty_alpha)
+
+
+def test_heads_score_on_one_blas_thread_with_the_same_outputs(embedded, monkeypatch):
+    """`Heads.assess` limits numpy's BLAS to one thread (heads.threads) while it scores,
+    restores it after, and scores bit for bit as with two threads (the shipped detector's
+    bank products are large enough that OpenBLAS splits them when allowed to)."""
+    from threadpoolctl import threadpool_limits
+
+    import heads.dualread as hd
+    from heads.threads import blas_threads
+
+    heads = Heads.load(None, embedded.fingerprint)
+    items = sample(load("easyvqa:test"), 8, seed=4)
+    ims = [it.image() for it in items]
+    ros = [r.readout for r in embedded.answer(ims, [it.question for it in items])]
+    seen = []
+    real = hd.extract_many
+    monkeypatch.setattr(hd, "extract_many",
+                        lambda *a, **k: seen.append(blas_threads()) or real(*a, **k))
+    with threadpool_limits(limits=2, user_api="blas"):
+        if blas_threads() < 2:
+            pytest.skip("numpy's BLAS runs on one thread at most on this machine")
+        limited = heads.assess(ros, ims)
+        assert blas_threads() == 2            # restored on the way out
+        monkeypatch.setattr(hd, "one_blas_thread", contextlib.nullcontext)
+        free = heads.assess(ros, ims)
+    assert seen == [1, 2]
+    assert [(a.confidence, a.novelty, a.logits) for a in limited] == \
+        [(a.confidence, a.novelty, a.logits) for a in free]

@@ -2,7 +2,7 @@
 
 import json
 
-from studies.heads_cost import budget_lines, budgets
+from studies.heads_cost import BARE, REST, budget_lines, budgets
 
 
 def bench(answer_b1: float, readout_b1: float, answer_b8: float, readout_b8: float) -> dict:
@@ -23,16 +23,26 @@ def test_budget_is_three_percent_of_the_answer_alone_less_the_readout():
     assert round(got[8][2], 6) == 0.7
 
 
-def test_budget_lines_compare_the_whole_heads_with_the_budget(tmp_path):
+def test_budget_lines_give_the_detector_what_the_service_leaves_of_the_budget(tmp_path):
     path = tmp_path / "bench.json"
     # at batch 8 the readout alone eats the budget: 0.03 × 10 ms − 0.4 ms < 0
     path.write_text(json.dumps(bench(0.150, 0.001, 0.010, 0.0004)))
-    rows = [(1, "whole `Heads.assess` (with the image)", 7.0, 14.0),
-            (8, "whole `Heads.assess` (with the image)", 2.0, 4.0),
+    nan = float("nan")
+    rows = [(1, REST, 7.0, nan), (1, BARE, 0.5, nan),
+            (8, REST, 2.0, nan), (8, BARE, 0.25, nan),
             (8, "features (extract_many)", 0.1, 0.1)]
     lines = budget_lines(str(path), rows)
     assert "commit 01234567" in lines[1]
+    # budget 3.5; rest 7 = 2.0 × budget; 3.5 − 0.5 = 3.0 left; the detector 7 − 0.5 = 6.5
     b1 = next(x for x in lines if x.startswith("| 1 |"))
-    assert b1 == "| 1 | 150.0 | 1.00 | 3.50 | 7.00 | 2.0 |"
+    assert b1 == "| 1 | 150.0 | 1.00 | 3.50 | 7.00 | 2.0 | 0.50 | 3.00 | 6.50 |"
     b8 = next(x for x in lines if x.startswith("| 8 |"))
-    assert b8.endswith("| 2.00 | budget ≤ 0 |")
+    assert "| budget ≤ 0 |" in b8 and b8.endswith("| 0.25 | -0.35 | 1.75 |")
+
+
+def test_a_batch_size_the_study_did_not_time_gets_no_row(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench(0.150, 0.001, 0.040, 0.0005)))
+    lines = budget_lines(str(path), [(8, REST, 2.0, float("nan")),
+                                     (8, BARE, 0.3, float("nan"))])
+    assert [x[:5] for x in lines if x.startswith("| ") and x[2].isdigit()] == ["| 8 |"]

@@ -1,0 +1,31 @@
+"""numpy's BLAS on one thread while the heads score a batch.
+
+The heads' products are small (a batch's image tokens or prompt states against a bank of a
+few thousand rows). Measured on the 2-core machine (docs/performance.md), a second OpenBLAS
+thread made `Heads.assess` slower, not faster, and after each call it keeps spinning on a
+core that decoding or another request needs; with one thread the outputs are the same, bit
+for bit. torch's own threads (`--threads`) are a separate pool and are left alone.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from functools import lru_cache
+
+from threadpoolctl import ThreadpoolController
+
+
+@lru_cache(maxsize=1)
+def _blas() -> ThreadpoolController:
+    # inspecting the loaded libraries takes ~1 ms: once; numpy's BLAS is loaded by then
+    return ThreadpoolController().select(user_api="blas")
+
+
+def one_blas_thread() -> AbstractContextManager:
+    """A context in which numpy's BLAS runs on one thread (~10 µs to enter and leave)."""
+    return _blas().limit(limits=1)
+
+
+def blas_threads() -> int:
+    """How many threads numpy's BLAS would use now (the largest over its libraries)."""
+    return max((lib.num_threads for lib in _blas().lib_controllers), default=1)
