@@ -22,7 +22,9 @@ def _blas() -> ThreadpoolController:
 
 
 def one_blas_thread() -> AbstractContextManager:
-    """A context in which numpy's BLAS runs on one thread (~10 µs to enter and leave)."""
+    """A context in which numpy's BLAS runs on one thread (~10 µs to enter and leave).
+    OpenBLAS has one process-wide setting: two threads scoring at once may leave it at
+    either count on the way out, and either gives the same outputs."""
     return _blas().limit(limits=1)
 
 
