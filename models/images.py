@@ -181,9 +181,9 @@ def _exif_too_large() -> ImageInvalid:
                         f"camera writes one segment of at most that)")
 
 
-def _damaged_png(why: str) -> ImageInvalid:
-    return ImageInvalid(f"cannot decode image: damaged PNG file ({why}): it was altered or "
-                        f"cut short on its way; send the file again or re-encode it")
+def _damaged(kind: str, why: str) -> ImageInvalid:
+    return ImageInvalid(f"cannot decode image: damaged {kind} file ({why}): it was altered "
+                        f"or cut short on its way; send the file again or re-encode it")
 
 
 def check_png(data: bytes) -> None:
@@ -208,7 +208,7 @@ def check_png(data: bytes) -> None:
         # a chunk cut short is PIL's to report ("truncated")
         if (critical or not pixels) and end <= n and \
                 zlib.crc32(view[i + 4:end - 4]) != int.from_bytes(data[end - 4:end], "big"):
-            raise _damaged_png(f"chunk {chunks}, at byte {i}, fails its CRC checksum")
+            raise _damaged("PNG", f"chunk {chunks}, at byte {i}, fails its CRC checksum")
         if kind == b"IEND":
             return
         i = end
@@ -502,7 +502,9 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
             raise ImageTooLarge("image rejected as a decompression bomb") from None
         except UnidentifiedImageError:
             if png:       # PIL could not read past a PNG's signature
-                raise _damaged_png("its header cannot be read") from None
+                raise _damaged("PNG", "its header cannot be read") from None
+            if jpeg:      # a JPEG's start marker, then a frame PIL refuses (a zero height)
+                raise _damaged("JPEG", "its frame header cannot be read") from None
             raise ImageInvalid(f"cannot decode image: not a PNG, JPEG or DICOM file; "
                                f"{FORMAT_HINT}") from None
         except Exception as e:

@@ -33,3 +33,18 @@ def test_an_item_reads_its_image_as_the_service_does(tmp_path, make):
     # a plain RGB conversion reads other pixels here: the case this guards
     with Image.open(path) as im:
         assert not np.array_equal(np.asarray(im.convert("RGB")), served)
+
+
+def test_a_jpeg_whose_frame_pil_refuses_is_called_a_damaged_jpeg():
+    """A JPEG start marker then a frame of height 0: a damaged JPEG, not 'not a PNG, JPEG
+    or DICOM file', which would send the client looking for the wrong problem."""
+    from models.images import ImageInvalid
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.find(b"\xff\xc0")               # baseline frame: FF C0, length, precision,
+    data[sof + 5:sof + 7] = b"\x00\x00"        # then the height
+    with pytest.raises(ImageInvalid, match=r"damaged JPEG file \(its frame header cannot "
+                                           r"be read\)"):
+        open_image(bytes(data))
