@@ -4,7 +4,10 @@ The heads' products are small (a batch's image tokens or prompt states against a
 few thousand rows). Measured on the 2-core machine (docs/performance.md), a second OpenBLAS
 thread made `Heads.assess` slower, not faster, and after each call it keeps spinning on a
 core that decoding or another request needs; with one thread the outputs are the same, bit
-for bit. torch's own threads (`--threads`) are a separate pool and are left alone.
+for bit. The limit holds only while the heads score, and applies to every BLAS library
+loaded by then: numpy's OpenBLAS here (torch's CPU wheel brings an OpenMP pool, not a BLAS,
+and its threads, `--threads`, are left alone; a torch build with its own OpenBLAS would
+score its few heads products on one thread too).
 """
 
 from __future__ import annotations

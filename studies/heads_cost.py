@@ -57,19 +57,26 @@ def timed_ms(f: Callable[[], object], rounds: int) -> tuple[float, float]:
 WHOLE = "whole `Heads.assess` (with the image)"
 
 
+def without_detector(heads: Heads) -> Heads:
+    """The same heads (readers, τ, everything) without the novelty detector; `heads`
+    itself keeps its detector."""
+    bare = copy.copy(heads)
+    bare.novelty = None
+    return bare
+
+
 def service_stages_ms(actor, heads: Heads, images: list, questions: list[str], batch: int,
                       rounds: int) -> dict[str, float]:
     """Median wall ms an item, batches of `batch`: `answer` (the answer alone, whole call),
-    `answer_decode` (its decoding stage), and for `/answer`'s batch with the shipped
+    `answer_decode` (its decoding stage; the rest of its call builds the responses, which
+    capture's readout stage does too), and for `/answer`'s batch with the shipped
     detector `decode`, `readout` and `rest` (all it spends after the readout: heads,
     detector, defer, results, with caches as decoding left them), and `rest_bare` (the
     same without the detector). The three calls are interleaved batch by batch."""
     from app.service import Service
     from app.serving import AnswerItem
 
-    bare = copy.copy(heads)
-    bare.novelty = None
-    services = {"": Service.of(actor, heads), "_bare": Service.of(actor, bare)}
+    services = {"": Service.of(actor, heads), "_bare": Service.of(actor, without_detector(heads))}
     got: dict[str, list[float]] = {}
 
     def keep(name: str, seconds: float) -> None:
@@ -146,7 +153,7 @@ def main() -> None:
             if a.budget:      # decodes again: only where the budget is asked for
                 stages[b] = service_stages_ms(actor, heads, ims,
                                               [it.question for it in items], b,
-                                              max(1, a.rounds // 3))
+                                              max(1, a.rounds // 2))
     load_after = os.getloadavg()
     flags = (" --budget" if a.budget else "") + f" --items {a.items} --rounds {a.rounds}"
     lines = [f"Command: `python -m studies.heads_cost{flags} --out {a.out}`  ",
@@ -164,26 +171,35 @@ def main() -> None:
 
 
 def budget_lines(stages: dict[int, dict[str, float]]) -> list[str]:
-    """The budget table: per batch size, what the cost target leaves an item after the
-    readout, (TARGET − 1) × the answer alone − the readout (decoding with the state
-    capture counted as free; its own column says what it cost), against what `/answer`'s
-    batch spends there with the shipped detector and without it. What the budget leaves
-    after the batch without the detector is the detector's."""
+    """The budget table. Capture ≤ TARGET × the answer alone, with decoding with the state
+    capture counted as costing what the answer alone's does (its own column says what it
+    cost), leaves for everything after capture's readout stage
+        TARGET × answer − answer_decode − readout
+      = (TARGET − 1) × answer − (readout − (answer − answer_decode)),
+    the answer alone's own response building (answer − answer_decode) being part of
+    capture's readout stage too. Against it: what `/answer`'s batch spends there with the
+    shipped detector and without it; what the budget leaves after the batch without the
+    detector is a detector's."""
     lines = ["", f"Budget: capture ≤ {TARGET} × the answer alone leaves, an item, "
-             f"{TARGET - 1:.2f} × the answer alone − the readout for everything after the "
-             "readout (heads, detector, defer, results); rest: what `/answer`'s batch "
-             "spends there, with the shipped detector and without it; wall ms an item, "
-             "medians, the three calls interleaved batch by batch in this run.", "",
-             "| batch | answer alone | decoding with capture − without | readout | budget | "
-             "rest | × budget | rest without the detector | left for the detector | "
-             "the detector |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{TARGET - 1:.2f} × the answer alone − (capture's readout stage − the answer "
+             "alone's own time after decoding, which builds the responses as that stage "
+             "does) for everything after the readout (heads, detector, defer, results); "
+             "decoding with the state capture is counted as free (its column). Rest: what "
+             "`/answer`'s batch spends after the readout, with the shipped detector and "
+             "without it. Wall ms an item, medians, the three calls interleaved batch by "
+             "batch in this run.", "",
+             "| batch | answer alone | its time after decoding | decoding with capture − "
+             "without | readout | budget | rest | × budget | rest without the detector | "
+             "left for a detector | the detector |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b, st in sorted(stages.items()):
-        left = (TARGET - 1) * st["answer"] - st["readout"]
+        after = st["answer"] - st["answer_decode"]
+        left = (TARGET - 1) * st["answer"] - (st["readout"] - after)
         ratio = f"{st['rest'] / left:.1f}" if left > 0 else "budget ≤ 0"
-        lines.append(f"| {b} | {st['answer']:.1f} | {st['decode'] - st['answer_decode']:+.2f} "
-                     f"| {st['readout']:.2f} | {left:.2f} | {st['rest']:.2f} | {ratio} | "
-                     f"{st['rest_bare']:.2f} | {left - st['rest_bare']:.2f} | "
-                     f"{st['rest'] - st['rest_bare']:.2f} |")
+        lines.append(f"| {b} | {st['answer']:.1f} | {after:.2f} | "
+                     f"{st['decode'] - st['answer_decode']:+.2f} | {st['readout']:.2f} | "
+                     f"{left:.2f} | {st['rest']:.2f} | {ratio} | {st['rest_bare']:.2f} | "
+                     f"{left - st['rest_bare']:.2f} | {st['rest'] - st['rest_bare']:.2f} |")
     return lines
 
 
