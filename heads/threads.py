@@ -2,12 +2,13 @@
 
 The heads' products are small (a batch's image tokens or prompt states against a bank of a
 few thousand rows). Measured on the 2-core machine (docs/performance.md), a second OpenBLAS
-thread made `Heads.assess` slower, not faster, and after each call it keeps spinning on a
-core that decoding or another request needs; with one thread the outputs are the same, bit
-for bit. The limit holds only while the heads score, and applies to every BLAS library
-loaded by then: numpy's OpenBLAS here (torch's CPU wheel brings an OpenMP pool, not a BLAS,
-and its threads, `--threads`, are left alone; a torch build with its own OpenBLAS would
-score its few heads products on one thread too).
+thread changed `Heads.assess`'s wall time by a few percent either way on a quiet machine,
+doubled its CPU time, and while another job ran made it up to 3x slower; after each call
+it keeps spinning on a core that decoding or another request needs. With one thread the
+outputs are the same, bit for bit. The limit holds only while the heads score, and
+applies to every BLAS library loaded by then: numpy's OpenBLAS here. torch's CPU wheel
+brings an OpenMP pool, not a BLAS, and its threads (`--threads`) are left alone; a torch
+build with its own OpenBLAS would score the heads' few torch products on one thread too.
 """
 
 from __future__ import annotations
