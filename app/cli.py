@@ -271,7 +271,7 @@ def fit_heads(
     out: Annotated[Path, typer.Option("--out", help="where to write the heads folder")],
     actor: ActorOpt = None,
     data: Annotated[str, typer.Option("--data", help="data spec to fit on")] = "easyvqa:heldout",
-    limit: Annotated[int | None, typer.Option("--limit")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1)] = None,
     target_risk: Annotated[float, typer.Option(
         "--risk", callback=_open_unit, help="target selective risk r, in (0, 1)")] = 0.05,
     delta: Annotated[float, typer.Option(
@@ -307,8 +307,11 @@ def fit_heads(
     except DirtyTree as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from e
+    try:    # before the actor: a wrong spec is the user's, and known in a second
+        items = sample(load(data), limit)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--data") from None
     act = load_actor(actor, device=device)
-    items = sample(load(data), limit)
     heads, info = run(act, items, cache_dir=cache, target_risk=target_risk, delta=delta,
                       seed=seed, novelty=novelty, novelty_per_family=novelty_per_family)
     console.print(summary_table(info["defer_split_metrics"]))
@@ -321,6 +324,10 @@ def fit_heads(
     cmd += " --allow-dirty" if allow_dirty else ""
     cmd += "" if novelty else " --no-novelty"
     cmd += f" --novelty-per-family {novelty_per_family}" if novelty else ""
+    # the options that change the fit, where not their defaults: the card's command reruns it
+    cmd += f" --risk {target_risk!r}" if target_risk != 0.05 else ""
+    cmd += f" --delta {delta!r}" if delta != 0.1 else ""
+    cmd += f" --seed {seed}" if seed else ""
     card = {"actor": str(actor or "embedded"), "data": data, "limit": limit, "command": cmd,
             "git_commit": tree["describe"], "git_dirty": tree["dirty"], **info}
     heads.save(out, card)

@@ -11,8 +11,10 @@ import logging
 import re
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -311,6 +313,14 @@ class OriginForm:
         await self.app(scope, receive, send)
 
 
+def failure_site(e: BaseException, frames: int = 8) -> list[str]:
+    """Where an unhandled error was raised, innermost last (`folder/file.py:line function`,
+    the last `frames` frames): what an operator needs to find the fault, without the
+    exception's text, which may quote the request (a decoder's or tokenizer's message)."""
+    return [f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}"
+            for f in traceback.extract_tb(e.__traceback__)[-frames:]]
+
+
 def routed_path(scope: Scope) -> str:
     """The path an HTTP request is routed by: an absolute-form target's path, else the
     scope's `path` (`OriginForm`; the HTTP parser's own 400 reads it too)."""
@@ -506,7 +516,7 @@ class RequestContext:
                 log.info(json.dumps({"request_id": rid, "event": "client_disconnected"}))
         except Exception as e:
             log.error(json.dumps({"request_id": rid, "event": "unhandled",
-                                  "error": type(e).__name__}))
+                                  "error": type(e).__name__, "at": failure_site(e)}))
             if not started:
                 await error_response(500, "internal error", rid)(scope, receive,
                                                                  send_with_ids)

@@ -234,6 +234,8 @@ def check_jpeg(data: bytes) -> None:
     if frame[0] not in JPEG_CODINGS:
         raise ImageInvalid("JPEG coding not accepted (arithmetic, lossless or hierarchical): "
                            "re-encode it as a baseline or progressive JPEG, or a PNG")
+    if frame[1] == 0:          # a frame of no components, or cut short inside its header
+        raise _damaged("JPEG", "its frame header names no colour components")
     limit = MAX_JPEG_SCANS if frame[0] == 0xC2 else frame[1]
     if scans > limit:
         kind = "progressive JPEG" if frame[0] == 0xC2 else \
@@ -503,17 +505,33 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
         except UnidentifiedImageError:
             if png:       # PIL could not read past a PNG's signature
                 raise _damaged("PNG", "its header cannot be read") from None
-            if jpeg:      # a JPEG's start marker, then a frame PIL refuses (a zero height)
-                raise _damaged("JPEG", "its frame header cannot be read") from None
+            if jpeg:      # a frame PIL refuses: damaged (a zero height) or a variant
+                raise ImageInvalid(     # it does not decode (12-bit samples): no way to tell
+                    "cannot decode image: a JPEG whose frame the decoder cannot read (damaged, "
+                    "or a variant it does not decode, such as 12-bit samples); re-encode it "
+                    "as an 8-bit baseline JPEG or a PNG") from None
             raise ImageInvalid(f"cannot decode image: not a PNG, JPEG or DICOM file; "
                                f"{FORMAT_HINT}") from None
         except Exception as e:
-            # the decoder's own words when they say what is wrong; not when they quote
-            # the file (PIL's "header b'...' not valid" repeats the client's bytes)
-            why = str(e)[:120]
-            quoted = any(c in why for c in "'\"\\") or not why.isprintable()
-            raise ImageInvalid(f"cannot decode image: {type(e).__name__}"
-                               + ("" if quoted else f": {why}")) from None
+            raise _decoder_error(e) from None
+    try:      # PIL checks some things only here (a palette PNG's transparency past its end)
+        return _to_rgb(img)
+    except Exception as e:
+        raise _decoder_error(e) from None
+
+
+def _decoder_error(e: Exception) -> ImageInvalid:
+    # the decoder's own words when they say what is wrong; not when they quote the file
+    # (PIL's "header b'...' not valid" repeats the client's bytes)
+    why = str(e)[:120]
+    quoted = any(c in why for c in "'\"\\") or not why.isprintable()
+    return ImageInvalid(f"cannot decode image: {type(e).__name__}"
+                        + ("" if quoted else f": {why}"))
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB of a decoded image: 16-bit and float greys scaled, transparency over
+    white."""
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
         # 16-bit greys (PNG stores them as I;16 or I): scale by the bit depth, not by the
         # image's own range, which turned a white image black and changed the picture

@@ -93,6 +93,9 @@ def test_fit_heads_then_evaluate(actor_dirs, labelled, tmp_path):
     assert card["limit"] == 48 and card["data"] == labelled
     assert sum(card["splits"][k] for k in ("reader", "temperature", "defer_calibration")) == 48
     assert card["defer"]["target_risk"] == 0.3 and card["defer"]["n_calibration"] > 0
+    # the command reruns the fit: options off their defaults are in it, defaults are not
+    assert " --risk 0.3" in card["command"] and " --limit 48" in card["command"]
+    assert "--delta" not in card["command"] and "--seed" not in card["command"]
     # drift's reference: the composite detector's clean sample, saved and loaded back
     from heads.dualread import Heads
 
@@ -157,4 +160,24 @@ def test_fit_heads_refuses_a_risk_or_delta_outside_the_open_unit_interval(flag, 
     res = CliRunner().invoke(app, ["fit-heads", "--out", str(tmp_path / "h"), flag, value])
     assert res.exit_code == 2, res.output
     assert "strictly between 0 and 1" in res.output
+    assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "nonexistent:spec"], "bad data spec 'nonexistent:spec'"),
+    (["--data", "easyvqa:test~bogus:3"], "unknown family 'bogus'"),
+    (["--limit", "0"], "greater than or equal to 1"),
+])
+def test_fit_heads_refuses_a_wrong_data_spec_or_limit_before_loading_the_actor(
+        args, message, tmp_path, monkeypatch):
+    import models.loading
+
+    def no_actor(*a, **k):
+        raise AssertionError("the actor was loaded before the options were checked")
+
+    monkeypatch.setattr(models.loading, "load_actor", no_actor)
+    res = CliRunner().invoke(app, ["fit-heads", "--out", str(tmp_path / "h"),
+                                   "--allow-dirty", *args])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split())
     assert not (tmp_path / "h").exists()

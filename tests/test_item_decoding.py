@@ -35,16 +35,56 @@ def test_an_item_reads_its_image_as_the_service_does(tmp_path, make):
         assert not np.array_equal(np.asarray(im.convert("RGB")), served)
 
 
-def test_a_jpeg_whose_frame_pil_refuses_is_called_a_damaged_jpeg():
-    """A JPEG start marker then a frame of height 0: a damaged JPEG, not 'not a PNG, JPEG
-    or DICOM file', which would send the client looking for the wrong problem."""
-    from models.images import ImageInvalid
-
+def _jpeg_with_frame(patch) -> bytes:
+    """A small baseline JPEG whose frame header (FF C0, length, precision, height, width,
+    components) `patch(data, at)` edits in place."""
     buf = io.BytesIO()
     Image.new("RGB", (16, 16), (200, 10, 10)).save(buf, "JPEG")
     data = bytearray(buf.getvalue())
-    sof = data.find(b"\xff\xc0")               # baseline frame: FF C0, length, precision,
-    data[sof + 5:sof + 7] = b"\x00\x00"        # then the height
-    with pytest.raises(ImageInvalid, match=r"damaged JPEG file \(its frame header cannot "
-                                           r"be read\)"):
-        open_image(bytes(data))
+    patch(data, data.find(b"\xff\xc0"))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("patch", [
+    lambda d, at: d.__setitem__(slice(at + 5, at + 7), b"\x00\x00"),   # height 0
+    lambda d, at: d.__setitem__(at + 4, 12),                             # 12-bit samples
+], ids=["height-0", "12-bit"])
+def test_a_jpeg_whose_frame_the_decoder_refuses_says_so_and_what_to_send(patch):
+    """Not 'not a PNG, JPEG or DICOM file' (it is a JPEG), and not 'damaged' either: a
+    12-bit JPEG is valid, the decoder cannot tell the two apart, and resending will not
+    help; re-encoding will."""
+    from models.images import ImageInvalid
+
+    with pytest.raises(ImageInvalid, match=r"a JPEG whose frame the decoder cannot read "
+                                           r"\(damaged, or a variant .*12-bit.*\); "
+                                           r"re-encode it as an 8-bit baseline JPEG or a PNG"):
+        open_image(_jpeg_with_frame(patch))
+
+
+def test_a_jpeg_frame_of_no_components_is_damaged_not_over_a_scan_limit():
+    from models.images import ImageInvalid
+
+    data = _jpeg_with_frame(lambda d, at: d.__setitem__(at + 9, 0))
+    with pytest.raises(ImageInvalid, match=r"damaged JPEG file \(its frame header names no "
+                                           r"colour components\)"):
+        open_image(data)
+
+
+def test_a_palette_png_whose_transparency_runs_past_its_palette_is_a_422_not_a_500():
+    """PIL reads a tRNS chunk longer than the palette only when converting: the error
+    there is the file's, refused like any decoding error."""
+    import struct
+    import zlib
+
+    from models.images import ImageInvalid
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 3, 0, 0, 0))
+           + chunk(b"PLTE", b"\0\0\0") + chunk(b"tRNS", b"\0" * 257)
+           + chunk(b"IDAT", zlib.compress(b"\0" * 9 * 8)) + chunk(b"IEND", b""))
+    with pytest.raises(ImageInvalid, match=r"^cannot decode image: ValueError: palette index "
+                                           r"out of range$"):
+        open_image(png)

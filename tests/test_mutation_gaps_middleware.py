@@ -595,7 +595,7 @@ def test_a_reply_to_a_closed_transport_counts_as_the_client_gone(error):
 
 def test_other_send_errors_and_unexpected_errors_are_a_json_500(caplog):
     async def boom(scope, receive, send):
-        raise KeyError("x")
+        raise KeyError("client text")
 
     caplog.set_level(logging.INFO, "dualread.access")
     m = Metrics()
@@ -604,8 +604,13 @@ def test_other_send_errors_and_unexpected_errors_are_a_json_500(caplog):
     assert r["json"] == {"detail": "internal error", "request_id": r["headers"]["x-request-id"]}
     assert _count(m, "unmatched", 500) == 1
     logged = [json.loads(x.getMessage()) for x in caplog.records]
-    assert {"request_id": r["headers"]["x-request-id"], "event": "unhandled",
-            "error": "KeyError"} in logged
+    failed = next(x for x in logged if x.get("event") == "unhandled")
+    assert {k: failed[k] for k in ("request_id", "event", "error")} == \
+        {"request_id": r["headers"]["x-request-id"], "event": "unhandled", "error": "KeyError"}
+    # where it failed, innermost last (this test's `boom`), without the exception's text
+    assert failed["at"][-1].startswith("tests/test_mutation_gaps_middleware.py:")
+    assert failed["at"][-1].endswith(" boom") and len(failed["at"]) <= 8
+    assert "client text" not in json.dumps(logged)
     done = logged[-1]
     assert done == {"request_id": r["headers"]["x-request-id"], "route": "unmatched",
                     "method": "GET", "status": 500, "latency_ms": done["latency_ms"],
